@@ -1,0 +1,195 @@
+"""Types shared by every part of kvtier: keys, request context, specs, events, the manager ABC.
+
+Everything here is plain Python plus numpy, so the scheduler side and the simulator import it
+without torch or an engine.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NewType
+
+import numpy as np
+import numpy.typing as npt
+
+OffloadKey = NewType("OffloadKey", bytes)
+"""A chunk's identity: its last block hash followed by its 4-byte big-endian KV-cache group."""
+
+_GROUP_BYTES = 4
+_MAX_GROUP = (1 << (8 * _GROUP_BYTES)) - 1
+
+
+def make_offload_key(block_hash: bytes, group_idx: int) -> OffloadKey:
+    """Pack a block hash and a KV-cache group index into an `OffloadKey`."""
+    if not 0 <= group_idx <= _MAX_GROUP:
+        raise ValueError(f"group_idx={group_idx} is out of range; expected 0..{_MAX_GROUP}")
+    return OffloadKey(bytes(block_hash) + group_idx.to_bytes(_GROUP_BYTES, "big"))
+
+
+def get_offload_block_hash(key: OffloadKey) -> bytes:
+    """Return the block hash part of `key`."""
+    return key[:-_GROUP_BYTES]
+
+
+def get_offload_group_idx(key: OffloadKey) -> int:
+    """Return the KV-cache group index part of `key`."""
+    return int.from_bytes(key[-_GROUP_BYTES:], "big")
+
+
+@dataclass(slots=True)
+class ReqContext:
+    """What the manager and its policies may know about the request behind a call.
+
+    `key_positions` maps a key to the token position where its chunk ends, so a policy can
+    tell a prefix's head (small positions) from its tail.
+    """
+
+    req_id: str
+    kv_transfer_params: Mapping[str, Any] | None = None
+    key_positions: dict[OffloadKey, int] = field(default_factory=dict)
+
+    def position(self, key: OffloadKey) -> int | None:
+        """Token position where `key`'s chunk ends in this request, if known."""
+        return self.key_positions.get(key)
+
+
+class LookupResult(enum.Enum):
+    """Answer of `OffloadingManager.lookup`."""
+
+    MISS = "miss"
+    HIT = "hit"
+    HIT_PENDING = "hit_pending"
+    """The chunk is being written; ask again later."""
+    RETRY = "retry"
+    """The location is not known yet (e.g. an asynchronous probe of a slower tier)."""
+
+
+class LoadStoreSpec:
+    """Where a worker finds (load) or puts (store) the bytes of a list of chunks."""
+
+    medium: str = "unknown"
+
+
+class BlockIDsLoadStoreSpec(LoadStoreSpec):
+    """A spec addressed by integer ids (host slots or device blocks), co-indexed with keys."""
+
+    __slots__ = ("block_ids",)
+
+    def __init__(self, block_ids: npt.ArrayLike) -> None:
+        self.block_ids: npt.NDArray[np.int64] = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+
+    def __len__(self) -> int:
+        return int(self.block_ids.shape[0])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.block_ids.tolist()})"
+
+
+@dataclass(slots=True)
+class PrepareStoreOutput:
+    """Result of `prepare_store`: which keys to write, where, and what was evicted for room."""
+
+    keys_to_store: list[OffloadKey]
+    store_spec: LoadStoreSpec
+    evicted_keys: list[OffloadKey]
+
+
+@dataclass(slots=True)
+class OffloadingEvent:
+    """A public change of a tier's contents: keys stored (`removed=False`) or removed."""
+
+    keys: list[OffloadKey]
+    medium: str
+    removed: bool
+
+
+@dataclass(slots=True)
+class TransferResult:
+    """Outcome of one transfer job as reported by a worker."""
+
+    job_id: int
+    success: bool
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class ManagerStats:
+    """Counters and gauges of a manager. Counters are cumulative since creation or reset."""
+
+    num_slots: int
+    used_slots: int
+    ready: int
+    pinned: int
+    pending_writes: int
+    hits: int
+    misses: int
+    loads: int
+    stores: int
+    failed_stores: int
+    stores_skipped: int
+    evictions: int
+
+    @property
+    def usage(self) -> float:
+        """Fraction of slots in use (ready, pinned or being written)."""
+        return self.used_slots / self.num_slots if self.num_slots else 0.0
+
+
+class OffloadingManager(ABC):
+    """Scheduler-side bookkeeping of one tier: what is where, what to evict, what to admit.
+
+    Keys move absent -> pending-write -> ready <-> pinned, and ready -> absent by eviction
+    (DESIGN §2). Methods take the keys they act on and never scan the whole pool.
+    """
+
+    medium: str = "unknown"
+
+    @abstractmethod
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        """Say whether `key` can be loaded now. Has no side effects."""
+
+    @abstractmethod
+    def prepare_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
+        """Pin ready `keys` against eviction and say where to read them (co-indexed)."""
+
+    @abstractmethod
+    def complete_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+        """Unpin `keys` after a load finished (successfully or not)."""
+
+    @abstractmethod
+    def touch(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+        """Record a use of `keys` (e.g. they hit in the device cache) for the cache policy."""
+
+    @abstractmethod
+    def prepare_store(
+        self, keys: Collection[OffloadKey], ctx: ReqContext
+    ) -> PrepareStoreOutput | None:
+        """Reserve room for the keys worth storing; `None` means no room now and no change."""
+
+    @abstractmethod
+    def complete_store(
+        self, keys: Collection[OffloadKey], ctx: ReqContext, success: bool = True
+    ) -> None:
+        """Make stored keys readable, or forget them without a trace if the store failed."""
+
+    def on_new_request(self, ctx: ReqContext) -> None:  # noqa: B027 - optional hook
+        """Called once when the engine first sees a request."""
+
+    def on_request_finished(self, ctx: ReqContext) -> None:  # noqa: B027 - optional hook
+        """Called once when a request ends; its transfers may still complete afterwards."""
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """Return the events collected since the last call, oldest first."""
+        return ()
+
+    @abstractmethod
+    def reset_cache(self) -> None:
+        """Forget every key; completions of jobs prepared before the reset are ignored."""
+
+    @abstractmethod
+    def get_stats(self) -> ManagerStats:
+        """Return the manager's counters and gauges."""

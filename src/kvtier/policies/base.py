@@ -1,0 +1,136 @@
+"""The cache-policy strategy and its registry.
+
+A `CachePolicy` orders the *evictable* keys of one tier (stored, ready, not pinned) and picks
+victims. The manager owns everything else (slots, ref counts, events), so a new policy is one
+small class and no manager change.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import ClassVar, TypeVar
+
+from kvtier.base import OffloadKey, ReqContext
+
+
+class CachePolicy(ABC):
+    """Eviction order of one tier's evictable keys.
+
+    The manager calls `insert` when a stored key becomes readable, `pin`/`unpin` around loads
+    (a pinned key is out of the candidate set; unpinning counts as a use), `touch` for uses,
+    and `evict` to make room. `touch`, `pin` and `remove` ignore keys the policy does not hold
+    as candidates, so the manager need not filter.
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity={capacity} is invalid; expected a positive slot count")
+        self.capacity = capacity
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of eviction candidates held."""
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool:
+        """Whether `key` is an eviction candidate."""
+
+    @abstractmethod
+    def insert(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
+        """Newly stored `keys` became evictable."""
+
+    @abstractmethod
+    def touch(self, keys: Iterable[OffloadKey], ctx: ReqContext | None) -> None:
+        """`keys` were used; unknown and pinned keys are ignored."""
+
+    @abstractmethod
+    def pin(self, keys: Iterable[OffloadKey]) -> None:
+        """Take `keys` out of the candidate set while a transfer reads them."""
+
+    @abstractmethod
+    def unpin(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
+        """Return pinned `keys` to the candidate set, counted as a use."""
+
+    @abstractmethod
+    def remove(self, keys: Iterable[OffloadKey]) -> None:
+        """Forget `keys` without recording them as evicted (pinned keys included)."""
+
+    @abstractmethod
+    def evict(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
+        """Remove and return exactly `n` candidates not in `protected`, or `None` and change
+        nothing when fewer than `n` are available."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Forget every key and all history (ghost lists, frequencies)."""
+
+    def on_request_finished(self, ctx: ReqContext) -> None:  # noqa: B027 - optional hook
+        """A request ended; policies that learn per request override this."""
+
+    def table_sizes(self) -> dict[str, int]:
+        """Sizes of the policy's internal tables, so tests can check their bounds."""
+        return {"candidates": len(self)}
+
+
+_P = TypeVar("_P", bound=type[CachePolicy])
+
+_REGISTRY: dict[str, type[CachePolicy]] = {}
+
+
+def register_policy(name: str, description: str) -> Callable[[_P], _P]:
+    """Class decorator: make a `CachePolicy` available by `name`."""
+
+    def decorate(cls: _P) -> _P:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"cache policy {name!r} is already registered by {_REGISTRY[name]}")
+        cls.name = name
+        cls.description = description
+        _REGISTRY[name] = cls
+        return cls
+
+    return decorate
+
+
+def registered_policies() -> dict[str, type[CachePolicy]]:
+    """Registered cache policies by name."""
+    _load_builtins()
+    return dict(sorted(_REGISTRY.items()))
+
+
+def get_policy_cls(spec: str | type[CachePolicy]) -> type[CachePolicy]:
+    """Resolve a registered name, a `"package.module:Class"` path, or a class itself."""
+    if isinstance(spec, type):
+        if not issubclass(spec, CachePolicy):
+            raise TypeError(f"{spec!r} is not a CachePolicy subclass")
+        return spec
+    _load_builtins()
+    if spec in _REGISTRY:
+        return _REGISTRY[spec]
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        try:
+            obj = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"cache policy {spec!r} cannot be imported: {e}") from e
+        if not (isinstance(obj, type) and issubclass(obj, CachePolicy)):
+            raise ValueError(f"cache policy {spec!r} is not a kvtier.policies.CachePolicy class")
+        return obj
+    names = ", ".join(sorted(_REGISTRY))
+    raise ValueError(
+        f"unknown cache policy {spec!r}; expected one of: {names}, or 'package.module:Class'"
+    )
+
+
+def make_policy(spec: str | type[CachePolicy], capacity: int) -> CachePolicy:
+    """Build the policy named by `spec` for a tier of `capacity` slots."""
+    return get_policy_cls(spec)(capacity)
+
+
+def _load_builtins() -> None:
+    # Importing the package registers every built-in policy.
+    importlib.import_module("kvtier.policies")

@@ -1,0 +1,67 @@
+"""Least recently used eviction."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Sequence
+
+from kvtier.base import OffloadKey, ReqContext
+from kvtier.policies.base import CachePolicy, register_policy
+
+
+@register_policy("lru", "least recently used: evicts the chunk whose last use is oldest")
+class LRUPolicy(CachePolicy):
+    """Evicts the candidate used least recently; an unpinned key counts as just used."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        # Oldest first; values unused. OrderedDict gives O(1) move-to-end and delete.
+        self._order: OrderedDict[OffloadKey, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    def insert(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
+        order = self._order
+        for key in keys:
+            order[key] = None
+
+    def touch(self, keys: Iterable[OffloadKey], ctx: ReqContext | None) -> None:
+        order = self._order
+        for key in keys:
+            if key in order:
+                order.move_to_end(key)
+
+    def pin(self, keys: Iterable[OffloadKey]) -> None:
+        order = self._order
+        for key in keys:
+            order.pop(key, None)
+
+    def unpin(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
+        self.insert(keys, ctx)
+
+    def remove(self, keys: Iterable[OffloadKey]) -> None:
+        self.pin(keys)
+
+    def evict(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
+        if n <= 0:
+            return []
+        if n > len(self._order):
+            return None
+        victims: list[OffloadKey] = []
+        for key in self._order:
+            if key not in protected:
+                victims.append(key)
+                if len(victims) == n:
+                    break
+        else:
+            return None
+        for key in victims:
+            del self._order[key]
+        return victims
+
+    def clear(self) -> None:
+        self._order.clear()
