@@ -1,0 +1,133 @@
+"""Admission policies: whether a chunk is worth storing at all.
+
+The manager asks its admission policy once per `prepare_store` about the keys that are not
+already present. A rejected key costs nothing: no slot, no eviction, no event.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import ClassVar, TypeVar
+
+from kvtier.base import OffloadKey, ReqContext
+
+
+class AdmissionPolicy(ABC):
+    """Decides which offered keys get a slot."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+
+    @abstractmethod
+    def admit(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[OffloadKey]:
+        """Return the subset of `keys` (absent from the tier) worth storing, in order."""
+
+    def clear(self) -> None:  # noqa: B027 - stateless policies need nothing
+        """Forget everything learned (called on cache reset)."""
+
+    def table_sizes(self) -> dict[str, int]:
+        """Sizes of internal tables, so tests can check their bounds."""
+        return {}
+
+
+_A = TypeVar("_A", bound=type[AdmissionPolicy])
+_REGISTRY: dict[str, type[AdmissionPolicy]] = {}
+
+
+def register_admission_policy(name: str, description: str) -> Callable[[_A], _A]:
+    """Class decorator: make an `AdmissionPolicy` available by `name`."""
+
+    def decorate(cls: _A) -> _A:
+        cls.name = name
+        cls.description = description
+        _REGISTRY[name] = cls
+        return cls
+
+    return decorate
+
+
+def registered_admission_policies() -> dict[str, type[AdmissionPolicy]]:
+    """Registered admission policies by name."""
+    return dict(sorted(_REGISTRY.items()))
+
+
+@register_admission_policy("always", "stores every offered chunk that is not already present")
+class AlwaysAdmit(AdmissionPolicy):
+    """Admits every key."""
+
+    def admit(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[OffloadKey]:
+        return list(keys)
+
+
+@register_admission_policy(
+    "reuse",
+    "stores a chunk only once it has been offered by store_threshold different requests",
+)
+class ReuseAdmission(AdmissionPolicy):
+    """Admit a key on its `store_threshold`-th sighting, counting each request at most once.
+
+    A request that offers the same key again (a retry after "no room", a re-offer after
+    preemption) does not raise its count, so one long request cannot make its own blocks look
+    popular. The tracker keeps the most recently offered `max_tracker_size` keys; the keys of
+    the offer in progress are never dropped to make room for each other.
+    """
+
+    def __init__(self, store_threshold: int = 2, max_tracker_size: int = 64_000) -> None:
+        if store_threshold < 2:
+            raise ValueError(
+                f"store_threshold={store_threshold} is invalid for reuse admission; "
+                "expected >= 2 (below 2 every chunk is admitted: use 'always')"
+            )
+        if max_tracker_size < 1:
+            raise ValueError(f"max_tracker_size={max_tracker_size} is invalid; expected >= 1")
+        self.store_threshold = store_threshold
+        self.max_tracker_size = max_tracker_size
+        # key -> (sightings, id of the last request counted); least recently offered first.
+        self._seen: OrderedDict[OffloadKey, tuple[int, str]] = OrderedDict()
+
+    def admit(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[OffloadKey]:
+        seen = self._seen
+        req_id = ctx.req_id
+        threshold = self.store_threshold
+        admitted: list[OffloadKey] = []
+        fresh: list[OffloadKey] = []
+        for key in keys:
+            entry = seen.get(key)
+            if entry is None:
+                fresh.append(key)
+                continue
+            count, last_req = entry
+            if last_req != req_id:
+                count += 1
+                seen[key] = (count, req_id)
+            seen.move_to_end(key)
+            if count >= threshold:
+                admitted.append(key)
+        # Make room for this offer's new keys by dropping the oldest entries of earlier offers;
+        # the entries of this offer were just moved to the young end, so they are never dropped.
+        overflow = len(seen) + len(fresh) - self.max_tracker_size
+        num_older = len(seen) - (len(keys) - len(fresh))
+        for _ in range(min(overflow, num_older)):
+            seen.popitem(last=False)
+        for key in fresh[: self.max_tracker_size - len(seen)]:
+            seen[key] = (1, req_id)
+        return admitted
+
+    def clear(self) -> None:
+        self._seen.clear()
+
+    def table_sizes(self) -> dict[str, int]:
+        return {"tracker": len(self._seen)}
+
+
+def make_admission_policy(
+    store_threshold: int = 0, max_tracker_size: int = 64_000
+) -> AdmissionPolicy:
+    """The admission policy for vLLM-style settings: reuse filtering from threshold 2 up."""
+    if store_threshold < 0:
+        raise ValueError(f"store_threshold={store_threshold} is invalid; expected >= 0")
+    if store_threshold < 2:
+        return AlwaysAdmit()
+    return ReuseAdmission(store_threshold, max_tracker_size)

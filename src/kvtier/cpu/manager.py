@@ -1,0 +1,316 @@
+"""Scheduler-side bookkeeping of the host (CPU) tier: slots, ref counts, eviction, events."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, deque
+from collections.abc import Collection, Iterable
+
+from kvtier.admission import AdmissionPolicy, make_admission_policy
+from kvtier.base import (
+    LookupResult,
+    ManagerStats,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+)
+from kvtier.cpu.spec import CPULoadStoreSpec
+from kvtier.policies import CachePolicy, make_policy
+
+logger = logging.getLogger(__name__)
+
+# Ref-count values of a slot; a positive value is the number of loads reading it.
+_PENDING = -1  # being written: not readable, not evictable
+_READY = 0  # readable and evictable
+_FREE = -2
+
+
+class CPUOffloadingManager(OffloadingManager):
+    """Tracks which chunks live in a pool of `num_slots` host slots.
+
+    The cache policy orders the evictable chunks; the admission policy filters what is worth
+    storing. Every method costs O(number of keys passed). Arguments are validated before any
+    state changes, so a call that raises leaves the manager as it was.
+    """
+
+    medium = "CPU"
+
+    def __init__(
+        self,
+        num_slots: int,
+        cache_policy: str | type[CachePolicy] = "lru",
+        *,
+        admission: AdmissionPolicy | None = None,
+        store_threshold: int = 0,
+        max_tracker_size: int = 64_000,
+        enable_events: bool = False,
+        max_pending_events: int = 100_000,
+    ) -> None:
+        if not isinstance(num_slots, int) or num_slots < 1:
+            raise ValueError(f"num_slots={num_slots!r} is invalid; expected a positive integer")
+        if max_pending_events < 1:
+            raise ValueError(f"max_pending_events={max_pending_events} is invalid; expected >= 1")
+        self.num_slots = num_slots
+        self._policy: CachePolicy = make_policy(cache_policy, num_slots)
+        self._admission: AdmissionPolicy = (
+            admission
+            if admission is not None
+            else make_admission_policy(store_threshold, max_tracker_size)
+        )
+        self._slot_of: dict[OffloadKey, int] = {}
+        self._ref: list[int] = [_FREE] * num_slots
+        self._free: list[int] = []
+        self._next_fresh = 0
+        # Slots still read or written by transfers that were in flight at reset_cache().
+        self._quarantined: list[int] = []
+        self._num_pinned = 0
+        self._num_pending = 0
+        self._events: deque[OffloadingEvent] | None = (
+            deque(maxlen=max_pending_events) if enable_events else None
+        )
+        self._events_dropped = 0
+        self._hits = 0
+        self._misses = 0
+        self._loads = 0
+        self._stores = 0
+        self._failed_stores = 0
+        self._stores_skipped = 0
+        self._evictions = 0
+
+    @property
+    def policy(self) -> CachePolicy:
+        """The cache policy instance (read-only use: tests, reports)."""
+        return self._policy
+
+    @property
+    def admission(self) -> AdmissionPolicy:
+        """The admission policy instance."""
+        return self._admission
+
+    # -- lookups and loads --------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        slot = self._slot_of.get(key)
+        if slot is None:
+            self._misses += 1
+            return LookupResult.MISS
+        if self._ref[slot] == _PENDING:
+            return LookupResult.HIT_PENDING
+        self._hits += 1
+        return LookupResult.HIT
+
+    def prepare_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> CPULoadStoreSpec:
+        slot_of, ref = self._slot_of, self._ref
+        slots: list[int] = []
+        for key in keys:
+            slot = slot_of.get(key)
+            if slot is None or ref[slot] == _PENDING:
+                state = "absent" if slot is None else "still being written"
+                raise ValueError(f"cannot load key {key.hex()}: it is {state}")
+            slots.append(slot)
+        newly_pinned = []
+        for key, slot in zip(keys, slots, strict=True):
+            if ref[slot] == _READY:
+                newly_pinned.append(key)
+            ref[slot] += 1
+        self._policy.pin(newly_pinned)
+        self._num_pinned += len(newly_pinned)
+        self._loads += len(slots)
+        return CPULoadStoreSpec(slots)
+
+    def complete_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+        slot_of, ref = self._slot_of, self._ref
+        counts = Counter(keys) if len(set(keys)) != len(keys) else None
+        for key in keys:
+            slot = slot_of.get(key)
+            needed = counts[key] if counts is not None else 1
+            if slot is None or ref[slot] < needed:
+                raise ValueError(f"complete_load of key {key.hex()} that no load pinned")
+        unpinned = []
+        for key in keys:
+            slot = slot_of[key]
+            ref[slot] -= 1
+            if ref[slot] == _READY:
+                unpinned.append(key)
+        self._num_pinned -= len(unpinned)
+        self._policy.unpin(unpinned, ctx)
+
+    def touch(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+        self._policy.touch(keys, ctx)
+
+    # -- stores -------------------------------------------------------------------------------
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], ctx: ReqContext
+    ) -> PrepareStoreOutput | None:
+        slot_of = self._slot_of
+        new: list[OffloadKey] = []
+        present: list[OffloadKey] = []
+        for key in keys:
+            if key in slot_of:
+                present.append(key)
+            elif type(key) is bytes:
+                new.append(key)
+            else:
+                raise TypeError(f"offload keys are bytes; got {type(key).__name__} {key!r}")
+        if len(set(new)) != len(new):
+            new = list(dict.fromkeys(new))
+        admitted = self._admission.admit(new, ctx) if new else new
+        self._stores_skipped += len(new) - len(admitted)
+        if not admitted:
+            return PrepareStoreOutput([], CPULoadStoreSpec([]), [])
+
+        num_free = len(self._free) + self.num_slots - self._next_fresh
+        num_to_evict = len(admitted) - num_free
+        evicted: list[OffloadKey] = []
+        if num_to_evict > 0:
+            if num_to_evict > len(self._policy):
+                return None
+            victims = self._policy.evict(num_to_evict, present)
+            if victims is None:
+                return None
+            ref = self._ref
+            for key in victims:
+                slot = slot_of.pop(key)
+                ref[slot] = _FREE
+                self._free.append(slot)
+            self._evictions += len(victims)
+            evicted = victims
+            self._emit(victims, removed=True)
+
+        slots = self._allocate(len(admitted))
+        ref = self._ref
+        for key, slot in zip(admitted, slots, strict=True):
+            slot_of[key] = slot
+            ref[slot] = _PENDING
+        self._num_pending += len(admitted)
+        return PrepareStoreOutput(admitted, CPULoadStoreSpec(slots), evicted)
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], ctx: ReqContext, success: bool = True
+    ) -> None:
+        slot_of, ref = self._slot_of, self._ref
+        for key in keys:
+            slot = slot_of.get(key)
+            if slot is None or ref[slot] != _PENDING:
+                raise ValueError(f"complete_store of key {key.hex()} that has no store pending")
+        if len(set(keys)) != len(keys):
+            raise ValueError("complete_store got the same key twice")
+        self._num_pending -= len(keys)
+        if success:
+            for key in keys:
+                ref[slot_of[key]] = _READY
+            stored = list(keys)
+            self._policy.insert(stored, ctx)
+            self._stores += len(stored)
+            self._emit(stored, removed=False)
+        else:
+            # Never announced, so nothing public to retract.
+            for key in keys:
+                slot = slot_of.pop(key)
+                ref[slot] = _FREE
+                self._free.append(slot)
+            self._failed_stores += len(keys)
+
+    def _allocate(self, n: int) -> list[int]:
+        # Fresh slots first: they were never handed out, so no transfer can still touch them.
+        num_fresh = min(n, self.num_slots - self._next_fresh)
+        slots = list(range(self._next_fresh, self._next_fresh + num_fresh))
+        self._next_fresh += num_fresh
+        rest = n - num_fresh
+        if rest:
+            slots.extend(self._free[-rest:])
+            del self._free[-rest:]
+        return slots
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def on_request_finished(self, ctx: ReqContext) -> None:
+        self._policy.on_request_finished(ctx)
+
+    def reset_cache(self) -> None:
+        """Forget every chunk. Slots that in-flight transfers still use are quarantined until
+        `on_reset_flushed`, so a new store can never overwrite bytes a late load still reads."""
+        ref = self._ref
+        announced = []
+        for key, slot in self._slot_of.items():
+            state = ref[slot]
+            if state != _PENDING:
+                announced.append(key)
+            if state == _READY:
+                self._free.append(slot)
+                ref[slot] = _FREE
+            else:
+                self._quarantined.append(slot)
+                ref[slot] = _FREE
+        self._slot_of.clear()
+        self._policy.clear()
+        self._admission.clear()
+        self._num_pinned = 0
+        self._num_pending = 0
+        if announced:
+            self._emit(announced, removed=True)
+
+    def on_reset_flushed(self) -> None:
+        """Every transfer in flight at the last reset has finished: reuse their slots."""
+        self._free.extend(self._quarantined)
+        self._quarantined.clear()
+
+    # -- events and stats ---------------------------------------------------------------------
+
+    def _emit(self, keys: list[OffloadKey], removed: bool) -> None:
+        events = self._events
+        if events is None:
+            return
+        if len(events) == events.maxlen:
+            self._events_dropped += 1
+            if self._events_dropped == 1:
+                logger.warning(
+                    "kvtier: more than %d KV events not taken; dropping the oldest "
+                    "(call take_events() every step, or raise max_pending_events)",
+                    events.maxlen,
+                )
+        events.append(OffloadingEvent(keys, self.medium, removed))
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if not self._events:
+            return []
+        taken = list(self._events)
+        self._events.clear()
+        return taken
+
+    @property
+    def events_dropped(self) -> int:
+        """Events lost because nobody took them before the buffer filled."""
+        return self._events_dropped
+
+    def get_stats(self) -> ManagerStats:
+        used = len(self._slot_of) + len(self._quarantined)
+        return ManagerStats(
+            num_slots=self.num_slots,
+            used_slots=used,
+            ready=len(self._slot_of) - self._num_pinned - self._num_pending,
+            pinned=self._num_pinned,
+            pending_writes=self._num_pending,
+            hits=self._hits,
+            misses=self._misses,
+            loads=self._loads,
+            stores=self._stores,
+            failed_stores=self._failed_stores,
+            stores_skipped=self._stores_skipped,
+            evictions=self._evictions,
+        )
+
+    def table_sizes(self) -> dict[str, int]:
+        """Sizes of every internal table, so tests can check their bounds."""
+        sizes = {
+            "slot_of": len(self._slot_of),
+            "free": len(self._free),
+            "quarantined": len(self._quarantined),
+            "events": len(self._events) if self._events is not None else 0,
+        }
+        sizes.update({f"policy.{k}": v for k, v in self._policy.table_sizes().items()})
+        sizes.update({f"admission.{k}": v for k, v in self._admission.table_sizes().items()})
+        return sizes
