@@ -1,0 +1,229 @@
+"""Chained prefix block hashes over token ids, identical in every process.
+
+A block's hash identifies its tokens *and* everything before them: it is
+`H(parent || tokens || extra keys)`, where `parent` is the previous block's hash, or for the
+first block a root hash derived from a namespace (the model's identity), so two models never
+share a hash. Tokens are encoded as fixed-width little-endian uint32 and extra keys with a
+length-prefixed encoding, so distinct inputs never encode to the same bytes. Python's `hash()`
+is never used: it changes with `PYTHONHASHSEED`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Final, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier.base import OffloadKey, make_offload_key
+
+ExtraKey: TypeAlias = str | bytes | int
+"""One extra key of a block: a LoRA name, a multimodal input hash, a cache salt, ..."""
+
+ExtraKeys: TypeAlias = ExtraKey | Sequence[ExtraKey]
+"""A block's extra keys; a bare `str`, `bytes` or `int` counts as one key."""
+
+HASH_ALGORITHMS: Final = ("sha256", "xxh3_128")
+"""Supported hash algorithms; `sha256` is the default."""
+
+_DIGEST_SIZES: Final = {"sha256": 32, "xxh3_128": 16}
+_ROOT_TAG: Final = b"kvtier.block_hash.v1"
+_TOKEN_DTYPE: Final = np.dtype("<u4")
+_MAX_TOKEN: Final = int(np.iinfo(np.uint32).max)
+# Type tags keep b"1", "1" and 1 apart; the 8-byte length keeps ("ab", "c") apart from ("a", "bc").
+_TAG_STR: Final = b"s"
+_TAG_BYTES: Final = b"b"
+_TAG_INT: Final = b"i"
+
+
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def _load_xxh3_128() -> Callable[[bytes], bytes]:
+    try:
+        import xxhash
+    except ImportError as e:
+        raise ImportError(
+            "hash algorithm 'xxh3_128' needs the xxhash package; "
+            "install it with `pip install kvtier[xxhash]`"
+        ) from e
+    fn: Callable[[bytes], bytes] = xxhash.xxh3_128_digest
+    return fn
+
+
+def _len_prefixed(tag: bytes, payload: bytes) -> bytes:
+    return tag + len(payload).to_bytes(8, "little") + payload
+
+
+def encode_extra_keys(keys: ExtraKeys | None) -> bytes:
+    """Canonical bytes of one block's extra keys; `None` and `()` both encode to `b""`.
+
+    Raises `TypeError` for a key that is not `str`, `bytes` or `int` (`bool` included, so a
+    flag is never mistaken for the number 1).
+    """
+    if keys is None:
+        return b""
+    if isinstance(keys, (str, bytes, int)):
+        keys = (keys,)
+    parts = [len(keys).to_bytes(4, "little")] if keys else []
+    for key in keys:
+        if isinstance(key, bool) or not isinstance(key, (str, bytes, int)):
+            raise TypeError(
+                f"extra key {key!r} has type {type(key).__name__}; expected str, bytes or int"
+            )
+        if isinstance(key, str):
+            parts.append(_len_prefixed(_TAG_STR, key.encode("utf-8")))
+        elif isinstance(key, bytes):
+            parts.append(_len_prefixed(_TAG_BYTES, key))
+        else:
+            # Decimal text gives every int, however large or negative, one encoding.
+            parts.append(_len_prefixed(_TAG_INT, str(key).encode("ascii")))
+    return b"".join(parts)
+
+
+def _as_token_array(token_ids: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[np.uint32]:
+    # asarray, not fromiter(dtype=int64): fromiter silently turns 1.5 and "3" into ints.
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise ValueError(f"token_ids has shape {arr.shape}; expected a 1-D sequence")
+    if arr.size == 0:
+        return np.empty(0, dtype=_TOKEN_DTYPE)
+    if not np.issubdtype(arr.dtype, np.integer):
+        # object dtype: ints beyond int64, or mixed types.
+        raise TypeError(f"token_ids has dtype {arr.dtype}; expected integer token ids 0..2**32-1")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi > _MAX_TOKEN:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"token id {bad} is out of range; expected 0..{_MAX_TOKEN}")
+    return arr.astype(_TOKEN_DTYPE, copy=False)
+
+
+class BlockHasher:
+    """Computes chained hashes of full `block_size`-token blocks under a namespace.
+
+    `algorithm` is `"sha256"` (32-byte hashes, the default) or `"xxh3_128"` (16-byte hashes,
+    faster; needs `pip install kvtier[xxhash]`). `namespace` (e.g. the model name and
+    revision; a `str` is UTF-8 encoded) seeds the root hash, so hashers with different
+    namespaces never produce the same hash. Token ids must lie in 0..2**32-1.
+    """
+
+    __slots__ = ("_digest", "algorithm", "block_size", "digest_size", "namespace", "root_hash")
+
+    def __init__(
+        self, block_size: int, *, algorithm: str = "sha256", namespace: str | bytes = b""
+    ) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size={block_size!r} is invalid; expected a positive int")
+        if algorithm == "sha256":
+            self._digest: Callable[[bytes], bytes] = _sha256
+        elif algorithm == "xxh3_128":
+            self._digest = _load_xxh3_128()
+        else:
+            raise ValueError(
+                f"unknown hash algorithm {algorithm!r}; "
+                f"expected one of: {', '.join(HASH_ALGORITHMS)}"
+            )
+        if isinstance(namespace, str):
+            namespace = namespace.encode("utf-8")
+        elif not isinstance(namespace, bytes):
+            raise TypeError(
+                f"namespace {namespace!r} has type {type(namespace).__name__}; "
+                "expected str or bytes"
+            )
+        self.block_size = block_size
+        self.algorithm = algorithm
+        self.namespace = namespace
+        self.digest_size = _DIGEST_SIZES[algorithm]
+        self.root_hash: bytes = self._digest(
+            _len_prefixed(_TAG_BYTES, _ROOT_TAG)
+            + _len_prefixed(_TAG_STR, algorithm.encode("ascii"))
+            + _len_prefixed(_TAG_BYTES, namespace)
+        )
+        """Parent of a sequence's first block."""
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockHasher(block_size={self.block_size}, algorithm={self.algorithm!r}, "
+            f"namespace={self.namespace!r})"
+        )
+
+    def hash_blocks(
+        self,
+        token_ids: Sequence[int] | npt.NDArray[np.integer],
+        extra_keys: Sequence[ExtraKeys | None] | None = None,
+        parent: bytes | None = None,
+    ) -> list[bytes]:
+        """Return one hash per full block of `token_ids`; a trailing partial block is skipped.
+
+        `extra_keys`, when given, holds one entry per block (per full block, or per block
+        counting the trailing partial one, whose entry is ignored); `None` means no extra
+        keys for that block. `parent` continues a chain: hashing `tokens[k * block_size:]`
+        with `parent=hashes[k - 1]` gives `hashes[k:]`.
+        """
+        tokens = _as_token_array(token_ids)
+        bs = self.block_size
+        num_full = tokens.shape[0] // bs
+        num_all = -(-tokens.shape[0] // bs)
+        if parent is None:
+            parent = self.root_hash
+        elif not isinstance(parent, bytes) or len(parent) != self.digest_size:
+            raise ValueError(
+                f"parent={parent!r} is not a {self.algorithm} block hash; "
+                f"expected {self.digest_size} bytes"
+            )
+        extras: list[bytes] | None = None
+        if extra_keys is not None:
+            if len(extra_keys) not in (num_full, num_all):
+                raise ValueError(
+                    f"extra_keys has {len(extra_keys)} entries; expected one per block "
+                    f"({num_full} full blocks, {num_all} counting the partial one)"
+                )
+            # Most blocks of a request share one LoRA name or salt: encode each distinct str or
+            # bytes once. Other types skip the memo (1 == True == 1.0 as dict keys).
+            memo: dict[object, bytes] = {}
+            extras = []
+            for entry in extra_keys[:num_full]:
+                if type(entry) is str or type(entry) is bytes:
+                    enc = memo.get(entry)
+                    if enc is None:
+                        enc = memo[entry] = encode_extra_keys(entry)
+                    extras.append(enc)
+                else:
+                    extras.append(encode_extra_keys(entry))
+
+        # One tobytes() for the whole prompt, then per-block slices: no per-token Python work.
+        data = tokens[: num_full * bs].tobytes()
+        step = bs * _TOKEN_DTYPE.itemsize
+        digest = self._digest
+        hashes: list[bytes] = []
+        h = parent
+        if extras is None:
+            for start in range(0, len(data), step):
+                h = digest(h + data[start : start + step])
+                hashes.append(h)
+        else:
+            for i, start in enumerate(range(0, len(data), step)):
+                h = digest(h + data[start : start + step] + extras[i])
+                hashes.append(h)
+        return hashes
+
+
+def chunk_keys(
+    block_hashes: Sequence[bytes], blocks_per_chunk: int, group_idx: int = 0
+) -> list[OffloadKey]:
+    """Offload keys of the full chunks of `block_hashes`: each chunk's last block hash + group.
+
+    A trailing chunk with fewer than `blocks_per_chunk` blocks gets no key.
+    """
+    if isinstance(blocks_per_chunk, bool) or not isinstance(blocks_per_chunk, int):
+        raise TypeError(f"blocks_per_chunk={blocks_per_chunk!r} is invalid; expected an int")
+    if blocks_per_chunk < 1:
+        raise ValueError(f"blocks_per_chunk={blocks_per_chunk} is invalid; expected >= 1")
+    make_offload_key(b"", group_idx)  # validates group_idx even when there is no full chunk
+    return [
+        make_offload_key(block_hashes[i], group_idx)
+        for i in range(blocks_per_chunk - 1, len(block_hashes), blocks_per_chunk)
+    ]
