@@ -1,0 +1,261 @@
+"""Scenario tests of CPUOffloadingManager, run against every registered cache policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import key, keys
+from kvtier.admission import ReuseAdmission
+from kvtier.base import LookupResult, OffloadingEvent, ReqContext
+from kvtier.cpu import CPUOffloadingManager
+
+CTX = ReqContext("req")
+
+
+def stored(m: CPUOffloadingManager, *ids: int, ctx: ReqContext = CTX) -> list[int]:
+    """Store `ids` successfully and return their slots."""
+    out = m.prepare_store(keys(*ids), ctx)
+    assert out is not None
+    m.complete_store(out.keys_to_store, ctx)
+    return [int(s) for s in out.store_spec.block_ids]  # type: ignore[attr-defined]
+
+
+def snapshot(m: CPUOffloadingManager) -> tuple[object, ...]:
+    """Everything observable about the manager's contents."""
+    return (
+        dict(m._slot_of),
+        list(m._ref),
+        list(m._free),
+        m._next_fresh,
+        m.get_stats(),
+        len(m.policy),
+    )
+
+
+def test_slot_ids_are_co_indexed_with_keys(policy_name: str) -> None:
+    m = CPUOffloadingManager(8, policy_name)
+    slots = stored(m, 10, 11, 12)
+    assert len(set(slots)) == 3
+    spec = m.prepare_load(keys(12, 10), CTX)
+    assert spec.block_ids.tolist() == [slots[2], slots[0]]
+
+
+def test_fresh_slots_first_then_recycled(policy_name: str) -> None:
+    m = CPUOffloadingManager(3, policy_name)
+    assert stored(m, 1, 2) == [0, 1]
+    assert stored(m, 3) == [2]
+    out = m.prepare_store(keys(4), CTX)
+    assert out is not None and len(out.evicted_keys) == 1
+    victim_slot = {key(1): 0, key(2): 1, key(3): 2}[out.evicted_keys[0]]
+    assert out.store_spec.block_ids.tolist() == [victim_slot]  # type: ignore[attr-defined]
+
+
+def test_lookup_states(policy_name: str) -> None:
+    m = CPUOffloadingManager(4, policy_name)
+    assert m.lookup(key(1), CTX) is LookupResult.MISS
+    out = m.prepare_store(keys(1), CTX)
+    assert out is not None
+    assert m.lookup(key(1), CTX) is LookupResult.HIT_PENDING
+    m.complete_store(keys(1), CTX)
+    assert m.lookup(key(1), CTX) is LookupResult.HIT
+
+
+def test_store_of_present_keys_stores_and_evicts_nothing(policy_name: str) -> None:
+    m = CPUOffloadingManager(2, policy_name)
+    stored(m, 1, 2)
+    before = snapshot(m)
+    out = m.prepare_store(keys(1, 2), CTX)
+    assert out is not None
+    assert out.keys_to_store == [] and out.evicted_keys == []
+    assert snapshot(m) == before
+
+
+def test_present_keys_of_the_call_are_protected(policy_name: str) -> None:
+    m = CPUOffloadingManager(2, policy_name)
+    stored(m, 1, 2)
+    # Key 1 is in the call, so only key 2 may make room for key 3.
+    out = m.prepare_store(keys(1, 3), CTX)
+    assert out is not None
+    assert out.keys_to_store == keys(3)
+    assert out.evicted_keys == keys(2)
+    assert m.lookup(key(1), CTX) is LookupResult.HIT
+
+
+def test_fail_fast_when_everything_is_pinned(policy_name: str) -> None:
+    m = CPUOffloadingManager(2, policy_name, enable_events=True)
+    stored(m, 1, 2)
+    m.prepare_load(keys(1, 2), CTX)
+    list(m.take_events())
+    before = snapshot(m)
+    assert m.prepare_store(keys(3), CTX) is None
+    assert snapshot(m) == before
+    assert list(m.take_events()) == []
+
+
+def test_pending_writes_are_never_victims(policy_name: str) -> None:
+    m = CPUOffloadingManager(2, policy_name)
+    assert m.prepare_store(keys(1, 2), CTX) is not None
+    assert m.prepare_store(keys(3), CTX) is None
+    assert m.get_stats().pending_writes == 2
+
+
+def test_eviction_is_all_or_nothing(policy_name: str) -> None:
+    m = CPUOffloadingManager(3, policy_name)
+    stored(m, 1, 2, 3)
+    m.prepare_load(keys(1), CTX)
+    before = snapshot(m)
+    # Three new keys need three victims; only two are evictable.
+    assert m.prepare_store(keys(4, 5, 6), CTX) is None
+    assert snapshot(m) == before
+    out = m.prepare_store(keys(4, 5), CTX)
+    assert out is not None and sorted(out.evicted_keys) == sorted(keys(2, 3))
+
+
+def test_pinned_keys_survive_and_unpin_restores_evictability(policy_name: str) -> None:
+    m = CPUOffloadingManager(2, policy_name)
+    stored(m, 1, 2)
+    m.prepare_load(keys(1), CTX)
+    m.prepare_load(keys(1), CTX)
+    out = m.prepare_store(keys(3), CTX)
+    assert out is not None and out.evicted_keys == keys(2)
+    m.complete_store(keys(3), CTX)
+    m.complete_load(keys(1), CTX)
+    assert m.get_stats().pinned == 1  # still pinned by the second load
+    m.complete_load(keys(1), CTX)
+    assert m.get_stats().pinned == 0
+    out = m.prepare_store(keys(4, 5), CTX)
+    assert out is not None and sorted(out.evicted_keys) == sorted(keys(1, 3))
+
+
+def test_failed_store_leaves_no_trace(policy_name: str) -> None:
+    m = CPUOffloadingManager(2, policy_name, enable_events=True)
+    stored(m, 1)
+    list(m.take_events())
+    out = m.prepare_store(keys(2), CTX)
+    assert out is not None
+    m.complete_store(keys(2), CTX, success=False)
+    assert m.lookup(key(2), CTX) is LookupResult.MISS
+    assert list(m.take_events()) == []
+    stats = m.get_stats()
+    assert (stats.used_slots, stats.pending_writes, stats.failed_stores) == (1, 0, 1)
+    # The slot is free again: two more keys fit after evicting only one.
+    out = m.prepare_store(keys(3, 4), CTX)
+    assert out is not None and out.evicted_keys == keys(1)
+
+
+def test_events_removed_before_stored_that_reuses_room(policy_name: str) -> None:
+    m = CPUOffloadingManager(1, policy_name, enable_events=True)
+    stored(m, 1)
+    stored(m, 2)
+    assert list(m.take_events()) == [
+        OffloadingEvent(keys(1), "CPU", removed=False),
+        OffloadingEvent(keys(1), "CPU", removed=True),
+        OffloadingEvent(keys(2), "CPU", removed=False),
+    ]
+    assert list(m.take_events()) == []
+
+
+def test_events_disabled_by_default(policy_name: str) -> None:
+    m = CPUOffloadingManager(2, policy_name)
+    stored(m, 1)
+    assert list(m.take_events()) == []
+
+
+def test_event_buffer_is_bounded(policy_name: str) -> None:
+    m = CPUOffloadingManager(4, policy_name, enable_events=True, max_pending_events=3)
+    for i in range(10):
+        stored(m, i)
+    assert m.table_sizes()["events"] == 3
+    assert m.events_dropped > 0
+
+
+def test_reset_with_loads_pinned_quarantines_their_slots(policy_name: str) -> None:
+    m = CPUOffloadingManager(3, policy_name, enable_events=True)
+    slots = stored(m, 1, 2)
+    m.prepare_load(keys(1), CTX)
+    assert m.prepare_store(keys(3), CTX) is not None  # a write in flight too
+    list(m.take_events())
+    m.reset_cache()
+    assert list(m.take_events()) == [OffloadingEvent(keys(1, 2), "CPU", removed=True)]
+    for i in (1, 2, 3):
+        assert m.lookup(key(i), CTX) is LookupResult.MISS
+    stats = m.get_stats()
+    assert (stats.pinned, stats.pending_writes, stats.used_slots) == (0, 0, 2)
+    # Only key 2's slot is free: slot of key 1 (pinned) and key 3 (pending) are quarantined.
+    out = m.prepare_store(keys(4, 5), CTX)
+    assert out is None
+    out = m.prepare_store(keys(4), CTX)
+    assert out is not None and out.store_spec.block_ids.tolist() == [slots[1]]  # type: ignore[attr-defined]
+    m.complete_store(keys(4), CTX)
+    m.on_reset_flushed()
+    assert m.get_stats().used_slots == 1
+    assert m.prepare_store(keys(5, 6), CTX) is not None
+
+
+def test_stats_count_hits_misses_loads_evictions(policy_name: str) -> None:
+    m = CPUOffloadingManager(2, policy_name)
+    stored(m, 1, 2)
+    m.lookup(key(1), CTX)
+    m.lookup(key(9), CTX)
+    m.prepare_load(keys(1), CTX)
+    m.complete_load(keys(1), CTX)
+    stored(m, 3)
+    s = m.get_stats()
+    assert (s.hits, s.misses, s.loads, s.stores, s.evictions) == (1, 1, 1, 3, 1)
+    assert s.usage == 1.0
+
+
+def test_admission_skips_are_counted_and_cost_nothing(policy_name: str) -> None:
+    m = CPUOffloadingManager(2, policy_name, store_threshold=2)
+    a, b = ReqContext("a"), ReqContext("b")
+    out = m.prepare_store(keys(1), a)
+    assert out is not None and out.keys_to_store == []
+    assert m.prepare_store(keys(1), a) is not None  # same request: still one sighting
+    assert m.get_stats().stores_skipped == 2
+    out = m.prepare_store(keys(1), b)
+    assert out is not None and out.keys_to_store == keys(1)
+
+
+def test_custom_admission_object() -> None:
+    m = CPUOffloadingManager(2, admission=ReuseAdmission(3))
+    for req in "abc":
+        out = m.prepare_store(keys(1), ReqContext(req))
+        assert out is not None
+    assert out.keys_to_store == keys(1)
+
+
+# -- bad arguments: a clear error and no change -------------------------------------------------
+
+
+@pytest.mark.parametrize("num_slots", [0, -1, 1.5, None])
+def test_bad_num_slots(num_slots: object) -> None:
+    with pytest.raises(ValueError, match="num_slots"):
+        CPUOffloadingManager(num_slots)  # type: ignore[arg-type]
+
+
+def test_unknown_policy_lists_registered_ones() -> None:
+    with pytest.raises(ValueError, match=r"unknown cache policy 'nope'.*lru"):
+        CPUOffloadingManager(4, "nope")
+
+
+def test_bad_calls_leave_the_manager_unchanged(policy_name: str) -> None:
+    m = CPUOffloadingManager(4, policy_name)
+    stored(m, 1, 2)
+    m.prepare_store(keys(3), CTX)
+    before = snapshot(m)
+    with pytest.raises(ValueError, match=r"cannot load key .* absent"):
+        m.prepare_load([key(1), key(9)], CTX)
+    with pytest.raises(ValueError, match="still being written"):
+        m.prepare_load(keys(1, 3), CTX)
+    with pytest.raises(ValueError, match="no load pinned"):
+        m.complete_load(keys(1), CTX)
+    with pytest.raises(ValueError, match="no store pending"):
+        m.complete_store(keys(3, 1), CTX)
+    with pytest.raises(ValueError, match="same key twice"):
+        m.complete_store(keys(3, 3), CTX)
+    with pytest.raises(TypeError, match="offload keys are bytes"):
+        m.prepare_store([key(5), "k"], CTX)  # type: ignore[list-item]
+    assert snapshot(m) == before
+    m.prepare_load(keys(1), CTX)
+    with pytest.raises(ValueError, match="no load pinned"):
+        m.complete_load(keys(1, 1), CTX)

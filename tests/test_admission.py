@@ -1,0 +1,75 @@
+import pytest
+
+from helpers import keys
+from kvtier.admission import (
+    AlwaysAdmit,
+    ReuseAdmission,
+    make_admission_policy,
+    registered_admission_policies,
+)
+from kvtier.base import ReqContext
+
+
+def test_registry_lists_builtins() -> None:
+    assert set(registered_admission_policies()) >= {"always", "reuse"}
+    for cls in registered_admission_policies().values():
+        assert cls.description
+
+
+def test_threshold_below_two_admits_everything() -> None:
+    for threshold in (0, 1):
+        policy = make_admission_policy(threshold)
+        assert isinstance(policy, AlwaysAdmit)
+        assert policy.admit(keys(1, 2), ReqContext("a")) == keys(1, 2)
+
+
+def test_negative_threshold_is_rejected() -> None:
+    with pytest.raises(ValueError, match="store_threshold=-1"):
+        make_admission_policy(-1)
+    with pytest.raises(ValueError, match="store_threshold=1"):
+        ReuseAdmission(1)
+    with pytest.raises(ValueError, match="max_tracker_size=0"):
+        ReuseAdmission(2, 0)
+
+
+def test_counts_each_request_once() -> None:
+    policy = ReuseAdmission(store_threshold=2)
+    a, b = ReqContext("a"), ReqContext("b")
+    # Re-offers inside one request (retries, preemption) are one sighting.
+    for _ in range(5):
+        assert policy.admit(keys(1), a) == []
+    assert policy.admit(keys(1), b) == keys(1)
+
+
+def test_threshold_three_needs_three_requests() -> None:
+    policy = ReuseAdmission(store_threshold=3)
+    assert policy.admit(keys(1, 2), ReqContext("a")) == []
+    assert policy.admit(keys(1), ReqContext("b")) == []
+    assert policy.admit(keys(1, 2), ReqContext("c")) == keys(1)
+    assert policy.admit(keys(2), ReqContext("d")) == keys(2)
+
+
+def test_tracker_is_bounded_and_drops_oldest() -> None:
+    policy = ReuseAdmission(store_threshold=2, max_tracker_size=3)
+    policy.admit(keys(1), ReqContext("a"))
+    policy.admit(keys(2, 3, 4), ReqContext("b"))
+    assert policy.table_sizes()["tracker"] == 3
+    # Key 1 was the oldest and was dropped: its next sighting counts as the first.
+    assert policy.admit(keys(1), ReqContext("c")) == []
+    assert policy.admit(keys(4), ReqContext("c")) == keys(4)
+
+
+def test_offer_in_progress_is_never_dropped() -> None:
+    policy = ReuseAdmission(store_threshold=2, max_tracker_size=2)
+    policy.admit(keys(1, 2), ReqContext("a"))
+    # The offer re-sights 1 and 2 and brings 3: there is no room for 3, but 1 and 2 stay.
+    assert policy.admit(keys(1, 2, 3), ReqContext("b")) == keys(1, 2)
+    assert policy.table_sizes()["tracker"] == 2
+    assert policy.admit(keys(1, 2), ReqContext("c")) == keys(1, 2)
+
+
+def test_clear_forgets_counts() -> None:
+    policy = ReuseAdmission(store_threshold=2)
+    policy.admit(keys(1), ReqContext("a"))
+    policy.clear()
+    assert policy.admit(keys(1), ReqContext("b")) == []

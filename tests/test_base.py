@@ -1,0 +1,39 @@
+import numpy as np
+import pytest
+
+from kvtier.base import (
+    BlockIDsLoadStoreSpec,
+    ReqContext,
+    get_offload_block_hash,
+    get_offload_group_idx,
+    make_offload_key,
+)
+
+
+def test_offload_key_round_trip() -> None:
+    h = bytes(range(32))
+    k = make_offload_key(h, 7)
+    assert k == h + b"\x00\x00\x00\x07"
+    assert get_offload_block_hash(k) == h
+    assert get_offload_group_idx(k) == 7
+    assert get_offload_group_idx(make_offload_key(h, 2**32 - 1)) == 2**32 - 1
+
+
+@pytest.mark.parametrize("group", [-1, 2**32])
+def test_offload_key_rejects_out_of_range_group(group: int) -> None:
+    with pytest.raises(ValueError, match=f"group_idx={group}"):
+        make_offload_key(b"x", group)
+
+
+def test_block_ids_spec_is_int64_array() -> None:
+    spec = BlockIDsLoadStoreSpec([3, 1, 2])
+    assert spec.block_ids.dtype == np.int64
+    assert spec.block_ids.tolist() == [3, 1, 2]
+    assert len(spec) == 3
+
+
+def test_req_context_positions() -> None:
+    k = make_offload_key(b"h", 0)
+    ctx = ReqContext("r", key_positions={k: 32})
+    assert ctx.position(k) == 32
+    assert ctx.position(make_offload_key(b"g", 0)) is None
