@@ -1,0 +1,448 @@
+"""One typed configuration object, built from defaults < file < environment < explicit dict.
+
+Every value is parsed and checked where it enters, and a bad one raises `ConfigError` naming
+the key, the value, where it came from and what was expected. Unknown keys are errors in every
+layer, so a typo never passes silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Final, Literal, cast
+
+import yaml
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 reads TOML with the tomli backport
+    import tomli as tomllib
+
+from kvtier.hashing import HASH_ALGORITHMS
+from kvtier.policies import get_policy_cls, registered_policies
+
+__all__ = ["ENV_PREFIX", "ConfigError", "KVTierConfig", "parse_size"]
+
+ENV_PREFIX: Final = "KVTIER_"
+"""Environment variables starting with this prefix configure kvtier; unknown ones are errors."""
+
+_ENV_CONFIG_FILE: Final = "KVTIER_CONFIG"
+_VLLM_SOURCE: Final = "vLLM kv_connector_extra_config"
+_DIRECT_SOURCE: Final = "KVTierConfig()"
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is invalid; the message says which, from where, and why."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Value parsers. Each accepts the native type or its string form (environment variables are
+# strings; YAML and vLLM's JSON may carry either) and raises _Invalid with what it expected.
+
+
+class _Invalid(Exception):
+    def __init__(self, expected: str) -> None:
+        super().__init__(expected)
+        self.expected = expected
+
+
+_SIZE_UNITS: Final = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE: Final = re.compile(r"(\d+(?:\.\d+)?)\s*([a-z]*)")
+_INT_RE: Final = re.compile(r"\+?\d+(?:_\d+)*")
+_NONE_WORDS: Final = frozenset({"none", "null"})
+_TRUE_WORDS: Final = frozenset({"1", "true", "yes", "on"})
+_FALSE_WORDS: Final = frozenset({"0", "false", "no", "off"})
+
+
+def parse_size(value: str | int) -> int:
+    """Parse a byte size: an int, or a string like `"512MB"`, `"64GiB"`, `"1.5GiB"`, `"4096"`.
+
+    Units are case-insensitive: B, KB/MB/GB/TB (powers of 1000) and KiB/MiB/GiB/TiB (powers of
+    1024); a bare number is bytes. Raises `ValueError` for negatives, fractions of a byte,
+    unknown units and anything else.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"size {value!r} is invalid; expected an int or a string like '64GiB'")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size {value} is negative; expected a number of bytes >= 0")
+        return value
+    match = _SIZE_RE.fullmatch(value.strip().lower())
+    if match is None or match.group(2) not in ("", *_SIZE_UNITS):
+        raise ValueError(
+            f"size {value!r} is invalid; expected a non-negative number with an optional unit "
+            "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '64GiB' or '512MB'"
+        )
+    number, unit = match.groups()
+    size = Fraction(number) * _SIZE_UNITS[unit or "b"]
+    if size.denominator != 1:
+        raise ValueError(f"size {value!r} is not a whole number of bytes ({float(size)})")
+    return int(size)
+
+
+def _parse_int(raw: object, minimum: int, expected: str) -> int:
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        value = raw
+    elif isinstance(raw, str) and _INT_RE.fullmatch(raw.strip()):
+        value = int(raw.strip())
+    else:
+        raise _Invalid(expected)
+    if value < minimum:
+        raise _Invalid(expected)
+    return value
+
+
+def _int_parser(minimum: int) -> Callable[[object], int]:
+    expected = "a positive integer" if minimum == 1 else "a non-negative integer"
+    return lambda raw: _parse_int(raw, minimum, expected)
+
+
+def _parse_bool(raw: object) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    word = str(raw).strip().lower() if isinstance(raw, (str, int)) else None
+    if word in _TRUE_WORDS:
+        return True
+    if word in _FALSE_WORDS:
+        return False
+    raise _Invalid("a boolean (true/false, yes/no, on/off, 1/0)")
+
+
+def _is_none(raw: object, words: frozenset[str] = _NONE_WORDS) -> bool:
+    return raw is None or (isinstance(raw, str) and raw.strip().lower() in words)
+
+
+def _optional(parse: Callable[[object], Any], expected: str) -> Callable[[object], Any]:
+    def parse_optional(raw: object) -> Any:
+        if _is_none(raw):
+            return None
+        try:
+            return parse(raw)
+        except _Invalid:
+            raise _Invalid(f"{expected}, or null") from None
+
+    return parse_optional
+
+
+def _parse_cpu_bytes(raw: object) -> int:
+    expected = "a positive byte size such as '64GiB', '512MB' or an integer number of bytes"
+    if isinstance(raw, bool) or not isinstance(raw, (int, str)):
+        raise _Invalid(expected)
+    try:
+        value = parse_size(raw)
+    except ValueError:
+        raise _Invalid(expected) from None
+    if value < 1:
+        raise _Invalid(expected)
+    return value
+
+
+def _choice_parser(choices: tuple[str, ...]) -> Callable[[object], str]:
+    def parse_choice(raw: object) -> str:
+        word = raw.strip().lower() if isinstance(raw, str) else ""
+        if word not in choices:
+            raise _Invalid("one of: " + ", ".join(repr(c) for c in choices))
+        return word
+
+    return parse_choice
+
+
+def _parse_cache_policy(raw: object) -> str:
+    names = ", ".join(registered_policies())
+    expected = f"a registered cache policy ({names}) or an importable 'package.module:Class'"
+    if not isinstance(raw, str) or not raw.strip():
+        raise _Invalid(expected)
+    spec = raw.strip()
+    try:
+        get_policy_cls(spec)
+    except (ValueError, TypeError) as e:
+        # A registry miss is fully described by `expected`; an import failure needs its cause.
+        raise _Invalid(f"{expected} ({e})" if ":" in spec else expected) from None
+    return spec
+
+
+def _parse_pin_memory(raw: object) -> bool | None:
+    if _is_none(raw, _NONE_WORDS | {"auto"}):
+        return None
+    try:
+        return _parse_bool(raw)
+    except _Invalid:
+        raise _Invalid("a boolean, or auto/null (pin when a GPU is present)") from None
+
+
+_PARSERS: Final[dict[str, Callable[[object], Any]]] = {
+    "cpu_bytes": _optional(_parse_cpu_bytes, "a positive byte size such as '64GiB' or '512MB'"),
+    "num_slots": _optional(_int_parser(1), "a positive integer"),
+    "cache_policy": _parse_cache_policy,
+    "store_threshold": _int_parser(0),
+    "max_tracker_size": _int_parser(1),
+    "blocks_per_chunk": _int_parser(1),
+    "chunk_tokens": _optional(_int_parser(1), "a positive integer number of tokens"),
+    "hash_algorithm": _choice_parser(HASH_ALGORITHMS),
+    "enable_events": _parse_bool,
+    "max_pending_events": _int_parser(1),
+    "transfer_backend": _choice_parser(("auto", "cpu", "cuda")),
+    "pin_memory": _parse_pin_memory,
+    "offload_prompt_only": _parse_bool,
+}
+
+# vLLM's kv_connector_extra_config names for kvtier fields; the other vLLM keys kvtier reads
+# (store_threshold, max_tracker_size, blocks_per_chunk, offload_prompt_only) share its names.
+_VLLM_ALIASES: Final = {
+    "cpu_bytes_to_use": "cpu_bytes",
+    "eviction_policy": "cache_policy",
+    "block_size": "chunk_tokens",
+}
+_VLLM_MODULE_PATH: Final = "cache_policy_module_path"
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KVTierConfig:
+    """kvtier's settings; docs/configuration.md describes each field.
+
+    Build it with `load` (defaults < file < `KVTIER_*` environment < overrides), `from_dict`
+    or `from_vllm_extra_config`. Direct construction parses and checks values the same way.
+    """
+
+    cpu_bytes: int | None = None
+    num_slots: int | None = None
+    cache_policy: str = "lru"
+    store_threshold: int = 0
+    max_tracker_size: int = 64_000
+    blocks_per_chunk: int = 1
+    chunk_tokens: int | None = None
+    hash_algorithm: Literal["sha256", "xxh3_128"] = "sha256"
+    enable_events: bool = False
+    max_pending_events: int = 100_000
+    transfer_backend: Literal["auto", "cpu", "cuda"] = "auto"
+    pin_memory: bool | None = None
+    offload_prompt_only: bool = True
+
+    def __post_init__(self) -> None:
+        origin = {name: (name, _DIRECT_SOURCE) for name in _PARSERS}
+        for name, parse in _PARSERS.items():
+            value = _parse_value(parse, getattr(self, name), name, _DIRECT_SOURCE)
+            object.__setattr__(self, name, value)
+        _check_combination(self.to_dict(), origin)
+
+    @classmethod
+    def load(
+        cls,
+        file: str | Path | None = None,
+        env: Mapping[str, str] | None = os.environ,
+        overrides: Mapping[str, Any] | None = None,
+    ) -> KVTierConfig:
+        """Build a config from defaults < `file` < `env` < `overrides`.
+
+        `file` is YAML (.yaml, .yml) or TOML (.toml); when it is None, the file named by the
+        `KVTIER_CONFIG` variable of `env` is read, if any. `env=None` ignores the environment.
+        """
+        layers: list[tuple[dict[str, Any], str]] = []
+        if file is None and env is not None and env.get(_ENV_CONFIG_FILE):
+            file = env[_ENV_CONFIG_FILE]
+        if file is not None:
+            layers.append((_read_file(Path(file)), f"file {file}"))
+        if env is not None:
+            layers.append(_env_layer(env))
+        if overrides is not None:
+            layers.append((dict(overrides), "overrides"))
+        return cls._build(layers)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> KVTierConfig:
+        """Build a config from defaults < `d` (kvtier field names only)."""
+        return cls._build([(dict(d), "dict")])
+
+    @classmethod
+    def from_vllm_extra_config(cls, extra: Mapping[str, Any]) -> KVTierConfig:
+        """Build a config from vLLM's `kv_connector_extra_config`.
+
+        vLLM's names (`cpu_bytes_to_use`, `eviction_policy`, `cache_policy_module_path`,
+        `block_size`) and kvtier's field names are both accepted; any other key is an error.
+        """
+        mapped: dict[str, Any] = {}
+        labels: dict[str, str] = {}
+        module_path = None
+        for key, raw in extra.items():
+            if key == _VLLM_MODULE_PATH:
+                module_path = raw
+                continue
+            name = _VLLM_ALIASES.get(key, key)
+            if name in mapped:
+                raise ConfigError(
+                    f"{labels[name]}={mapped[name]!r} and {key}={raw!r} (from {_VLLM_SOURCE}): "
+                    f"both set {name}; expected only one of them"
+                )
+            mapped[name] = raw
+            labels[name] = key
+        if module_path is not None:
+            mapped["cache_policy"] = _join_module_path(module_path, mapped.get("cache_policy"))
+            labels["cache_policy"] = f"{_VLLM_MODULE_PATH}:{labels['cache_policy']}"
+        return cls._build([(mapped, _VLLM_SOURCE)], labels)
+
+    @classmethod
+    def _build(
+        cls, layers: list[tuple[dict[str, Any], str]], labels: Mapping[str, str] | None = None
+    ) -> KVTierConfig:
+        # Each layer maps field name (or, for the environment, variable name) -> raw value.
+        values: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(cls)}
+        origin = {name: (name, "defaults") for name in values}
+        for raw_values, source in layers:
+            for key, raw in raw_values.items():
+                name, label = _field_for(key, raw, source, labels)
+                values[name] = _parse_value(_PARSERS[name], raw, label, source)
+                origin[name] = (label, source)
+        _check_combination(values, origin)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict; `from_dict(cfg.to_dict()) == cfg`."""
+        return {name: getattr(self, name) for name in _PARSERS}
+
+    def resolve_blocks_per_chunk(self, device_block_size: int) -> int:
+        """Device blocks per chunk for an engine whose device blocks hold `device_block_size`
+        tokens: `chunk_tokens // device_block_size` when `chunk_tokens` is set, else
+        `blocks_per_chunk`. Raises `ConfigError` when the two disagree or do not divide."""
+        if (
+            isinstance(device_block_size, bool)
+            or not isinstance(device_block_size, int)
+            or device_block_size < 1
+        ):
+            raise ConfigError(f"device_block_size={device_block_size!r}: expected a positive int")
+        if self.chunk_tokens is None:
+            return self.blocks_per_chunk
+        blocks, rest = divmod(self.chunk_tokens, device_block_size)
+        if rest:
+            up = (blocks + 1) * device_block_size
+            raise ConfigError(
+                f"chunk_tokens={self.chunk_tokens}: expected a multiple of the device block "
+                f"size ({device_block_size} tokens); use {up}, or set blocks_per_chunk instead"
+            )
+        if self.blocks_per_chunk != 1 and blocks != self.blocks_per_chunk:
+            raise ConfigError(
+                f"chunk_tokens={self.chunk_tokens} is {blocks} device blocks of "
+                f"{device_block_size} tokens, but blocks_per_chunk={self.blocks_per_chunk}; "
+                "expected them to agree (set only one of them)"
+            )
+        return blocks
+
+
+def _parse_value(parse: Callable[[object], Any], raw: object, label: str, source: str) -> Any:
+    try:
+        return parse(raw)
+    except _Invalid as e:
+        raise ConfigError(f"{label}={raw!r} (from {source}): expected {e.expected}") from None
+
+
+def _field_for(
+    key: object, raw: object, source: str, labels: Mapping[str, str] | None
+) -> tuple[str, str]:
+    """Map a layer's key to (field name, label used in messages); unknown keys are errors."""
+    if not isinstance(key, str):
+        raise ConfigError(f"{key!r}={raw!r} (from {source}): expected a string key")
+    if source == "environment":
+        name = key[len(ENV_PREFIX) :].lower()
+        known = [_ENV_CONFIG_FILE] + [ENV_PREFIX + n.upper() for n in _PARSERS]
+    else:
+        name = key
+        known = list(_PARSERS)
+        if source == _VLLM_SOURCE:
+            known += [*_VLLM_ALIASES, _VLLM_MODULE_PATH]
+    if name not in _PARSERS:
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(
+            f"{key}={raw!r} (from {source}): unknown key; {hint}expected one of: "
+            + ", ".join(known)
+        )
+    label = labels.get(name, key) if labels else key
+    return name, label
+
+
+def _env_layer(env: Mapping[str, str]) -> tuple[dict[str, Any], str]:
+    return {
+        key: value
+        for key, value in env.items()
+        if key.startswith(ENV_PREFIX) and key != _ENV_CONFIG_FILE
+    }, "environment"
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".yaml", ".yml"):
+            with path.open(encoding="utf-8") as f:
+                data = yaml.safe_load(f)
+        elif suffix == ".toml":
+            with path.open("rb") as f:
+                data = tomllib.load(f)
+        else:
+            raise ConfigError(
+                f"config file {path}: unknown format {suffix!r}; expected .yaml, .yml or .toml"
+            )
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e}") from e
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"config file {path} is not valid {suffix[1:].upper()}: {e}") from e
+    if data is None:  # an empty YAML file
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {path} holds a {type(data).__name__}; expected a mapping of keys"
+        )
+    return cast(dict[str, Any], data)
+
+
+def _join_module_path(module_path: object, name: object) -> str:
+    # vLLM looks `eviction_policy` up in its registry first and imports it from
+    # cache_policy_module_path only when it is not a registered name.
+    if not isinstance(module_path, str) or not module_path.strip() or ":" in module_path:
+        raise ConfigError(
+            f"{_VLLM_MODULE_PATH}={module_path!r} (from {_VLLM_SOURCE}): "
+            "expected a Python module path such as 'my_pkg.policies'"
+        )
+    if not isinstance(name, str) or not name.strip() or ":" in name:
+        raise ConfigError(
+            f"{_VLLM_MODULE_PATH}={module_path!r} with eviction_policy={name!r} "
+            f"(from {_VLLM_SOURCE}): expected eviction_policy to name a class in that module"
+        )
+    if name in registered_policies():
+        return name
+    return f"{module_path.strip()}:{name.strip()}"
+
+
+def _check_combination(values: Mapping[str, Any], origin: Mapping[str, tuple[str, str]]) -> None:
+    def where(name: str) -> str:
+        label, source = origin[name]
+        return f"{label}={values[name]!r} (from {source})"
+
+    if values["cpu_bytes"] is not None and values["num_slots"] is not None:
+        raise ConfigError(
+            f"{where('cpu_bytes')} and {where('num_slots')}: expected only one of them to be set"
+        )
+    tokens, blocks = values["chunk_tokens"], values["blocks_per_chunk"]
+    if tokens is not None and blocks != 1 and tokens % blocks:
+        raise ConfigError(
+            f"{where('chunk_tokens')} and {where('blocks_per_chunk')}: expected chunk_tokens to "
+            "be blocks_per_chunk device blocks (a multiple of it); set only one of them"
+        )
