@@ -1,0 +1,155 @@
+"""Manager throughput: calls/s and blocks/s with the call sequence an engine makes per request.
+
+Per request: on_new_request; lookup until the first miss; touch, prepare_load and complete_load
+for the hits; prepare_store and complete_store for the rest; on_request_finished; take_events.
+
+    python benchmarks/manager_ops.py                       # Zipf workload + Mooncake trace
+    python benchmarks/manager_ops.py --json out/manager_ops.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.base import OffloadKey, ReqContext, make_offload_key
+from kvtier.cpu import CPUOffloadingManager
+from kvtier.policies import registered_policies
+
+ROOT = Path(__file__).resolve().parent.parent
+MOONCAKE = ROOT / "data/traces/mooncake_conversation/conversation_trace.jsonl"
+
+Workload = list[list[OffloadKey]]
+
+
+def _key(i: int) -> OffloadKey:
+    return make_offload_key(int(i).to_bytes(8, "big"), 0)
+
+
+def zipf_workload(num_requests: int, seed: int = 0) -> Workload:
+    """Requests that share Zipf-popular prefixes (system prompts, documents) plus own tails."""
+    rng = np.random.default_rng(seed)
+    num_prefixes, prefix_blocks = 2000, 16
+    ranks = rng.zipf(1.1, size=num_requests) % num_prefixes
+    next_id = num_prefixes * prefix_blocks
+    requests: Workload = []
+    for r in ranks:
+        head = [
+            _key(int(r) * prefix_blocks + b) for b in range(int(rng.integers(1, prefix_blocks)))
+        ]
+        tail_len = int(rng.integers(1, 16))
+        tail = [_key(next_id + t) for t in range(tail_len)]
+        next_id += tail_len
+        requests.append(head + tail)
+    return requests
+
+
+def mooncake_workload(path: Path = MOONCAKE) -> Workload:
+    """The Mooncake conversation trace: one key per 512-token prefix block."""
+    with path.open() as f:
+        return [[_key(h) for h in json.loads(line)["hash_ids"]] for line in f]
+
+
+def replay(workload: Workload, policy: str, num_slots: int) -> tuple[int, int, float, float]:
+    """Run the engine call sequence; return (calls, blocks, seconds, block hit ratio)."""
+    m = CPUOffloadingManager(num_slots, policy, enable_events=True)
+    calls = blocks = hits = 0
+    start = time.perf_counter()
+    for i, chain in enumerate(workload):
+        ctx = ReqContext(str(i))
+        m.on_new_request(ctx)
+        n_hit = 0
+        for k in chain:
+            calls += 1
+            if m.lookup(k, ctx).name != "HIT":
+                break
+            n_hit += 1
+        if n_hit:
+            head = chain[:n_hit]
+            m.touch(head, ctx)
+            m.prepare_load(head, ctx)
+            m.complete_load(head, ctx)
+            calls += 3
+        rest = chain[n_hit:]
+        if rest:
+            out = m.prepare_store(rest, ctx)
+            calls += 1
+            if out is not None:
+                m.complete_store(out.keys_to_store, ctx)
+                calls += 1
+        m.on_request_finished(ctx)
+        m.take_events()
+        calls += 2
+        blocks += len(chain)
+        hits += n_hit
+    seconds = time.perf_counter() - start
+    return calls, blocks, seconds, hits / max(blocks, 1)
+
+
+def run(
+    workloads: dict[str, Workload], policies: Sequence[str], repeats: int
+) -> list[dict[str, Any]]:
+    rows = []
+    for name, workload in workloads.items():
+        unique = len({k for chain in workload for k in chain})
+        num_slots = max(1, unique // 10)
+        for policy in policies:
+            samples = [replay(workload, policy, num_slots) for _ in range(repeats)]
+            seconds = statistics.median(s[2] for s in samples)
+            calls, blocks, _, hit_ratio = samples[0]
+            rows.append(
+                {
+                    "workload": name,
+                    "policy": policy,
+                    "num_slots": num_slots,
+                    "requests": len(workload),
+                    "calls": calls,
+                    "blocks": blocks,
+                    "seconds_median": seconds,
+                    "calls_per_s": calls / seconds,
+                    "blocks_per_s": blocks / seconds,
+                    "prefix_hit_ratio": hit_ratio,
+                }
+            )
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--policies", default=",".join(registered_policies()))
+    parser.add_argument("--zipf-requests", type=int, default=20_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--trace", type=Path, default=MOONCAKE)
+    parser.add_argument("--json", type=Path, help="write the rows as JSON to this file")
+    args = parser.parse_args(argv)
+    workloads = {
+        "zipf": zipf_workload(args.zipf_requests),
+        "mooncake": mooncake_workload(args.trace),
+    }
+    rows = run(workloads, args.policies.split(","), args.repeats)
+    print(
+        f"{'workload':<9} {'policy':<8} {'slots':>7} {'calls/s':>11} {'blocks/s':>11} {'hit %':>6}"
+    )
+    for r in rows:
+        print(
+            f"{r['workload']:<9} {r['policy']:<8} {r['num_slots']:>7} {r['calls_per_s']:>11,.0f}"
+            f" {r['blocks_per_s']:>11,.0f} {100 * r['prefix_hit_ratio']:>6.1f}"
+        )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

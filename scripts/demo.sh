@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Sets up a fresh machine (scripts/setup.sh) and runs kvtier's main job.
+# Extra arguments go to the command.
+set -euo pipefail
+# shellcheck source=scripts/setup.sh
+. "$(dirname "$0")/setup.sh"
+
+kvtier simulate data/traces/mooncake_conversation/conversation_trace.jsonl \
+  --policies lru,arc,s3fifo,sieve,opt --capacities 1%,5%,10%,25% "$@"
