@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
@@ -292,6 +293,8 @@ def test_vllm_extra_config_aliases() -> None:
         hash_algorithm="xxh3_128",
     )
     assert KVTierConfig.from_vllm_extra_config({"blocks_per_chunk": 2}).blocks_per_chunk == 2
+    routing = {"spec_name": "KVTierSpec", "spec_module_path": "kvtier.integrations.vllm"}
+    assert KVTierConfig.from_vllm_extra_config(routing) == KVTierConfig()
 
 
 def test_vllm_cache_policy_module_path() -> None:
@@ -364,3 +367,17 @@ def test_parse_size(text: str | int, expected: int) -> None:
 def test_parse_size_rejects(bad: Any) -> None:
     with pytest.raises(ValueError, match="size"):
         parse_size(bad)
+
+
+def test_examples_in_the_docs_load(tmp_path: Path) -> None:
+    docs = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+    text = docs.read_text()
+    loaded = []
+    for lang in ("yaml", "toml"):
+        (block,) = re.findall(rf"```{lang}\n(.*?)```", text, flags=re.S)
+        path = tmp_path / f"kvtier.{lang}"
+        path.write_text(block)
+        loaded.append(KVTierConfig.load(path, env={}))
+    yaml_cfg, toml_cfg = loaded
+    assert yaml_cfg.cpu_bytes == 64 * 2**30 and yaml_cfg.resolve_blocks_per_chunk(16) == 16
+    assert toml_cfg == yaml_cfg

@@ -211,6 +211,8 @@ _VLLM_ALIASES: Final = {
     "block_size": "chunk_tokens",
 }
 _VLLM_MODULE_PATH: Final = "cache_policy_module_path"
+# vLLM reads these to choose the offloading spec class; they configure nothing in kvtier.
+_VLLM_ROUTING_KEYS: Final = frozenset({"spec_name", "spec_module_path"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,7 +280,8 @@ class KVTierConfig:
         """Build a config from vLLM's `kv_connector_extra_config`.
 
         vLLM's names (`cpu_bytes_to_use`, `eviction_policy`, `cache_policy_module_path`,
-        `block_size`) and kvtier's field names are both accepted; any other key is an error.
+        `block_size`) and kvtier's field names are both accepted; vLLM's `spec_name` and
+        `spec_module_path` (which pick the spec class) are ignored; any other key is an error.
         """
         mapped: dict[str, Any] = {}
         labels: dict[str, str] = {}
@@ -286,6 +289,8 @@ class KVTierConfig:
         for key, raw in extra.items():
             if key == _VLLM_MODULE_PATH:
                 module_path = raw
+                continue
+            if key in _VLLM_ROUTING_KEYS:
                 continue
             name = _VLLM_ALIASES.get(key, key)
             if name in mapped:
