@@ -190,6 +190,9 @@ class OffloadingManager(ABC):
     def reset_cache(self) -> None:
         """Forget every key; completions of jobs prepared before the reset are ignored."""
 
+    def on_reset_flushed(self) -> None:  # noqa: B027 - optional hook
+        """Every transfer in flight at the last reset has finished; its room may be reused."""
+
     @abstractmethod
     def get_stats(self) -> ManagerStats:
         """Return the manager's counters and gauges."""

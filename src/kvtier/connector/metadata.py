@@ -1,0 +1,79 @@
+"""What the scheduler half tells the worker half each step, and what comes back."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier.base import OffloadKey
+
+
+class JobKind(enum.Enum):
+    """Direction of a transfer job."""
+
+    LOAD = "load"
+    STORE = "store"
+
+
+@dataclass(slots=True)
+class TransferJob:
+    """One batch of chunk transfers of one request and one KV-cache group.
+
+    For a load, `device_blocks` are filled from the concatenated chunks of `slots`, starting
+    `skip_blocks` blocks into the first chunk. A store writes whole chunks.
+    """
+
+    job_id: int
+    kind: JobKind
+    req_id: str
+    group: int
+    slots: npt.NDArray[np.int64]
+    device_blocks: npt.NDArray[np.int64]
+    skip_blocks: int = 0
+
+
+@dataclass(slots=True)
+class StepMetadata:
+    """The worker's instructions for one engine step.
+
+    The worker first waits for `wait_for` (jobs whose device blocks the engine is about to
+    reuse, e.g. a preempted request's stores), then starts `loads`, and submits `stores` only
+    after the step's forward pass produced their KV.
+    """
+
+    loads: list[TransferJob] = field(default_factory=list)
+    stores: list[TransferJob] = field(default_factory=list)
+    wait_for: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.stores or self.wait_for)
+
+
+@dataclass(slots=True)
+class FinishedRequests:
+    """Requests whose transfers ended, as the engine needs to hear it.
+
+    `sending`: finished requests whose device blocks may now be freed (their stores and loads
+    are all done). `recving`: requests whose asynchronous load ended (successfully or not).
+    `failed_loads`: requests whose load failed; the engine must recompute those tokens.
+    `failed_load_blocks`: the device blocks that a failed load left without valid KV.
+    """
+
+    sending: set[str] = field(default_factory=set)
+    recving: set[str] = field(default_factory=set)
+    failed_loads: set[str] = field(default_factory=set)
+    failed_load_blocks: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _Job:
+    """Scheduler-side record of a job in flight."""
+
+    spec: TransferJob
+    keys: list[OffloadKey]
+    generation: int
+    reports_left: int
+    success: bool = True

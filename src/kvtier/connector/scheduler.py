@@ -1,0 +1,424 @@
+"""Scheduler half of a connector: turns an engine's requests into load and store jobs.
+
+Engine-agnostic: an engine adapter (vLLM, transformers, the simulator) calls these methods from
+its step loop and ships each step's `StepMetadata` to the worker half. The rules that keep KV
+correct live here:
+
+- at most one load, or one set of stores, is in flight per request;
+- a finished request's device blocks are held until its jobs are done (`request_finished`
+  returns True), and a preempted request's jobs are waited for before the next step;
+- a failed load is reported, so the engine recomputes instead of using the blocks;
+- after `reset_cache`, late completions of older jobs do not touch the manager.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier.base import (
+    BlockIDsLoadStoreSpec,
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingManager,
+    OffloadKey,
+    ReqContext,
+    TransferResult,
+)
+from kvtier.base import make_offload_key as _make_key
+from kvtier.connector.metadata import (
+    FinishedRequests,
+    JobKind,
+    StepMetadata,
+    TransferJob,
+    _Job,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _block_ids(spec: LoadStoreSpec) -> npt.NDArray[np.int64]:
+    if not isinstance(spec, BlockIDsLoadStoreSpec):
+        raise TypeError(f"the connector needs slot-addressed specs; the manager gave {spec!r}")
+    return spec.block_ids
+
+
+@dataclass(slots=True)
+class _Request:
+    ctx: ReqContext
+    block_hashes: Sequence[bytes]
+    num_prompt_tokens: int
+    keys: list[list[OffloadKey]]  # per group, per chunk; grown lazily
+    next_store_chunk: int = 0
+    touched_device_hits: bool = False
+    # (first token, number of tokens) of a load planned by get_num_new_matched_tokens
+    planned_load: tuple[int, int] | None = None
+    jobs: set[int] = field(default_factory=set)
+    finished: bool = False
+
+
+@dataclass(slots=True, frozen=True)
+class StepProgress:
+    """One scheduled request in a step: its device blocks (per KV-cache group) and how many of
+    its tokens will have KV once the step's forward pass has run."""
+
+    req_id: str
+    block_ids: Sequence[Sequence[int]]
+    num_computed_tokens: int
+
+
+class OffloadingScheduler:
+    """Plans transfers between an engine's device blocks and one offloading manager.
+
+    `tokens_per_block` is the engine's block size; a chunk is `blocks_per_chunk` blocks.
+    `groups` are the KV-cache groups offloaded (a chunk hits only if every group hits).
+    `num_workers` workers must report a job before it completes.
+    """
+
+    def __init__(
+        self,
+        manager: OffloadingManager,
+        *,
+        tokens_per_block: int,
+        blocks_per_chunk: int = 1,
+        groups: Sequence[int] = (0,),
+        num_workers: int = 1,
+        offload_prompt_only: bool = False,
+    ) -> None:
+        for name, value in (
+            ("tokens_per_block", tokens_per_block),
+            ("blocks_per_chunk", blocks_per_chunk),
+            ("num_workers", num_workers),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} is invalid; expected a positive integer")
+        if not groups or len(set(groups)) != len(groups):
+            raise ValueError(f"groups={list(groups)!r} is invalid; expected distinct group ids")
+        self.manager = manager
+        self.tokens_per_block = tokens_per_block
+        self.blocks_per_chunk = blocks_per_chunk
+        self.tokens_per_chunk = tokens_per_block * blocks_per_chunk
+        self.groups = tuple(groups)
+        self.num_workers = num_workers
+        self.offload_prompt_only = offload_prompt_only
+        self._requests: dict[str, _Request] = {}
+        self._jobs: dict[int, _Job] = {}
+        self._next_job_id = 0
+        self._generation = 0
+        self._jobs_before_reset = 0
+        self._unsent: list[TransferJob] = []
+        self._wait_for: list[int] = []
+        self._finished = FinishedRequests()
+
+    # -- request lifecycle ------------------------------------------------------------------
+
+    def add_request(
+        self,
+        req_id: str,
+        block_hashes: Sequence[bytes],
+        num_prompt_tokens: int,
+        kv_transfer_params: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Start tracking a request. `block_hashes` (one per full device block) may be a list
+        the engine keeps extending as tokens are generated; it is read, never copied."""
+        if req_id in self._requests:
+            raise ValueError(f"request {req_id!r} is already tracked")
+        ctx = ReqContext(req_id, kv_transfer_params)
+        self._requests[req_id] = _Request(
+            ctx, block_hashes, num_prompt_tokens, [[] for _ in self.groups]
+        )
+        self.manager.on_new_request(ctx)
+
+    def request_finished(self, req_id: str) -> bool:
+        """The engine is done with a request. Returns True when its device blocks must be held
+        until the request appears in `take_finished().sending` (transfers still use them)."""
+        req = self._get(req_id)
+        if req.finished:
+            raise ValueError(f"request {req_id!r} already finished")
+        req.finished = True
+        self._cancel_unsent(req)
+        self.manager.on_request_finished(req.ctx)
+        if req.jobs:
+            return True
+        del self._requests[req_id]
+        return False
+
+    def request_preempted(self, req_id: str) -> None:
+        """The engine freed a request's device blocks to run others: jobs that still use them
+        are waited for before the next step, and the request's plans are dropped."""
+        req = self._get(req_id)
+        self._cancel_unsent(req)
+        self._wait_for.extend(sorted(req.jobs))
+        req.planned_load = None
+
+    # -- loads --------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, req_id: str, num_computed_tokens: int) -> int | None:
+        """Tokens beyond `num_computed_tokens` (the device's own prefix hit) that can be loaded.
+
+        `None` means "ask again next step": a chunk is still being written or located, or the
+        request's own earlier transfers are still in flight.
+        """
+        req = self._get(req_id)
+        req.planned_load = None
+        if req.jobs:
+            return None
+        tpc = self.tokens_per_chunk
+        first_chunk = num_computed_tokens // tpc
+        if not req.touched_device_hits and first_chunk > 0:
+            # The device prefix hit is a use of those chunks too: keep the policy informed.
+            req.touched_device_hits = True
+            self.manager.touch(
+                self._chunk_keys(req, 0, min(first_chunk, self._num_chunks(req))), req.ctx
+            )
+        # At least one prompt token must be computed by the engine to produce logits.
+        last_chunk = min(self._num_chunks(req), (req.num_prompt_tokens - 1) // tpc)
+        end_chunk = first_chunk
+        lookup = self.manager.lookup
+        for c in range(first_chunk, last_chunk):
+            for g in range(len(self.groups)):
+                result = lookup(self._key(req, g, c), req.ctx)
+                if result is LookupResult.HIT:
+                    continue
+                if result is LookupResult.MISS:
+                    break
+                return None  # HIT_PENDING or RETRY
+            else:
+                end_chunk = c + 1
+                continue
+            break
+        num_tokens = end_chunk * tpc - num_computed_tokens
+        if num_tokens <= 0:
+            return 0
+        req.planned_load = (num_computed_tokens, num_tokens)
+        return num_tokens
+
+    def update_state_after_alloc(
+        self, req_id: str, block_ids: Sequence[Sequence[int]], num_external_tokens: int
+    ) -> None:
+        """The engine allocated device blocks (per group); plan the load of the matched tokens."""
+        req = self._get(req_id)
+        if num_external_tokens == 0:
+            req.planned_load = None
+            return
+        if req.planned_load is None or req.planned_load[1] != num_external_tokens:
+            raise ValueError(
+                f"request {req_id!r}: num_external_tokens={num_external_tokens} does not match "
+                f"the {req.planned_load[1] if req.planned_load else 0} tokens offered"
+            )
+        if len(block_ids) != len(self.groups):
+            raise ValueError(
+                f"request {req_id!r}: got block ids for {len(block_ids)} groups; "
+                f"expected {len(self.groups)}"
+            )
+        start, count = req.planned_load
+        req.planned_load = None
+        tpb, bpc = self.tokens_per_block, self.blocks_per_chunk
+        first_block, end_block = start // tpb, (start + count) // tpb
+        first_chunk, end_chunk = first_block // bpc, -(-end_block // bpc)
+        for g, group in enumerate(self.groups):
+            if len(block_ids[g]) < end_block:
+                raise ValueError(
+                    f"request {req_id!r}: group {group} has {len(block_ids[g])} device blocks; "
+                    f"the load needs {end_block}"
+                )
+        for g, group in enumerate(self.groups):
+            keys = self._chunk_keys(req, first_chunk, end_chunk, g)
+            spec = _block_ids(self.manager.prepare_load(keys, req.ctx))
+            job = TransferJob(
+                job_id=self._new_job_id(),
+                kind=JobKind.LOAD,
+                req_id=req_id,
+                group=group,
+                slots=spec,
+                device_blocks=np.asarray(block_ids[g][first_block:end_block], dtype=np.int64),
+                skip_blocks=first_block - first_chunk * bpc,
+            )
+            self._track(req, job, keys)
+        req.next_store_chunk = max(req.next_store_chunk, end_chunk)
+
+    # -- stores and steps ---------------------------------------------------------------------
+
+    def build_step_metadata(self, progress: Iterable[StepProgress] = ()) -> StepMetadata:
+        """Plan stores for newly completed chunks of the scheduled requests and hand the
+        worker everything due this step."""
+        tpc = self.tokens_per_chunk
+        for p in progress:
+            req = self._requests.get(p.req_id)
+            if req is None or req.finished or req.jobs:
+                continue  # one load or one set of stores in flight per request
+            computed = p.num_computed_tokens
+            if self.offload_prompt_only:
+                computed = min(computed, req.num_prompt_tokens)
+            end_chunk = min(computed // tpc, self._num_chunks(req))
+            if end_chunk > req.next_store_chunk:
+                self._plan_stores(req, p.block_ids, req.next_store_chunk, end_chunk)
+                req.next_store_chunk = end_chunk
+        meta = StepMetadata(
+            loads=[j for j in self._unsent if j.kind is JobKind.LOAD],
+            stores=[j for j in self._unsent if j.kind is JobKind.STORE],
+            wait_for=self._wait_for,
+        )
+        self._unsent = []
+        self._wait_for = []
+        return meta
+
+    def _plan_stores(
+        self, req: _Request, block_ids: Sequence[Sequence[int]], start: int, end: int
+    ) -> None:
+        bpc = self.blocks_per_chunk
+        for g, group in enumerate(self.groups):
+            keys = self._chunk_keys(req, start, end, g)
+            for c, k in zip(range(start, end), keys, strict=True):
+                req.ctx.key_positions[k] = (c + 1) * self.tokens_per_chunk
+            out = self.manager.prepare_store(keys, req.ctx)
+            if out is None or not out.keys_to_store:
+                continue  # no room now; these chunks are not offered again
+            chunk_of = {k: c for c, k in zip(range(start, end), keys, strict=True)}
+            chunks = np.fromiter(
+                (chunk_of[k] for k in out.keys_to_store), np.int64, len(out.keys_to_store)
+            )
+            blocks = np.asarray(block_ids[g], dtype=np.int64)
+            idx = (chunks[:, None] * bpc + np.arange(bpc)).reshape(-1)
+            job = TransferJob(
+                job_id=self._new_job_id(),
+                kind=JobKind.STORE,
+                req_id=req.ctx.req_id,
+                group=group,
+                slots=_block_ids(out.store_spec),
+                device_blocks=blocks[idx],
+            )
+            self._track(req, job, out.keys_to_store)
+
+    # -- completions --------------------------------------------------------------------------
+
+    def on_worker_results(self, results: Iterable[TransferResult]) -> None:
+        """Record one worker's finished jobs; a job completes once every worker reported it."""
+        for r in results:
+            job = self._jobs.get(r.job_id)
+            if job is None:
+                raise ValueError(f"worker reported job {r.job_id}, which is not in flight")
+            job.reports_left -= 1
+            job.success = job.success and r.success
+            if job.reports_left == 0:
+                self._complete(self._jobs.pop(r.job_id))
+
+    def take_finished(self) -> FinishedRequests:
+        """Requests whose transfers ended since the last call."""
+        finished, self._finished = self._finished, FinishedRequests()
+        return finished
+
+    def reset_cache(self) -> None:
+        """Empty the tier. Jobs in flight complete later without touching the new contents;
+        their slots are reused only after the last of them is done."""
+        self._generation += 1
+        self._jobs_before_reset = len(self._jobs)
+        self.manager.reset_cache()
+        for req in self._requests.values():
+            req.next_store_chunk = 0
+        if self._jobs_before_reset == 0:
+            self.manager.on_reset_flushed()
+
+    def _complete(self, job: _Job) -> None:
+        spec = job.spec
+        if job.generation == self._generation:
+            if spec.kind is JobKind.LOAD:
+                self.manager.complete_load(job.keys, self._ctx(spec.req_id))
+            else:
+                self.manager.complete_store(job.keys, self._ctx(spec.req_id), job.success)
+        else:
+            self._jobs_before_reset -= 1
+            if self._jobs_before_reset == 0:
+                self.manager.on_reset_flushed()
+        if not job.success:
+            logger.warning(
+                "kvtier: %s job %d of request %s failed",
+                spec.kind.value,
+                spec.job_id,
+                spec.req_id,
+            )
+        req = self._requests.get(spec.req_id)
+        if req is None:
+            return
+        req.jobs.discard(spec.job_id)
+        if spec.kind is JobKind.LOAD:
+            self._finished.recving.add(spec.req_id)
+            if not job.success:
+                self._finished.failed_loads.add(spec.req_id)
+                self._finished.failed_load_blocks.update(spec.device_blocks.tolist())
+        if req.finished and not req.jobs:
+            self._finished.sending.add(spec.req_id)
+            del self._requests[spec.req_id]
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _get(self, req_id: str) -> _Request:
+        req = self._requests.get(req_id)
+        if req is None:
+            raise ValueError(f"request {req_id!r} is not tracked; call add_request first")
+        return req
+
+    def _ctx(self, req_id: str) -> ReqContext:
+        req = self._requests.get(req_id)
+        return req.ctx if req is not None else ReqContext(req_id)
+
+    def _num_chunks(self, req: _Request) -> int:
+        return len(req.block_hashes) // self.blocks_per_chunk
+
+    def _key(self, req: _Request, g: int, chunk: int) -> OffloadKey:
+        keys = req.keys[g]
+        if chunk >= len(keys):
+            bpc, group = self.blocks_per_chunk, self.groups[g]
+            hashes = req.block_hashes
+            keys.extend(
+                _make_key(hashes[(c + 1) * bpc - 1], group) for c in range(len(keys), chunk + 1)
+            )
+        return keys[chunk]
+
+    def _chunk_keys(self, req: _Request, start: int, end: int, g: int = 0) -> list[OffloadKey]:
+        if end > start:
+            self._key(req, g, end - 1)
+        return req.keys[g][start:end]
+
+    def _new_job_id(self) -> int:
+        self._next_job_id += 1
+        return self._next_job_id
+
+    def _track(self, req: _Request, job: TransferJob, keys: list[OffloadKey]) -> None:
+        self._jobs[job.job_id] = _Job(job, list(keys), self._generation, self.num_workers)
+        req.jobs.add(job.job_id)
+        self._unsent.append(job)
+
+    def _cancel_unsent(self, req: _Request) -> None:
+        """Drop jobs of `req` that no worker has seen yet: they free their pins and slots now."""
+        keep = []
+        for job in self._unsent:
+            if job.req_id != req.ctx.req_id:
+                keep.append(job)
+                continue
+            record = self._jobs.pop(job.job_id)
+            req.jobs.discard(job.job_id)
+            if record.generation != self._generation:
+                self._jobs_before_reset -= 1
+                if self._jobs_before_reset == 0:
+                    self.manager.on_reset_flushed()
+            elif job.kind is JobKind.LOAD:
+                self.manager.complete_load(record.keys, req.ctx)
+            else:
+                self.manager.complete_store(record.keys, req.ctx, success=False)
+        self._unsent = keep
+
+    # -- introspection ------------------------------------------------------------------------
+
+    def num_jobs_in_flight(self) -> int:
+        """Jobs created and not yet completed (sent or not)."""
+        return len(self._jobs)
+
+    def num_requests(self) -> int:
+        """Requests tracked (running, or finished with jobs in flight)."""
+        return len(self._requests)
