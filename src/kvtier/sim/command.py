@@ -1,0 +1,268 @@
+"""`kvtier simulate`: replay a trace through the manager for policies × capacities."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvtier.policies import registered_policies
+from kvtier.sim.advise import Advice, advise
+from kvtier.sim.readers import FORMATS, read_trace
+from kvtier.sim.replay import STORE_ON, ProgressFn
+from kvtier.sim.report import (
+    PlotUnavailable,
+    advice_table,
+    plot_miss_ratio,
+    results_table,
+    write_csv,
+    write_json,
+)
+from kvtier.sim.result import RunResult
+from kvtier.sim.runner import (
+    BOUNDS,
+    MODES,
+    ReplayOptions,
+    default_jobs,
+    map_trace,
+    run_grid,
+    run_one,
+)
+from kvtier.sim.shapes import MODEL_PRESETS, ModelShape, parse_capacity, parse_model_shape
+from kvtier.sim.trace import Trace
+
+DEFAULT_CAPACITIES = "1%,5%,10%,25%"
+ADVISE_SHARE = 0.95
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Declare `kvtier simulate`'s arguments on `p`."""
+    p.add_argument("trace", type=Path, help="trace file (Mooncake JSONL or token-id prompts)")
+    p.add_argument(
+        "--policies",
+        default=None,
+        help="comma-separated cache policies, plus 'opt' (default: every registered one and "
+        "opt); the infinite cache is always added",
+    )
+    p.add_argument(
+        "--capacities",
+        default=DEFAULT_CAPACITIES,
+        help="comma-separated CPU-tier sizes: a share of the trace's unique blocks (5%%), "
+        f"a block count (20000) or bytes with --model-shape (64GiB); default {DEFAULT_CAPACITIES}",
+    )
+    p.add_argument("--mode", choices=MODES, default="flat", help="replay mode (default flat)")
+    p.add_argument(
+        "--device-capacity",
+        default="1%",
+        help="engine mode: device prefix cache size, same units as --capacities (default 1%%)",
+    )
+    p.add_argument(
+        "--store",
+        choices=STORE_ON,
+        default="eager",
+        help="engine mode: offer computed blocks as computed (eager) or on device eviction",
+    )
+    p.add_argument(
+        "--store-threshold",
+        type=int,
+        default=0,
+        help="admit a block on its N-th sighting (2 = admit on second sighting; 0 = always)",
+    )
+    p.add_argument(
+        "--max-tracker-size", type=int, default=64_000, help="bound of the admission tracker"
+    )
+    p.add_argument(
+        "--model-shape",
+        default=None,
+        help=f"preset ({', '.join(MODEL_PRESETS)}) or LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]: "
+        "adds bytes loaded/stored and allows byte capacities",
+    )
+    p.add_argument("--format", choices=FORMATS, default="auto", help="trace format")
+    p.add_argument(
+        "--block-tokens",
+        type=int,
+        default=None,
+        help="tokens per block (default 512 for Mooncake, 16 for token prompts)",
+    )
+    p.add_argument("--hash", default="sha256", help="token prompts: block hash algorithm")
+    p.add_argument("--namespace", default="", help="token prompts: hash namespace (model id)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write rows as JSON ('-': stdout)")
+    p.add_argument("--csv", default=None, metavar="FILE", help="write rows as CSV")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="save a miss-ratio curve")
+    p.add_argument(
+        "--advise",
+        action="store_true",
+        help=f"print per policy the smallest capacity reaching {ADVISE_SHARE:.0%} of the "
+        "infinite cache's block hit ratio",
+    )
+    p.add_argument("--jobs", type=int, default=None, help="worker processes (default: one per CPU)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+
+def _policies(spec: str | None) -> list[str]:
+    known = registered_policies()
+    if spec is None:
+        return [*known, "opt"]
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    if not names:
+        raise ValueError("--policies is empty; expected a comma-separated list of names")
+    for name in names:
+        if name not in known and name not in BOUNDS:
+            raise ValueError(
+                f"policy {name!r} is unknown; expected some of: {', '.join([*known, *BOUNDS])}"
+            )
+    return list(dict.fromkeys(n for n in names if n != "infinite"))
+
+
+@contextlib.contextmanager
+def _progress(total: int, enabled: bool) -> Iterator[ProgressFn | None]:
+    if not enabled:
+        yield None
+        return
+    columns = (
+        TextColumn("replaying"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("requests"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("replay", total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+@contextlib.contextmanager
+def _open_out(name: str) -> Iterator[IO[str]]:
+    if name == "-":
+        yield sys.stdout
+    else:
+        with open(name, "w", encoding="utf-8", newline="") as f:
+            yield f
+
+
+def _stdout_console() -> Console:
+    # Piped output keeps whole rows (rich would wrap them at 80 columns).
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `kvtier simulate` with parsed `args`; returns the exit status."""
+    policies = _policies(args.policies)
+    shape: ModelShape | None = (
+        parse_model_shape(args.model_shape) if args.model_shape is not None else None
+    )
+    if args.store_threshold < 0:
+        raise ValueError(f"--store-threshold={args.store_threshold} is invalid; expected >= 0")
+    jobs = args.jobs if args.jobs is not None else default_jobs()
+    if jobs < 1:
+        raise ValueError(f"--jobs={jobs} is invalid; expected >= 1")
+    trace = read_trace(
+        args.trace,
+        fmt=args.format,
+        block_tokens=args.block_tokens,
+        algorithm=args.hash,
+        namespace=args.namespace,
+    )
+    if trace.num_blocks == 0:
+        raise ValueError(f"trace {str(args.trace)!r} has no blocks to replay")
+    unique = trace.num_unique_blocks
+    block_bytes = shape.block_bytes(trace.block_tokens) if shape is not None else None
+    capacities = [
+        parse_capacity(c.strip(), unique_blocks=unique, block_bytes=block_bytes)[0]
+        for c in args.capacities.split(",")
+        if c.strip()
+    ]
+    if not capacities:
+        raise ValueError("--capacities is empty; expected e.g. 1%,5%,10%,25%")
+    device_blocks = 0
+    if args.mode == "engine":
+        device_blocks = parse_capacity(
+            args.device_capacity, unique_blocks=unique, block_bytes=block_bytes
+        )[0]
+    opts = ReplayOptions(
+        mode=args.mode,
+        store_threshold=args.store_threshold,
+        max_tracker_size=args.max_tracker_size,
+        device_blocks=device_blocks,
+        store_on=args.store,
+    )
+    if "opt" in policies and args.mode == "engine" and args.store != "eager":
+        print(
+            "kvtier: note: opt skipped; it is exact only when every miss may be stored at once "
+            "(flat mode or --store eager)",
+            file=sys.stderr,
+        )
+        policies.remove("opt")
+    show_progress = not args.quiet and sys.stderr.isatty()
+    title = f"{trace.name}: {len(trace):,} requests, {trace.num_blocks:,} blocks, {unique:,} unique"
+    title += f", mode {args.mode}"
+    if args.mode == "engine":
+        title += f" (device {device_blocks:,} blocks, store {args.store})"
+    if args.store_threshold:
+        title += f", store threshold {args.store_threshold}"
+    if args.advise:
+        return _run_advise(trace, policies, opts, jobs, args, show_progress)
+
+    runs = [(p, c) for p in policies for c in capacities] + [("infinite", unique)]
+    with _progress(len(trace) * len(runs), show_progress) as progress:
+        results = run_grid(trace, runs, opts, jobs=jobs, progress=progress)
+    _emit(results, shape, args, title)
+    return 0
+
+
+def _emit(
+    results: list[RunResult], shape: ModelShape | None, args: argparse.Namespace, title: str
+) -> None:
+    if args.json is not None:
+        with _open_out(args.json) as f:
+            write_json(results, f, shape)
+    if args.csv is not None:
+        with _open_out(args.csv) as f:
+            write_csv(results, f, shape)
+    if args.plot is not None:
+        try:
+            plot_miss_ratio(results, args.plot, title=title)
+        except PlotUnavailable as e:
+            raise ValueError(str(e)) from None
+    if args.json != "-" and args.csv != "-":
+        _stdout_console().print(results_table(results, shape, title=title))
+
+
+def _run_advise(
+    trace: Trace,
+    policies: list[str],
+    opts: ReplayOptions,
+    jobs: int,
+    args: argparse.Namespace,
+    show_progress: bool,
+) -> int:
+    infinite = run_one(trace, "infinite", trace.num_unique_blocks, opts).block_hit_ratio
+    target = ADVISE_SHARE * infinite
+    resolution = max(1, round(trace.num_unique_blocks * 0.005))
+    arg_lists = [(p, target, opts, resolution) for p in policies]
+    with _progress(len(policies), show_progress) as progress:
+        on_done = (lambda: progress(1)) if progress is not None else None
+        answers: list[Advice] | None = map_trace(
+            trace, advise, arg_lists, jobs=jobs, on_done=on_done
+        )
+        if answers is None:
+            answers = []
+            for a in arg_lists:
+                answers.append(advise(trace, *a))
+                if progress is not None:
+                    progress(1)
+    if args.json is not None:
+        with _open_out(args.json) as f:
+            json.dump([dataclasses.asdict(a) for a in answers], f, indent=2)
+            f.write("\n")
+    if args.json != "-":
+        _stdout_console().print(advice_table(answers, trace.num_unique_blocks, infinite))
+    return 0

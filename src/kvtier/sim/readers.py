@@ -1,0 +1,201 @@
+"""Trace readers: Mooncake JSONL (chained block ids) and JSONL of token-id prompts.
+
+Both yield `Request`s one line at a time, so a trace is never loaded whole by a reader. Every
+bad line raises `TraceFormatError` naming the file and the line number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+
+from kvtier.base import OffloadKey, make_offload_key
+from kvtier.hashing import BlockHasher
+from kvtier.sim.trace import Request, Trace, TraceFormatError
+
+MOONCAKE_BLOCK_TOKENS: Final = 512
+"""Tokens per block of the Mooncake traces' `hash_ids`."""
+
+FORMATS: Final = ("auto", "mooncake", "tokens")
+"""Trace formats `read_trace` accepts."""
+
+_MAX_ID: Final = (1 << 64) - 1
+_decode = msgspec.json.Decoder()
+
+
+def _lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield (line number, JSON object) for every non-blank line."""
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                obj = _decode.decode(raw)
+            except msgspec.DecodeError as e:
+                raise TraceFormatError(f"{path}:{lineno}: not valid JSON ({e})") from None
+            if not isinstance(obj, dict):
+                raise TraceFormatError(
+                    f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}"
+                )
+            yield lineno, obj
+
+
+def _int_field(obj: dict[str, Any], name: str, where: str, *, default: int | None = None) -> int:
+    value = obj.get(name, default)
+    if value is None:
+        raise TraceFormatError(f"{where}: missing field {name!r}")
+    if type(value) is not int or value < 0:
+        raise TraceFormatError(f"{where}: {name}={value!r} is invalid; expected an integer >= 0")
+    return value
+
+
+def _timestamp(obj: dict[str, Any], where: str) -> float | None:
+    value = obj.get("timestamp")
+    if value is not None and (type(value) not in (int, float) or value < 0):
+        raise TraceFormatError(f"{where}: timestamp={value!r} is invalid; expected a number >= 0")
+    return value
+
+
+def read_mooncake(
+    path: str | Path, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS, group_idx: int = 0
+) -> Iterator[Request]:
+    """Stream a Mooncake trace: `{"timestamp", "input_length", "output_length", "hash_ids"}`.
+
+    Each hash id becomes an `OffloadKey` (the id as 8 big-endian bytes plus the group), so equal
+    ids give equal keys. The last block may be partial, as in the published traces:
+    `(len(hash_ids) - 1) * block_tokens < input_length <= len(hash_ids) * block_tokens`.
+    """
+    path = Path(path)
+    keys: dict[int, OffloadKey] = {}  # one bytes object per id: less memory, cached hashes
+    for lineno, obj in _lines(path):
+        where = f"{path}:{lineno}"
+        ids = obj.get("hash_ids")
+        if not isinstance(ids, list):
+            raise TraceFormatError(f"{where}: field 'hash_ids' must be a list of block ids")
+        length = _int_field(obj, "input_length", where)
+        n = len(ids)
+        fits = (n - 1) * block_tokens < length <= n * block_tokens
+        if not fits and (n > 0 or length > 0):
+            raise TraceFormatError(
+                f"{where}: input_length={length} does not fit {n} blocks of {block_tokens} "
+                f"tokens; expected {(n - 1) * block_tokens + 1}..{n * block_tokens}"
+            )
+        req_keys: list[OffloadKey] = []
+        for block_id in ids:
+            key = keys.get(block_id) if type(block_id) is int else None
+            if key is None:
+                if type(block_id) is not int or not 0 <= block_id <= _MAX_ID:
+                    raise TraceFormatError(
+                        f"{where}: hash id {block_id!r} is invalid; expected an integer "
+                        f"in 0..2**64-1"
+                    )
+                key = keys[block_id] = make_offload_key(block_id.to_bytes(8, "big"), group_idx)
+            req_keys.append(key)
+        yield Request(
+            req_id=f"r{lineno}",
+            keys=req_keys,
+            input_length=length,
+            block_tokens=block_tokens,
+            output_length=_int_field(obj, "output_length", where, default=0),
+            timestamp=_timestamp(obj, where),
+        )
+
+
+def read_token_prompts(
+    path: str | Path,
+    *,
+    block_tokens: int = 16,
+    algorithm: str = "sha256",
+    namespace: str | bytes = b"",
+    group_idx: int = 0,
+) -> Iterator[Request]:
+    """Stream a JSONL of prompts: `{"token_ids": [...], "conversation_id"?, "timestamp"?,
+    "output_length"?}`.
+
+    Prompts are hashed with `kvtier.hashing.BlockHasher` into chained keys of full
+    `block_tokens`-token blocks (a trailing partial block gets no key, as in an engine). The
+    conversation id is kept on the request and in its id, for reports and per-request policies.
+    """
+    path = Path(path)
+    hasher = BlockHasher(block_tokens, algorithm=algorithm, namespace=namespace)
+    interned: dict[bytes, OffloadKey] = {}
+    for lineno, obj in _lines(path):
+        where = f"{path}:{lineno}"
+        tokens = obj.get("token_ids")
+        if not isinstance(tokens, list):
+            raise TraceFormatError(f"{where}: field 'token_ids' must be a list of token ids")
+        conv = obj.get("conversation_id")
+        if conv is not None and type(conv) not in (str, int):
+            raise TraceFormatError(
+                f"{where}: conversation_id={conv!r} is invalid; expected a string or integer"
+            )
+        try:
+            hashes = hasher.hash_blocks(tokens)
+        except (ValueError, TypeError, OverflowError) as e:
+            raise TraceFormatError(f"{where}: bad token_ids ({e})") from None
+        req_keys: list[OffloadKey] = []
+        for h in hashes:
+            key = interned.get(h)
+            if key is None:
+                key = interned[h] = make_offload_key(h, group_idx)
+            req_keys.append(key)
+        conv_id = None if conv is None else str(conv)
+        yield Request(
+            req_id=f"r{lineno}" if conv_id is None else f"{conv_id}/r{lineno}",
+            keys=req_keys,
+            input_length=len(tokens),
+            block_tokens=block_tokens,
+            output_length=_int_field(obj, "output_length", where, default=0),
+            timestamp=_timestamp(obj, where),
+            conversation_id=conv_id,
+        )
+
+
+def detect_format(path: str | Path) -> str:
+    """Say whether `path` is a `"mooncake"` or a `"tokens"` trace, from its first record."""
+    path = Path(path)
+    for lineno, obj in _lines(path):
+        if "hash_ids" in obj:
+            return "mooncake"
+        if "token_ids" in obj:
+            return "tokens"
+        raise TraceFormatError(
+            f"{path}:{lineno}: unknown trace format; expected a 'hash_ids' (Mooncake) or "
+            f"'token_ids' (token prompts) field"
+        )
+    raise TraceFormatError(f"{path}: the trace is empty")
+
+
+def iter_trace(
+    path: str | Path,
+    *,
+    fmt: str = "auto",
+    block_tokens: int | None = None,
+    algorithm: str = "sha256",
+    namespace: str | bytes = b"",
+) -> Iterator[Request]:
+    """Stream the requests of a trace of format `fmt` (`"auto"` detects it).
+
+    `block_tokens` defaults to 512 for Mooncake traces and 16 for token prompts.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"trace format {fmt!r} is unknown; expected one of: {', '.join(FORMATS)}")
+    if block_tokens is not None and (type(block_tokens) is not int or block_tokens < 1):
+        raise ValueError(f"block_tokens={block_tokens!r} is invalid; expected a positive int")
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"trace file {str(path)!r} does not exist")
+    if fmt == "auto":
+        fmt = detect_format(path)
+    if fmt == "mooncake":
+        return read_mooncake(path, block_tokens=block_tokens or MOONCAKE_BLOCK_TOKENS)
+    return read_token_prompts(
+        path, block_tokens=block_tokens or 16, algorithm=algorithm, namespace=namespace
+    )
+
+
+def read_trace(path: str | Path, **kwargs: Any) -> Trace:
+    """Read a whole trace (see `iter_trace` for the arguments) for replays and bounds."""
+    return Trace(iter_trace(path, **kwargs), name=Path(path).name)

@@ -1,0 +1,247 @@
+"""Replay a trace through the real `CPUOffloadingManager`, in `flat` or `engine` mode.
+
+`flat` is the textbook cache simulation: every block of every request, in order, is looked up
+in the CPU tier; a hit is loaded, a miss is offered for storing at once.
+
+`engine` puts a device prefix cache in front (LRU over blocks, like an engine's GPU prefix
+cache). A request's leading blocks found on the device are device hits and only touch the CPU
+tier; every later block is looked up in the CPU tier (a hit is loaded, a miss is computed) and
+then enters the device cache. Computed blocks are offered to the CPU tier as they are computed
+(`store_on="eager"`, write-through as vLLM's offloading connector does) or only when
+the device evicts them (`store_on="on-evict"`). With an empty device both modes are the same
+simulation.
+
+Stores complete at once (the simulator has no transfer latency), so `HIT_PENDING` never occurs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Final
+
+from kvtier.base import LookupResult, OffloadKey
+from kvtier.cpu.manager import CPUOffloadingManager
+from kvtier.sim.result import RunResult
+from kvtier.sim.trace import Request, Trace
+
+STORE_ON: Final = ("eager", "on-evict")
+"""When engine mode offers a computed block to the CPU tier."""
+
+ProgressFn = Callable[[int], None]
+"""Called now and then with the number of requests replayed since the last call."""
+
+_PROGRESS_EVERY: Final = 256
+
+
+class DevicePrefixCache:
+    """An engine's device prefix cache: LRU over blocks, of `capacity` blocks (0 = none).
+
+    Policy-independent: the blocks of every request enter it whether they were loaded or
+    computed, so its contents depend on the trace alone.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError(f"device capacity={capacity} is invalid; expected >= 0 blocks")
+        self.capacity = capacity
+        self._order: OrderedDict[OffloadKey, None] = OrderedDict()
+
+    def prefix_hits(self, keys: Sequence[OffloadKey]) -> int:
+        """Number of leading `keys` held on the device."""
+        order = self._order
+        n = 0
+        for key in keys:
+            if key not in order:
+                break
+            n += 1
+        return n
+
+    def add(self, key: OffloadKey) -> OffloadKey | None:
+        """Record a use of `key` (inserting it if new); return the block evicted, if any."""
+        order = self._order
+        if key in order:
+            order.move_to_end(key)
+            return None
+        if self.capacity == 0:
+            return key
+        order[key] = None
+        if len(order) > self.capacity:
+            return order.popitem(last=False)[0]
+        return None
+
+
+def make_manager(
+    policy: str, capacity: int, *, store_threshold: int = 0, max_tracker_size: int = 64_000
+) -> CPUOffloadingManager:
+    """The manager a replay drives: `capacity` slots ordered by cache policy `policy`."""
+    return CPUOffloadingManager(
+        capacity, policy, store_threshold=store_threshold, max_tracker_size=max_tracker_size
+    )
+
+
+def _result(
+    mgr: CPUOffloadingManager,
+    trace: Trace,
+    *,
+    policy: str,
+    mode: str,
+    store_threshold: int,
+    hits: int,
+    prefix_tokens: int,
+    saved: int,
+    cpu_lookups: int,
+    seconds: float,
+) -> RunResult:
+    stats = mgr.get_stats()
+    return RunResult(
+        policy=policy,
+        mode=mode,
+        capacity_blocks=mgr.num_slots,
+        capacity_frac=mgr.num_slots / trace.num_unique_blocks if trace.num_unique_blocks else 0,
+        store_threshold=store_threshold,
+        requests=len(trace),
+        blocks=trace.num_blocks,
+        tokens=trace.num_tokens,
+        block_tokens=trace.block_tokens,
+        hits=hits,
+        prefix_tokens=prefix_tokens,
+        prefill_tokens_saved=saved,
+        cpu_lookups=cpu_lookups,
+        cpu_hits=stats.hits,
+        loads=stats.loads,
+        stores=stats.stores,
+        evictions=stats.evictions,
+        stores_skipped=stats.stores_skipped,
+        seconds=seconds,
+    )
+
+
+def replay_flat(
+    trace: Trace,
+    mgr: CPUOffloadingManager,
+    *,
+    policy: str = "",
+    store_threshold: int = 0,
+    progress: ProgressFn | None = None,
+) -> RunResult:
+    """Replay every block access of `trace` through `mgr` (the textbook simulation)."""
+    hit_result = LookupResult.HIT
+    lookup, prepare_load, complete_load = mgr.lookup, mgr.prepare_load, mgr.complete_load
+    prepare_store, complete_store = mgr.prepare_store, mgr.complete_store
+    hits = 0
+    prefix_tokens = 0
+    requests: list[Request] = trace.requests
+    start = time.perf_counter()
+    for n, req in enumerate(requests, start=1):
+        ctx = req.ctx
+        mgr.on_new_request(ctx)
+        prefix = -1  # blocks before the first miss; -1 while none missed
+        for i, key in enumerate(req.keys):
+            if lookup(key, ctx) is hit_result:
+                one = (key,)
+                prepare_load(one, ctx)
+                complete_load(one, ctx)
+                hits += 1
+            else:
+                if prefix < 0:
+                    prefix = i
+                out = prepare_store((key,), ctx)
+                if out is not None and out.keys_to_store:
+                    complete_store(out.keys_to_store, ctx)
+        mgr.on_request_finished(ctx)
+        prefix_tokens += req.prefix_tokens(len(req.keys) if prefix < 0 else prefix)
+        if progress is not None and n % _PROGRESS_EVERY == 0:
+            progress(_PROGRESS_EVERY)
+    seconds = time.perf_counter() - start
+    if progress is not None:
+        progress(len(requests) % _PROGRESS_EVERY)
+    return _result(
+        mgr,
+        trace,
+        policy=policy or mgr.policy.name,
+        mode="flat",
+        store_threshold=store_threshold,
+        hits=hits,
+        prefix_tokens=prefix_tokens,
+        saved=prefix_tokens,
+        cpu_lookups=trace.num_blocks,
+        seconds=seconds,
+    )
+
+
+def replay_engine(
+    trace: Trace,
+    mgr: CPUOffloadingManager,
+    *,
+    device_blocks: int,
+    store_on: str = "eager",
+    policy: str = "",
+    store_threshold: int = 0,
+    progress: ProgressFn | None = None,
+) -> RunResult:
+    """Replay `trace` with a device prefix cache of `device_blocks` blocks in front of `mgr`."""
+    if store_on not in STORE_ON:
+        raise ValueError(f"store_on={store_on!r} is invalid; expected one of: {STORE_ON}")
+    eager = store_on == "eager"
+    device = DevicePrefixCache(device_blocks)
+    hit_result = LookupResult.HIT
+    lookup, prepare_load, complete_load = mgr.lookup, mgr.prepare_load, mgr.complete_load
+    prepare_store, complete_store = mgr.prepare_store, mgr.complete_store
+    hits = device_hits = cpu_lookups = prefix_tokens = saved = 0
+    start = time.perf_counter()
+    for n, req in enumerate(trace.requests, start=1):
+        ctx = req.ctx
+        keys = req.keys
+        mgr.on_new_request(ctx)
+        d = device.prefix_hits(keys)
+        if d:
+            mgr.touch(keys[:d], ctx)
+        prefix = -1
+        for i, key in enumerate(keys):
+            if i >= d:
+                cpu_lookups += 1
+                if lookup(key, ctx) is hit_result:
+                    one = (key,)
+                    prepare_load(one, ctx)
+                    complete_load(one, ctx)
+                    hits += 1
+                else:
+                    if prefix < 0:
+                        prefix = i
+                    if eager:
+                        out = prepare_store((key,), ctx)
+                        if out is not None and out.keys_to_store:
+                            complete_store(out.keys_to_store, ctx)
+            evicted = device.add(key)
+            if evicted is not None and not eager:
+                out = prepare_store((evicted,), ctx)
+                if out is not None and out.keys_to_store:
+                    complete_store(out.keys_to_store, ctx)
+        mgr.on_request_finished(ctx)
+        device_hits += d
+        served = req.prefix_tokens(len(keys) if prefix < 0 else prefix)
+        prefix_tokens += served
+        saved += served - req.prefix_tokens(d)
+        if progress is not None and n % _PROGRESS_EVERY == 0:
+            progress(_PROGRESS_EVERY)
+    seconds = time.perf_counter() - start
+    if progress is not None:
+        progress(len(trace) % _PROGRESS_EVERY)
+    result = _result(
+        mgr,
+        trace,
+        policy=policy or mgr.policy.name,
+        mode="engine",
+        store_threshold=store_threshold,
+        hits=hits + device_hits,
+        prefix_tokens=prefix_tokens,
+        saved=saved,
+        cpu_lookups=cpu_lookups,
+        seconds=seconds,
+    )
+    result.device_blocks = device_blocks
+    result.device_hits = device_hits
+    result.store_on = store_on
+    return result

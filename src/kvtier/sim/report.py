@@ -1,0 +1,142 @@
+"""Reports of a grid of replays: a table for people; JSON, CSV and a plot for programs."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from rich.table import Table
+
+from kvtier.sim.advise import Advice
+from kvtier.sim.result import RunResult
+from kvtier.sim.shapes import ModelShape
+
+_GIB = 2**30
+
+
+def rows(results: Sequence[RunResult], shape: ModelShape | None = None) -> list[dict[str, Any]]:
+    """One flat dict per run (the JSON and CSV form)."""
+    return [r.to_row(shape) for r in results]
+
+
+def write_json(results: Sequence[RunResult], out: IO[str], shape: ModelShape | None) -> None:
+    """Write the runs as a JSON list of rows."""
+    json.dump(rows(results, shape), out, indent=2)
+    out.write("\n")
+
+
+def write_csv(results: Sequence[RunResult], out: IO[str], shape: ModelShape | None) -> None:
+    """Write the runs as CSV, one row per run, with a header."""
+    data = rows(results, shape)
+    if not data:
+        return
+    writer = csv.DictWriter(out, fieldnames=list(data[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(data)
+
+
+def results_table(
+    results: Sequence[RunResult], shape: ModelShape | None, *, title: str = ""
+) -> Table:
+    """A rich table: one row per policy and capacity, with OPT's ratio at the same capacity."""
+    opt = {r.capacity_blocks: r.block_hit_ratio for r in results if r.policy == "opt"}
+    engine = any(r.mode == "engine" for r in results)
+    table = Table(title=title or None, show_lines=False)
+    table.add_column("policy")
+    table.add_column("capacity", justify="right")
+    table.add_column("% uniq", justify="right")
+    table.add_column("block hit %", justify="right")
+    if opt:
+        table.add_column("of OPT", justify="right")
+    table.add_column("prefix hit %", justify="right")
+    if engine:
+        table.add_column("CPU hit %", justify="right")
+    for name in ("loads", "stores", "evictions", "skipped"):
+        table.add_column(name, justify="right")
+    if shape is not None:
+        table.add_column("GiB loaded", justify="right")
+        table.add_column("GiB stored", justify="right")
+        table.add_column("prefill saved", justify="right")
+    table.add_column("blocks/s", justify="right")
+    block_bytes = shape.block_bytes(results[0].block_tokens) if shape and results else 0
+    for r in results:
+        cells = [r.policy, f"{r.capacity_blocks:,}", f"{100 * r.capacity_frac:.1f}"]
+        cells.append(f"{100 * r.block_hit_ratio:.2f}")
+        if opt:
+            best = opt.get(r.capacity_blocks)
+            cells.append(f"{r.block_hit_ratio / best:.2f}" if best else "")
+        cells.append(f"{100 * r.prefix_hit_ratio:.2f}")
+        if engine:
+            cells.append(f"{100 * r.cpu_hit_ratio:.2f}")
+        cells += [f"{r.loads:,}", f"{r.stores:,}", f"{r.evictions:,}", f"{r.stores_skipped:,}"]
+        if shape is not None:
+            cells.append(f"{r.loads * block_bytes / _GIB:,.1f}")
+            cells.append(f"{r.stores * block_bytes / _GIB:,.1f}")
+            cells.append(f"{r.prefill_tokens_saved:,}")
+        cells.append(f"{r.blocks_per_s:,.0f}")
+        table.add_row(*cells)
+    return table
+
+
+def advice_table(advice: Sequence[Advice], unique_blocks: int, infinite: float) -> Table:
+    """A rich table of `--advise` answers."""
+    table = Table(
+        title=f"smallest capacity reaching {100 * advice[0].target:.2f}% block hits "
+        f"(95% of the infinite cache's {100 * infinite:.2f}%; {unique_blocks:,} unique blocks)"
+        if advice
+        else None
+    )
+    for name in ("policy", "capacity", "% uniq", "block hit %", "replays"):
+        table.add_column(name, justify="left" if name == "policy" else "right")
+    for a in advice:
+        if a.capacity_blocks is None or a.capacity_frac is None:
+            reached = f"{100 * a.block_hit_ratio:.2f}" if a.block_hit_ratio is not None else ""
+            table.add_row(a.policy, "never", "", reached, str(a.replays))
+        else:
+            table.add_row(
+                a.policy,
+                f"{a.capacity_blocks:,}",
+                f"{100 * a.capacity_frac:.1f}",
+                f"{100 * (a.block_hit_ratio or 0.0):.2f}",
+                str(a.replays),
+            )
+    return table
+
+
+class PlotUnavailable(RuntimeError):
+    """matplotlib is not installed."""
+
+
+def plot_miss_ratio(results: Sequence[RunResult], path: str | Path, *, title: str = "") -> None:
+    """Save a miss-ratio curve: miss ratio against capacity, one line per policy."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise PlotUnavailable(
+            "--plot needs matplotlib; install it with `pip install kvtier[plot]`"
+        ) from e
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    infinite = [r for r in results if r.policy == "infinite"]
+    policies = dict.fromkeys(r.policy for r in results if r.policy != "infinite")
+    for policy in policies:
+        pts = sorted(
+            (100 * r.capacity_frac, 1 - r.block_hit_ratio) for r in results if r.policy == policy
+        )
+        style = "--" if policy == "opt" else "-"
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=policy)
+    if infinite:
+        ax.axhline(1 - infinite[0].block_hit_ratio, color="grey", linestyle=":", label="infinite")
+    ax.set_xlabel("capacity (% of the trace's unique blocks)")
+    ax.set_ylabel("block miss ratio")
+    ax.set_title(title or "miss-ratio curve")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

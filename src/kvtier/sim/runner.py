@@ -1,0 +1,162 @@
+"""Run many replays of one trace (policies × capacities), in parallel processes when asked.
+
+Worker processes are forked after the trace is loaded, so they share it instead of receiving a
+copy; where fork is unavailable the runs stay in this process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
+
+from kvtier.sim.bounds import opt_result
+from kvtier.sim.replay import ProgressFn, make_manager, replay_engine, replay_flat
+from kvtier.sim.result import RunResult
+from kvtier.sim.trace import Trace
+
+BOUNDS: Final = {
+    "opt": "Belady's optimum: offline, reads the future; an upper bound on block hit ratio",
+    "infinite": "a tier that holds every block: the limit of any policy at any capacity",
+}
+"""Rows the simulator computes besides the registered cache policies."""
+
+MODES: Final = ("flat", "engine")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayOptions:
+    """How every run of a grid replays the trace."""
+
+    mode: str = "flat"
+    store_threshold: int = 0
+    max_tracker_size: int = 64_000
+    device_blocks: int = 0
+    store_on: str = "eager"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r} is invalid; expected one of: {MODES}")
+
+
+def run_one(
+    trace: Trace,
+    policy: str,
+    capacity: int,
+    opts: ReplayOptions,
+    progress: ProgressFn | None = None,
+) -> RunResult:
+    """One replay: a registered cache policy, `"opt"`, or `"infinite"` at `capacity` blocks."""
+    if policy == "opt":
+        result = opt_result(
+            trace,
+            capacity,
+            mode=opts.mode,
+            device_blocks=opts.device_blocks,
+            store_on=opts.store_on,
+        )
+        if progress is not None:
+            progress(len(trace))
+        return result
+    threshold = opts.store_threshold
+    if policy == "infinite":
+        # Room for every block, so nothing is ever evicted and the policy is irrelevant; the
+        # bound admits everything, whatever the runs' admission.
+        capacity = max(1, trace.num_unique_blocks)
+        threshold = 0
+        mgr = make_manager("lru", capacity)
+    else:
+        mgr = make_manager(
+            policy, capacity, store_threshold=threshold, max_tracker_size=opts.max_tracker_size
+        )
+    if opts.mode == "flat":
+        result = replay_flat(trace, mgr, store_threshold=threshold, progress=progress)
+    else:
+        result = replay_engine(
+            trace,
+            mgr,
+            device_blocks=opts.device_blocks,
+            store_on=opts.store_on,
+            store_threshold=threshold,
+            progress=progress,
+        )
+    result.policy = policy
+    return result
+
+
+# The trace workers replay: set before the pool forks so children inherit it without pickling.
+_SHARED_TRACE: Trace | None = None
+
+_T = TypeVar("_T")
+
+
+def _call_shared(fn: Callable[..., _T], args: tuple[Any, ...]) -> _T:
+    assert _SHARED_TRACE is not None, "worker started without a trace"
+    return fn(_SHARED_TRACE, *args)
+
+
+def _fork_available() -> bool:
+    return "fork" in multiprocessing.get_all_start_methods()
+
+
+def default_jobs() -> int:
+    """Worker processes to use: one per CPU this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def map_trace(
+    trace: Trace,
+    fn: Callable[..., _T],
+    arg_lists: Sequence[tuple[Any, ...]],
+    *,
+    jobs: int = 1,
+    on_done: Callable[[], None] | None = None,
+) -> list[_T] | None:
+    """`[fn(trace, *args) for args in arg_lists]` over `jobs` forked processes, in order.
+
+    `fn` must be a module-level function. Returns `None` when the work should stay in this
+    process (one job, or no fork on this platform), so the caller can report finer progress.
+    """
+    if jobs < 1:
+        raise ValueError(f"jobs={jobs} is invalid; expected >= 1")
+    jobs = min(jobs, len(arg_lists))
+    if jobs <= 1 or not _fork_available():
+        return None
+    global _SHARED_TRACE
+    _SHARED_TRACE = trace
+    try:
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+            futures = [pool.submit(_call_shared, fn, args) for args in arg_lists]
+            if on_done is not None:
+                for fut in futures:
+                    fut.add_done_callback(lambda _f: on_done())
+            return [f.result() for f in futures]
+    finally:
+        _SHARED_TRACE = None
+
+
+def run_grid(
+    trace: Trace,
+    runs: Sequence[tuple[str, int]],
+    opts: ReplayOptions,
+    *,
+    jobs: int = 1,
+    progress: ProgressFn | None = None,
+) -> list[RunResult]:
+    """Replay `trace` once per `(policy, capacity)` in `runs`; results come in `runs` order.
+
+    With `jobs > 1` the runs are spread over forked worker processes and `progress` hears of
+    each run when it finishes; otherwise it hears of requests as they are replayed.
+    """
+    on_done = (lambda: progress(len(trace))) if progress is not None else None
+    results = map_trace(trace, run_one, [(p, c, opts) for p, c in runs], jobs=jobs, on_done=on_done)
+    if results is None:
+        results = [run_one(trace, p, c, opts, progress) for p, c in runs]
+    return results

@@ -1,0 +1,129 @@
+"""Model shapes (bytes per block) and capacity specs ("5%", "20000", "64GiB")."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Final
+
+DTYPE_BYTES: Final = {
+    "fp32": 4,
+    "float32": 4,
+    "fp16": 2,
+    "float16": 2,
+    "bf16": 2,
+    "bfloat16": 2,
+    "fp8": 1,
+    "float8": 1,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The KV-cache geometry of a model: K and V of `kv_heads * head_dim` values per layer."""
+
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        for field_name in ("layers", "kv_heads", "head_dim"):
+            value = getattr(self, field_name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{field_name}={value!r} is invalid; expected a positive int")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(
+                f"dtype {self.dtype!r} is unknown; expected one of: {', '.join(DTYPE_BYTES)}"
+            )
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes of one token over all layers (K and V)."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    def block_bytes(self, block_tokens: int) -> int:
+        """KV bytes of one `block_tokens`-token block."""
+        return self.bytes_per_token * block_tokens
+
+
+MODEL_PRESETS: Final = {
+    s.name: s
+    for s in (
+        ModelShape("llama-3-8b", 32, 8, 128),
+        ModelShape("llama-3-70b", 80, 8, 128),
+        ModelShape("qwen-2.5-7b", 28, 4, 128),
+        ModelShape("qwen-2.5-72b", 80, 8, 128),
+        ModelShape("mistral-7b", 32, 8, 128),
+    )
+}
+"""Shapes of a few common models, by name (dtype bf16)."""
+
+
+def parse_model_shape(spec: str) -> ModelShape:
+    """A preset name, or `LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]` such as `32,8,128,bf16`."""
+    if spec in MODEL_PRESETS:
+        return MODEL_PRESETS[spec]
+    parts = [p.strip() for p in spec.split(",")]
+    if len(parts) in (3, 4) and all(p.isdigit() for p in parts[:3]):
+        layers, kv_heads, head_dim = (int(p) for p in parts[:3])
+        dtype = parts[3] if len(parts) == 4 else "bf16"
+        return ModelShape(spec, layers, kv_heads, head_dim, dtype)
+    raise ValueError(
+        f"model shape {spec!r} is unknown; expected a preset ({', '.join(MODEL_PRESETS)}) "
+        "or LAYERS,KV_HEADS,HEAD_DIM[,DTYPE] such as 32,8,128,bf16"
+    )
+
+
+_UNITS: Final = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_CAPACITY_RE: Final = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(%|[a-zA-Z]+)?\s*$")
+
+
+def parse_capacity(
+    spec: str, *, unique_blocks: int, block_bytes: int | None = None
+) -> tuple[int, float]:
+    """Turn a capacity spec into `(blocks, share of the trace's unique blocks)`.
+
+    `"5%"` is a share of `unique_blocks` (rounded to the nearest block), `"20000"` a block
+    count, `"64GiB"` (or GB, MiB, …) a byte size divided by `block_bytes`, which needs a
+    model shape. Every capacity is at least one block.
+    """
+    m = _CAPACITY_RE.match(spec)
+    if m is None:
+        raise ValueError(
+            f"capacity {spec!r} is invalid; expected a share ('5%'), a block count ('20000') "
+            "or a size ('64GiB')"
+        )
+    number, unit = float(m.group(1)), (m.group(2) or "")
+    if unit == "%":
+        blocks = round(unique_blocks * number / 100)
+    elif not unit:
+        if not m.group(1).isdigit():
+            raise ValueError(f"capacity {spec!r} is invalid; a block count must be an integer")
+        blocks = int(m.group(1))
+    elif unit.lower() in _UNITS:
+        if block_bytes is None:
+            raise ValueError(
+                f"capacity {spec!r} is a size in bytes; give --model-shape so it can be "
+                "converted to blocks"
+            )
+        blocks = int(number * _UNITS[unit.lower()]) // block_bytes
+    else:
+        raise ValueError(
+            f"capacity {spec!r} has unknown unit {unit!r}; expected % or one of: "
+            "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+        )
+    if blocks < 1:
+        raise ValueError(f"capacity {spec!r} is less than one block")
+    return blocks, blocks / unique_blocks if unique_blocks else 0.0
