@@ -9,7 +9,10 @@ from kvtier.base import OffloadKey, ReqContext
 from kvtier.policies.base import CachePolicy, register_policy
 
 
-@register_policy("lru", "least recently used: evicts the chunk whose last use is oldest")
+@register_policy(
+    "lru",
+    "least recently used: evicts the chunk used longest ago (a prefix's tail before its head)",
+)
 class LRUPolicy(CachePolicy):
     """Evicts the candidate used least recently; an unpinned key counts as just used."""
 
@@ -24,14 +27,17 @@ class LRUPolicy(CachePolicy):
     def __contains__(self, key: object) -> bool:
         return key in self._order
 
+    # A call's keys come head first. They are applied tail first so that a prefix's head ends
+    # up most recent: its tail is useless without it, so the tail should leave first.
+
     def insert(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
         order = self._order
-        for key in keys:
+        for key in reversed(keys):
             order[key] = None
 
     def touch(self, keys: Iterable[OffloadKey], ctx: ReqContext | None) -> None:
         order = self._order
-        for key in keys:
+        for key in reversed(list(keys)):
             if key in order:
                 order.move_to_end(key)
 
