@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from kvtier.policies import registered_policies
 from kvtier.sim.advise import Advice, advise
 from kvtier.sim.readers import FORMATS, read_trace
-from kvtier.sim.replay import STORE_ON, ProgressFn
+from kvtier.sim.replay import HIT_ACTIONS, STORE_ON, ProgressFn
 from kvtier.sim.report import (
     PlotUnavailable,
     advice_table,
@@ -69,6 +69,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=STORE_ON,
         default="eager",
         help="engine mode: offer computed blocks as computed (eager) or on device eviction",
+    )
+    p.add_argument(
+        "--hits",
+        choices=HIT_ACTIONS,
+        default=None,
+        help="record a CPU hit as a use (touch) or a pinned load (load); default: touch in "
+        "flat mode (textbook), load in engine mode",
     )
     p.add_argument(
         "--store-threshold",
@@ -193,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
         max_tracker_size=args.max_tracker_size,
         device_blocks=device_blocks,
         store_on=args.store,
+        hits_as=args.hits,
     )
     if "opt" in policies and args.mode == "engine" and args.store != "eager":
         print(

@@ -1,7 +1,7 @@
 """Replay a trace through the real `CPUOffloadingManager`, in `flat` or `engine` mode.
 
 `flat` is the textbook cache simulation: every block of every request, in order, is looked up
-in the CPU tier; a hit is loaded, a miss is offered for storing at once.
+in the CPU tier; a hit is a use, a miss is offered for storing at once.
 
 `engine` puts a device prefix cache in front (LRU over blocks, like an engine's GPU prefix
 cache). A request's leading blocks found on the device are device hits and only touch the CPU
@@ -10,6 +10,11 @@ then enters the device cache. Computed blocks are offered to the CPU tier as the
 (`store_on="eager"`, write-through as vLLM's offloading connector does) or only when
 the device evicts them (`store_on="on-evict"`). With an empty device both modes are the same
 simulation.
+
+A CPU hit is recorded as `hits="touch"` (a use: `touch`, the textbook simulation and flat
+mode's default) or `hits="load"` (`prepare_load` then `complete_load`, as an engine pins a
+block while it is read; engine mode's default). Policies that treat an unpin differently from a
+touch (S3-FIFO returns an unpinned key to its queue's head) give different hit ratios.
 
 Stores complete at once (the simulator has no transfer latency), so `HIT_PENDING` never occurs.
 """
@@ -28,6 +33,9 @@ from kvtier.sim.trace import Request, Trace
 
 STORE_ON: Final = ("eager", "on-evict")
 """When engine mode offers a computed block to the CPU tier."""
+
+HIT_ACTIONS: Final = ("touch", "load")
+"""How a replay records a CPU-tier hit."""
 
 ProgressFn = Callable[[int], None]
 """Called now and then with the number of requests replayed since the last call."""
@@ -81,6 +89,12 @@ def make_manager(
     )
 
 
+def _check_hits_as(hits_as: str) -> bool:
+    if hits_as not in HIT_ACTIONS:
+        raise ValueError(f"hits_as={hits_as!r} is invalid; expected one of: {HIT_ACTIONS}")
+    return hits_as == "load"
+
+
 def _result(
     mgr: CPUOffloadingManager,
     trace: Trace,
@@ -93,6 +107,7 @@ def _result(
     saved: int,
     cpu_lookups: int,
     seconds: float,
+    hits_as: str,
 ) -> RunResult:
     stats = mgr.get_stats()
     return RunResult(
@@ -110,11 +125,13 @@ def _result(
         prefill_tokens_saved=saved,
         cpu_lookups=cpu_lookups,
         cpu_hits=stats.hits,
-        loads=stats.loads,
+        # A touched hit is still a block the engine would load.
+        loads=stats.loads if hits_as == "load" else stats.hits,
         stores=stats.stores,
         evictions=stats.evictions,
         stores_skipped=stats.stores_skipped,
         seconds=seconds,
+        hits_as=hits_as,
     )
 
 
@@ -124,9 +141,12 @@ def replay_flat(
     *,
     policy: str = "",
     store_threshold: int = 0,
+    hits_as: str = "touch",
     progress: ProgressFn | None = None,
 ) -> RunResult:
     """Replay every block access of `trace` through `mgr` (the textbook simulation)."""
+    load = _check_hits_as(hits_as)
+    touch = mgr.touch
     hit_result = LookupResult.HIT
     lookup, prepare_load, complete_load = mgr.lookup, mgr.prepare_load, mgr.complete_load
     prepare_store, complete_store = mgr.prepare_store, mgr.complete_store
@@ -141,8 +161,11 @@ def replay_flat(
         for i, key in enumerate(req.keys):
             if lookup(key, ctx) is hit_result:
                 one = (key,)
-                prepare_load(one, ctx)
-                complete_load(one, ctx)
+                if load:
+                    prepare_load(one, ctx)
+                    complete_load(one, ctx)
+                else:
+                    touch(one, ctx)
                 hits += 1
             else:
                 if prefix < 0:
@@ -168,6 +191,7 @@ def replay_flat(
         saved=prefix_tokens,
         cpu_lookups=trace.num_blocks,
         seconds=seconds,
+        hits_as=hits_as,
     )
 
 
@@ -179,11 +203,14 @@ def replay_engine(
     store_on: str = "eager",
     policy: str = "",
     store_threshold: int = 0,
+    hits_as: str = "load",
     progress: ProgressFn | None = None,
 ) -> RunResult:
     """Replay `trace` with a device prefix cache of `device_blocks` blocks in front of `mgr`."""
     if store_on not in STORE_ON:
         raise ValueError(f"store_on={store_on!r} is invalid; expected one of: {STORE_ON}")
+    load = _check_hits_as(hits_as)
+    touch = mgr.touch
     eager = store_on == "eager"
     device = DevicePrefixCache(device_blocks)
     hit_result = LookupResult.HIT
@@ -204,8 +231,11 @@ def replay_engine(
                 cpu_lookups += 1
                 if lookup(key, ctx) is hit_result:
                     one = (key,)
-                    prepare_load(one, ctx)
-                    complete_load(one, ctx)
+                    if load:
+                        prepare_load(one, ctx)
+                        complete_load(one, ctx)
+                    else:
+                        touch(one, ctx)
                     hits += 1
                 else:
                     if prefix < 0:
@@ -240,6 +270,7 @@ def replay_engine(
         saved=saved,
         cpu_lookups=cpu_lookups,
         seconds=seconds,
+        hits_as=hits_as,
     )
     result.device_blocks = device_blocks
     result.device_hits = device_hits

@@ -39,6 +39,7 @@ class RunResult:
     device_blocks: int | None = None
     device_hits: int = 0
     store_on: str | None = None
+    hits_as: str | None = None
 
     @property
     def block_hit_ratio(self) -> float:

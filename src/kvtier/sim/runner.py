@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 from kvtier.sim.bounds import opt_result
-from kvtier.sim.replay import ProgressFn, make_manager, replay_engine, replay_flat
+from kvtier.sim.replay import (
+    HIT_ACTIONS,
+    ProgressFn,
+    make_manager,
+    replay_engine,
+    replay_flat,
+)
 from kvtier.sim.result import RunResult
 from kvtier.sim.trace import Trace
 
@@ -36,10 +42,14 @@ class ReplayOptions:
     max_tracker_size: int = 64_000
     device_blocks: int = 0
     store_on: str = "eager"
+    hits_as: str | None = None
+    """`"touch"` or `"load"`; `None` picks the mode's default (flat: touch, engine: load)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} is invalid; expected one of: {MODES}")
+        if self.hits_as not in (None, *HIT_ACTIONS):
+            raise ValueError(f"hits_as={self.hits_as!r} is invalid; expected one of: {HIT_ACTIONS}")
 
 
 def run_one(
@@ -73,7 +83,13 @@ def run_one(
             policy, capacity, store_threshold=threshold, max_tracker_size=opts.max_tracker_size
         )
     if opts.mode == "flat":
-        result = replay_flat(trace, mgr, store_threshold=threshold, progress=progress)
+        result = replay_flat(
+            trace,
+            mgr,
+            store_threshold=threshold,
+            hits_as=opts.hits_as or "touch",
+            progress=progress,
+        )
     else:
         result = replay_engine(
             trace,
@@ -81,6 +97,7 @@ def run_one(
             device_blocks=opts.device_blocks,
             store_on=opts.store_on,
             store_threshold=threshold,
+            hits_as=opts.hits_as or "load",
             progress=progress,
         )
     result.policy = policy
