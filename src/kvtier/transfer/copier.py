@@ -1,0 +1,152 @@
+"""Executes one job's copies with batched torch index ops; the same code serves CPU and CUDA.
+
+Per segment, a job is one gather (`index_select` into a strided `out=` view) when the
+destination rows form one run, one scatter (`index_copy_`) when the source rows do, and otherwise
+a gather into a small staging buffer followed by one scatter of whole pages. The staging buffer is
+sized to stay in cache (CPU) so the detour costs cache traffic, not memory traffic. Bytes are
+viewed as the widest integer-like dtype their alignment allows, because the scatter kernel copies
+one element per iteration.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.transfer.plan import Direction, Job
+from kvtier.transfer.registration import KVCacheRegistration
+
+# Element types used only to move bytes: copies never interpret them as numbers.
+_WIDE: tuple[tuple[int, torch.dtype], ...] = (
+    (16, torch.complex128),
+    (8, torch.int64),
+    (4, torch.int32),
+    (2, torch.int16),
+    (1, torch.uint8),
+)
+
+
+def _wide(view: torch.Tensor, *alignments: int) -> torch.Tensor:
+    """`view` (uint8, 2-D, rows contiguous) as the widest dtype every alignment allows."""
+    g = 0
+    for a in (*alignments, view.shape[1], view.stride(0), view.data_ptr(), view.storage_offset()):
+        g = math.gcd(g, a)
+    for size, dtype in _WIDE:
+        if g % size == 0:
+            return view.view(dtype)
+    raise AssertionError("unreachable: 1 divides everything")
+
+
+def _rows(flat: torch.Tensor, num_rows: int, width: int, stride: int, offset: int) -> torch.Tensor:
+    return flat.as_strided((num_rows, width), (stride, 1), flat.storage_offset() + offset)
+
+
+@dataclass(slots=True)
+class _SegmentCopy:
+    dev: torch.Tensor
+    """(num_blocks, w) device rows"""
+    host: torch.Tensor
+    """(host_rows, w) columns of the host rows"""
+    stage: torch.Tensor
+    """(stage_rows, w) columns of the staging rows"""
+
+
+@dataclass(slots=True)
+class _GroupCopy:
+    segments: list[_SegmentCopy]
+    host_page: torch.Tensor
+    stage_page: torch.Tensor
+    stage_rows: int
+
+
+class BlockCopier:
+    """Copies a job's blocks between the registered device tensors and the host rows.
+
+    `host_rows` is the pool's `(rows, row_bytes)` uint8 view as the copy device sees it (the pool
+    itself on CPU, a device alias of pinned memory on CUDA); `stage` a flat uint8 scratch buffer
+    on the copy device of at least `row_bytes` bytes. Not thread-safe: one caller at a time.
+    """
+
+    def __init__(
+        self, registration: KVCacheRegistration, host_rows: torch.Tensor, stage: torch.Tensor
+    ) -> None:
+        row_bytes = int(host_rows.shape[1])
+        if stage.numel() < row_bytes:
+            raise ValueError(f"stage of {stage.numel()} bytes cannot hold one {row_bytes}-byte row")
+        n_host = int(host_rows.shape[0])
+        host_flat = host_rows.reshape(-1)
+        self._groups: dict[int, _GroupCopy] = {}
+        for g in registration.groups:
+            page = registration.page_bytes(g)
+            stage_rows = stage.numel() // page
+            segments = []
+            col = 0
+            for seg in registration.segments(g):
+                dev = seg.rows
+                host = _rows(host_flat, n_host, seg.width, row_bytes, col)
+                st = _rows(stage, stage_rows, seg.width, page, col)
+                align = math.gcd(dev.data_ptr(), seg.stride, host.data_ptr(), row_bytes)
+                align = math.gcd(align, st.data_ptr(), page)
+                segments.append(
+                    _SegmentCopy(_wide(dev, align), _wide(host, align), _wide(st, align))
+                )
+                col += seg.width
+            host_page = _rows(host_flat, n_host, page, row_bytes, 0)
+            stage_page = _rows(stage, stage_rows, page, page, 0)
+            align = math.gcd(row_bytes, page)
+            self._groups[g] = _GroupCopy(
+                segments, _wide(host_page, align), _wide(stage_page, align), stage_rows
+            )
+
+    def run(self, job: Job, dev_idx: torch.Tensor, host_idx: torch.Tensor) -> None:
+        """Copy `job`'s blocks; `dev_idx`/`host_idx` are its rows as int64 on the copy device."""
+        n = len(job)
+        if n == 0:
+            return
+        group = self._groups[job.group]
+        if job.direction is Direction.STORE:
+            self._store(group, job, n, dev_idx, host_idx)
+        else:
+            self._load(group, job, n, dev_idx, host_idx)
+
+    @staticmethod
+    def _store(
+        g: _GroupCopy, job: Job, n: int, dev_idx: torch.Tensor, host_idx: torch.Tensor
+    ) -> None:
+        if job.host_run is not None:
+            h = job.host_run
+            for s in g.segments:
+                torch.index_select(s.dev, 0, dev_idx, out=s.host[h : h + n])
+        elif job.dev_run is not None:
+            d = job.dev_run
+            for s in g.segments:
+                s.host.index_copy_(0, host_idx, s.dev[d : d + n])
+        else:
+            step = g.stage_rows
+            for a in range(0, n, step):
+                b = min(n, a + step)
+                for s in g.segments:
+                    torch.index_select(s.dev, 0, dev_idx[a:b], out=s.stage[: b - a])
+                g.host_page.index_copy_(0, host_idx[a:b], g.stage_page[: b - a])
+
+    @staticmethod
+    def _load(
+        g: _GroupCopy, job: Job, n: int, dev_idx: torch.Tensor, host_idx: torch.Tensor
+    ) -> None:
+        if job.dev_run is not None:
+            d = job.dev_run
+            for s in g.segments:
+                torch.index_select(s.host, 0, host_idx, out=s.dev[d : d + n])
+        elif job.host_run is not None:
+            h = job.host_run
+            for s in g.segments:
+                s.dev.index_copy_(0, dev_idx, s.host[h : h + n])
+        else:
+            step = g.stage_rows
+            for a in range(0, n, step):
+                b = min(n, a + step)
+                torch.index_select(g.host_page, 0, host_idx[a:b], out=g.stage_page[: b - a])
+                for s in g.segments:
+                    s.dev.index_copy_(0, dev_idx[a:b], s.stage[: b - a])

@@ -1,0 +1,116 @@
+"""The CPU backend: copies run on one background thread; torch releases the GIL inside them."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+
+import torch
+
+from kvtier.base import TransferResult
+from kvtier.transfer.copier import BlockCopier
+from kvtier.transfer.host_pool import HostPool
+from kvtier.transfer.plan import Job
+from kvtier.transfer.registration import KVCacheRegistration
+from kvtier.transfer.worker import FaultInjector, TransferWorker
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STAGE_BYTES = 1 << 20
+"""Scratch for copies whose both sides are scattered: small enough to stay in a core's L2."""
+
+
+class CPUTransferWorker(TransferWorker):
+    """Transfer worker for KV tensors in host memory (tests, CI, CPU inference).
+
+    One thread runs jobs in submission order, urgent loads first; so on this backend a load
+    never overtakes an earlier store of any lane except by being urgent.
+    """
+
+    def __init__(
+        self,
+        registration: KVCacheRegistration,
+        pool: HostPool,
+        *,
+        stage_bytes: int = DEFAULT_STAGE_BYTES,
+        fault_injector: FaultInjector | None = None,
+    ) -> None:
+        if registration.device.type != "cpu":
+            raise ValueError(
+                f"the CPU backend needs KV tensors on the CPU, got {registration.device}"
+            )
+        super().__init__(registration, pool, fault_injector)
+        stage = torch.empty(max(stage_bytes, pool.row_bytes), dtype=torch.uint8)
+        self._copier = BlockCopier(registration, pool.rows, stage)
+        self._cv = threading.Condition(self._lock)
+        self._queue: deque[Job] = deque()
+        self._urgent: deque[Job] = deque()
+        self._in_flight: set[int] = set()
+        self._results: list[TransferResult] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._serve, name="kvtier-transfer", daemon=True)
+        self._thread.start()
+
+    def _submit(self, job: Job) -> None:
+        (self._urgent if job.urgent else self._queue).append(job)
+        self._in_flight.add(job.job_id)
+        self._cv.notify_all()
+
+    def _collect(self) -> list[TransferResult]:
+        results, self._results = self._results, []
+        return results
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        """Block until every job in `job_ids` has finished (ids not in flight are ignored)."""
+        ids = set(job_ids)
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("wait() called from the transfer thread would deadlock")
+        with self._cv:
+            self._cv.wait_for(lambda: self._in_flight.isdisjoint(ids))
+
+    def shutdown(self) -> None:
+        """Cancel queued jobs (reported failed), let the running one finish, stop the thread."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._stopping = True
+            for job in (*self._urgent, *self._queue):
+                self._results.append(TransferResult(job.job_id, False))
+                self._in_flight.discard(job.job_id)
+            self._urgent.clear()
+            self._queue.clear()
+            self._cv.notify_all()
+        self._thread.join()
+
+    def _serve(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._stopping or bool(self._urgent or self._queue))
+                if self._stopping:
+                    return
+                job = self._urgent.popleft() if self._urgent else self._queue.popleft()
+            start = time.perf_counter()
+            ok = self._run(job)
+            seconds = time.perf_counter() - start
+            with self._cv:
+                self._results.append(
+                    TransferResult(job.job_id, ok, job.nbytes if ok else 0, seconds)
+                )
+                self._in_flight.discard(job.job_id)
+                self._cv.notify_all()
+
+    def _run(self, job: Job) -> bool:
+        try:
+            if self._fault_injector is not None:
+                self._fault_injector(job.job_id, job.direction.value)
+            self._copier.run(job, torch.from_numpy(job.dev_rows), torch.from_numpy(job.host_rows))
+        except Exception:
+            # The destination may be partly written; the caller must treat it as garbage,
+            # which a success=False result tells it to do.
+            logger.exception("transfer job %d (%s) failed", job.job_id, job.direction.value)
+            return False
+        return True

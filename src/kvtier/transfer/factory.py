@@ -1,0 +1,31 @@
+"""Pick a transfer backend for a registration and host pool."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtier.transfer.cpu_worker import CPUTransferWorker
+from kvtier.transfer.host_pool import HostPool
+from kvtier.transfer.registration import KVCacheRegistration
+from kvtier.transfer.worker import TransferWorker
+
+BACKENDS = ("auto", "cpu", "cuda")
+
+
+def make_transfer_worker(
+    registration: KVCacheRegistration, pool: HostPool, backend: str = "auto", **kwargs: Any
+) -> TransferWorker:
+    """Build a worker: "cpu", "cuda", or "auto" (the one matching the KV tensors' device).
+
+    Extra keyword arguments (`stage_bytes`, `fault_injector`) go to the backend.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is unknown; expected one of {BACKENDS}")
+    if backend == "auto":
+        backend = "cuda" if registration.device.type == "cuda" else "cpu"
+    if backend == "cuda":
+        # Imported here only so that a CPU-only install never touches torch.cuda set-up.
+        from kvtier.transfer.cuda_worker import CUDATransferWorker
+
+        return CUDATransferWorker(registration, pool, **kwargs)
+    return CPUTransferWorker(registration, pool, **kwargs)

@@ -1,0 +1,137 @@
+"""The host (CPU) pool: `num_slots` slots, each holding one chunk of one KV-cache group.
+
+A slot is `blocks_per_chunk` *host rows* of `row_bytes = registration.max_page_bytes` each; host
+row `slot * blocks_per_chunk + j` holds device block `j` of the chunk, laid out as the group's
+page (its segments back to back). Groups with smaller pages leave the row's tail unused, so
+`slot_bytes` is exactly `max over groups of blocks_per_chunk * page_bytes(group)`.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import warnings
+
+import torch
+
+from kvtier.transfer.registration import KVCacheRegistration
+
+logger = logging.getLogger(__name__)
+
+_CUDA_HOST_REGISTER_PORTABLE_MAPPED = 1 | 2
+"""cudaHostRegisterPortable | cudaHostRegisterMapped: usable by every device, and addressable
+from kernels (the CUDA backend's copy kernels read and write the pool directly)."""
+
+
+class HostPool:
+    """Page-aligned host memory of `(num_slots, slot_bytes)` bytes, allocated once.
+
+    Give exactly one of `num_slots` or `byte_budget` (then `num_slots = byte_budget //
+    slot_bytes`, no rounding beyond that). `pin=None` pins when CUDA is available; if pinning
+    fails the pool stays pageable and one warning is emitted.
+    """
+
+    def __init__(
+        self,
+        registration: KVCacheRegistration,
+        blocks_per_chunk: int = 1,
+        *,
+        num_slots: int | None = None,
+        byte_budget: int | None = None,
+        pin: bool | None = None,
+    ) -> None:
+        if not isinstance(registration, KVCacheRegistration):
+            raise TypeError(
+                f"registration must be a KVCacheRegistration, got {type(registration).__name__}"
+            )
+        _check_positive_int("blocks_per_chunk", blocks_per_chunk)
+        if (num_slots is None) == (byte_budget is None):
+            raise ValueError(
+                f"give exactly one of num_slots={num_slots!r} and byte_budget={byte_budget!r}"
+            )
+        if byte_budget is not None:
+            num_slots = self.slots_for_budget(registration, blocks_per_chunk, byte_budget)
+        assert num_slots is not None
+        _check_positive_int("num_slots", num_slots)
+        self.registration = registration
+        self.blocks_per_chunk = blocks_per_chunk
+        self.row_bytes = registration.max_page_bytes
+        self.slot_bytes = blocks_per_chunk * self.row_bytes
+        self.num_slots = num_slots
+        self.nbytes = num_slots * self.slot_bytes
+        # An anonymous mapping is page-aligned and exactly this size; torch's pinned allocator
+        # would round the request up to a power of two.
+        self._mmap: mmap.mmap | None = mmap.mmap(-1, self.nbytes)
+        flat = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self.tensor: torch.Tensor = flat.view(num_slots, self.slot_bytes)
+        """The pool as a uint8 `(num_slots, slot_bytes)` tensor."""
+        want_pin = torch.cuda.is_available() if pin is None else bool(pin)
+        self.pinned = want_pin and self._pin()
+
+    @staticmethod
+    def slots_for_budget(
+        registration: KVCacheRegistration, blocks_per_chunk: int, byte_budget: int
+    ) -> int:
+        """Number of slots that fit in `byte_budget` bytes (exact, no rounding up)."""
+        _check_positive_int("blocks_per_chunk", blocks_per_chunk)
+        _check_positive_int("byte_budget", byte_budget)
+        slot_bytes = blocks_per_chunk * registration.max_page_bytes
+        if byte_budget < slot_bytes:
+            raise ValueError(
+                f"byte_budget={byte_budget} is smaller than one slot ({slot_bytes} bytes = "
+                f"{blocks_per_chunk} blocks x {registration.max_page_bytes} bytes)"
+            )
+        return byte_budget // slot_bytes
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The pool as `(num_slots * blocks_per_chunk, row_bytes)`: one row per device block."""
+        return self.tensor.view(self.num_slots * self.blocks_per_chunk, self.row_bytes)
+
+    @property
+    def address(self) -> int:
+        """Address of the first byte (page-aligned)."""
+        return int(self.tensor.data_ptr())
+
+    def _pin(self) -> bool:
+        """Page-lock the pool for DMA; on failure warn once and stay pageable."""
+        try:
+            if not torch.cuda.is_available():
+                raise RuntimeError("CUDA is not available")
+            err = int(
+                torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
+                    self.address, self.nbytes, _CUDA_HOST_REGISTER_PORTABLE_MAPPED
+                )
+            )
+            if err != 0:
+                raise RuntimeError(f"cudaHostRegister returned error {err}")
+        except Exception as exc:
+            warnings.warn(
+                f"could not pin the {self.nbytes}-byte host pool ({exc}); using pageable memory, "
+                "so host<->device copies will be slower",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return False
+        return True
+
+    def close(self) -> None:
+        """Unpin the pool. The memory itself goes when the last view of it is dropped."""
+        if self.pinned:
+            self.pinned = False
+            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+            err = int(cudart.cudaHostUnregister(self.address))
+            if err != 0:
+                logger.warning("cudaHostUnregister failed with error %d", err)
+        self._mmap = None
+
+    def __repr__(self) -> str:
+        return (
+            f"HostPool(num_slots={self.num_slots}, slot_bytes={self.slot_bytes}, "
+            f"blocks_per_chunk={self.blocks_per_chunk}, pinned={self.pinned})"
+        )
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive int")

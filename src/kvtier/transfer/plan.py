@@ -1,0 +1,157 @@
+"""Turn a submit call into a validated job: which device rows pair with which host rows.
+
+Host row `slot * blocks_per_chunk + j` holds block `j` of the chunk in `slot`. All index maths
+is vectorised with numpy; a bad argument raises ValueError naming it before anything is queued.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+IndexArray = npt.NDArray[np.int64]
+IdsLike = npt.NDArray[np.integer] | Sequence[int]
+
+
+class Direction(enum.Enum):
+    """Which way a job moves bytes."""
+
+    STORE = "store"
+    """device blocks -> host slots"""
+    LOAD = "load"
+    """host slots -> device blocks"""
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A validated transfer: `dev_rows[i]` pairs with host row `host_rows[i]`."""
+
+    job_id: int
+    direction: Direction
+    group: int
+    dev_rows: IndexArray
+    host_rows: IndexArray
+    nbytes: int
+    dev_run: int | None
+    """First device row if `dev_rows` is one ascending run (enables a one-pass copy)."""
+    host_run: int | None
+    """First host row if `host_rows` is one ascending run."""
+    urgent: bool = False
+
+    def __len__(self) -> int:
+        return int(self.dev_rows.shape[0])
+
+
+def _ids(name: str, values: IdsLike, limit: int) -> IndexArray:
+    """Validate integer ids in `[0, limit)` and return them as a 1-D int64 array."""
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= limit:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"{name} contains {bad}, outside 0..{limit - 1}")
+    return arr
+
+
+def _unique(name: str, arr: IndexArray) -> None:
+    if arr.size > 1:
+        s = np.sort(arr)
+        dup = s[1:][s[1:] == s[:-1]]
+        if dup.size:
+            raise ValueError(f"{name} repeats id {int(dup[0])}; each may appear once per job")
+
+
+def _run_start(arr: IndexArray) -> int | None:
+    """First value if `arr` is `a, a+1, a+2, ...`; else None."""
+    n = arr.shape[0]
+    if n == 0:
+        return None
+    first = int(arr[0])
+    if int(arr[-1]) - first != n - 1:
+        return None
+    if n > 2 and not bool(np.all(np.diff(arr) == 1)):
+        return None
+    return first
+
+
+class JobPlanner:
+    """Validates submit arguments against a registration and pool, and builds `Job`s."""
+
+    def __init__(
+        self, num_blocks: int, num_slots: int, blocks_per_chunk: int, page_bytes: dict[int, int]
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.num_slots = num_slots
+        self.bpc = blocks_per_chunk
+        self.page_bytes = page_bytes
+        self._offsets = np.arange(blocks_per_chunk, dtype=np.int64)
+
+    def _check_group(self, group: int) -> int:
+        if group not in self.page_bytes:
+            raise ValueError(
+                f"group={group!r} is not registered; groups are {list(self.page_bytes)}"
+            )
+        return self.page_bytes[group]
+
+    def _host_rows(self, slots: IndexArray) -> IndexArray:
+        if self.bpc == 1:
+            return slots
+        return (slots[:, None] * self.bpc + self._offsets[None, :]).reshape(-1)
+
+    def store(self, job_id: int, device_blocks: IdsLike, slots: IdsLike, group: int) -> Job:
+        """Plan a store of whole chunks: `len(device_blocks) == len(slots) * blocks_per_chunk`."""
+        page = self._check_group(group)
+        dev = _ids("device_blocks", device_blocks, self.num_blocks)
+        sl = _ids("slots", slots, self.num_slots)
+        if dev.shape[0] != sl.shape[0] * self.bpc:
+            raise ValueError(
+                f"a store writes whole chunks: len(device_blocks)={dev.shape[0]} must equal "
+                f"len(slots)={sl.shape[0]} x blocks_per_chunk={self.bpc}"
+            )
+        _unique("slots", sl)
+        host = self._host_rows(sl)
+        return Job(
+            job_id, Direction.STORE, group, dev, host, dev.shape[0] * page,
+            _run_start(dev), _run_start(host),
+        )  # fmt: skip
+
+    def load(
+        self,
+        job_id: int,
+        slots: IdsLike,
+        device_blocks: IdsLike,
+        group: int,
+        skip_blocks: int,
+        urgent: bool,
+    ) -> Job:
+        """Plan a load of consecutive blocks of the slots' chunks, from `skip_blocks` on."""
+        page = self._check_group(group)
+        sl = _ids("slots", slots, self.num_slots)
+        dev = _ids("device_blocks", device_blocks, self.num_blocks)
+        if isinstance(skip_blocks, bool) or not isinstance(skip_blocks, int):
+            raise ValueError(f"skip_blocks={skip_blocks!r} must be an int")
+        if not 0 <= skip_blocks < self.bpc:
+            raise ValueError(f"skip_blocks={skip_blocks} must be in 0..{self.bpc - 1}")
+        n, cap = dev.shape[0], sl.shape[0] * self.bpc - skip_blocks
+        # Every slot passed must contribute at least one block, and no block may be left out.
+        if not (cap - self.bpc < n <= cap) and not (n == 0 and sl.shape[0] == 0):
+            raise ValueError(
+                f"len(device_blocks)={n} does not fit len(slots)={sl.shape[0]} chunks of "
+                f"{self.bpc} blocks starting at skip_blocks={skip_blocks}: expected "
+                f"{max(cap - self.bpc + 1, 1)}..{cap}"
+            )
+        _unique("device_blocks", dev)
+        host = self._host_rows(sl)[skip_blocks : skip_blocks + n]
+        return Job(
+            job_id, Direction.LOAD, group, dev, host, n * page,
+            _run_start(dev), _run_start(host), urgent,
+        )  # fmt: skip

@@ -1,0 +1,277 @@
+"""Registration of an engine's KV-cache tensors as byte rows, one row per device block.
+
+Every supported layout reduces to *segments*: a segment is a `(num_blocks, width)` uint8 view
+over a tensor's storage in which row `b` holds `width` contiguous bytes of device block `b`, and
+consecutive rows are `stride` bytes apart. A device block of a KV-cache group is the
+concatenation of its segments' rows, in registration order; that concatenation is the group's
+*page* and the layout of a block inside a host slot.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+LAYOUTS: dict[str, int] = {"flash": 1, "flashinfer": 0, "cross_layer": 0, "mla": 0}
+"""Named layouts and the dimension that indexes device blocks."""
+
+_LAYOUT_SHAPES: dict[str, tuple[int, str]] = {
+    "flash": (5, "(2, num_blocks, block_size, kv_heads, head_dim)"),
+    "flashinfer": (5, "(num_blocks, 2, block_size, kv_heads, head_dim)"),
+    "cross_layer": (6, "(num_blocks, layers, 2, block_size, kv_heads, head_dim)"),
+    "mla": (3, "(num_blocks, block_size, latent_dim)"),
+}
+# The dimension that must have size 2 (K and V) in each named layout, if any.
+_KV_DIM: dict[str, int] = {"flash": 0, "flashinfer": 1, "cross_layer": 2}
+
+
+def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """Flat uint8 view of `tensor`'s whole storage, whatever its dtype (fp8 included)."""
+    storage = tensor.untyped_storage()
+    flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    return flat.set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """`width` contiguous bytes per device block, `stride` bytes apart, inside one storage."""
+
+    storage_ptr: int
+    offset: int
+    width: int
+    stride: int
+    num_blocks: int
+    storage_view: torch.Tensor
+    """Flat uint8 view of the whole storage the segment lives in."""
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The segment as a `(num_blocks, width)` uint8 view, no copy."""
+        return self.storage_view.as_strided(
+            (self.num_blocks, self.width), (self.stride, 1), self.offset
+        )
+
+    @property
+    def address(self) -> int:
+        """Absolute address of the first byte of block 0 (for alignment checks)."""
+        return self.storage_ptr + self.offset
+
+    def same_place(self, other: Segment) -> bool:
+        """Whether `other` names exactly the same bytes (an alias, counted once)."""
+        return (self.storage_ptr, self.offset, self.width, self.stride) == (
+            other.storage_ptr,
+            other.offset,
+            other.width,
+            other.stride,
+        )
+
+    def overlaps(self, other: Segment) -> bool:
+        """Conservative test for shared bytes with `other` (same storage only)."""
+        if self.storage_ptr != other.storage_ptr:
+            return False
+        a_end = self.offset + (self.num_blocks - 1) * self.stride + self.width
+        b_end = other.offset + (other.num_blocks - 1) * other.stride + other.width
+        if not (self.offset < b_end and other.offset < a_end):
+            return False
+        if self.stride == other.stride and self.stride >= max(self.width, other.width):
+            # Interleaved with the same period: compare the byte windows modulo the stride.
+            r = (other.offset - self.offset) % self.stride
+            return r < self.width or r + other.width > self.stride
+        return True
+
+
+class KVTensor:
+    """One KV-cache tensor of an engine, its layout and its KV-cache group.
+
+    `layout` is one of "flash" `(2, num_blocks, block_size, kv_heads, head_dim)`, "flashinfer"
+    `(num_blocks, 2, block_size, kv_heads, head_dim)`, "cross_layer"
+    `(num_blocks, layers, 2, block_size, kv_heads, head_dim)`, "mla"
+    `(num_blocks, block_size, latent_dim)`, or an int: the block dimension of a tensor whose
+    later dimensions are one block's data (densely packed) and whose earlier dimensions each
+    select a separate part of every block (as K/V does in "flash").
+    """
+
+    __slots__ = ("block_dim", "group", "layout", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, layout: str | int, group: int = 0) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        if isinstance(group, bool) or not isinstance(group, int) or group < 0:
+            raise ValueError(f"group={group!r} must be a non-negative int")
+        if isinstance(layout, bool):
+            raise TypeError(f"layout={layout!r} must be a layout name or a block dimension")
+        if isinstance(layout, str):
+            if layout not in LAYOUTS:
+                raise ValueError(
+                    f"layout={layout!r} is unknown; expected one of {sorted(LAYOUTS)} or an int"
+                )
+            ndim, pattern = _LAYOUT_SHAPES[layout]
+            kv_dim = _KV_DIM.get(layout)
+            if tensor.dim() != ndim or (kv_dim is not None and tensor.shape[kv_dim] != 2):
+                raise ValueError(
+                    f"tensor of shape {tuple(tensor.shape)} does not fit layout {layout!r}: "
+                    f"expected {pattern}"
+                )
+            block_dim = LAYOUTS[layout]
+        elif isinstance(layout, int):
+            if not 0 <= layout < tensor.dim():
+                raise ValueError(
+                    f"block dimension {layout} is out of range for a tensor of shape "
+                    f"{tuple(tensor.shape)}"
+                )
+            block_dim = layout
+        else:
+            raise TypeError(f"layout={layout!r} must be a layout name or a block dimension")
+        if tensor.shape[block_dim] == 0 or tensor.numel() == 0:
+            raise ValueError(f"tensor of shape {tuple(tensor.shape)} holds no blocks")
+        self.tensor = tensor
+        self.layout = layout
+        self.block_dim = block_dim
+        self.group = group
+
+    @property
+    def num_blocks(self) -> int:
+        """Number of device blocks the tensor holds."""
+        return int(self.tensor.shape[self.block_dim])
+
+    def segments(self) -> list[Segment]:
+        """Split the tensor into segments; raises ValueError if a block's data is not dense."""
+        t, d = self.tensor, self.block_dim
+        item = t.element_size()
+        shape, strides = list(t.shape), list(t.stride())
+        # The dims after the block dim must be packed row-major so each part is one byte run.
+        expected = 1
+        for size, stride in zip(reversed(shape[d + 1 :]), reversed(strides[d + 1 :]), strict=True):
+            if size != 1 and stride != expected:
+                raise ValueError(
+                    f"tensor of layout {self.layout!r} with shape {tuple(shape)} and strides "
+                    f"{tuple(strides)} is not densely packed after its block dimension {d}; "
+                    "kvtier needs each block's data to be contiguous"
+                )
+            expected *= size
+        width = expected * item
+        block_stride = strides[d] * item
+        if shape[d] > 1 and block_stride < width:
+            raise ValueError(
+                f"tensor with shape {tuple(shape)} and strides {tuple(strides)} has overlapping "
+                f"blocks (block stride {block_stride} B < block data {width} B)"
+            )
+        view = _byte_view(t)
+        base = t.storage_offset() * item
+        ptr = t.untyped_storage().data_ptr()
+        segments = []
+        for index in itertools.product(*(range(n) for n in shape[:d])):
+            offset = base + sum(i * int(s) * item for i, s in zip(index, strides[:d], strict=True))
+            segments.append(Segment(ptr, int(offset), width, block_stride, int(shape[d]), view))
+        return segments
+
+    def __repr__(self) -> str:
+        return (
+            f"KVTensor(shape={tuple(self.tensor.shape)}, dtype={self.tensor.dtype}, "
+            f"layout={self.layout!r}, group={self.group})"
+        )
+
+
+def _merge(segments: list[Segment]) -> list[Segment]:
+    """Join neighbours whose bytes follow each other in every block (fewer, wider copies)."""
+    merged: list[Segment] = []
+    for seg in segments:
+        prev = merged[-1] if merged else None
+        if (
+            prev is not None
+            and prev.storage_ptr == seg.storage_ptr
+            and prev.stride == seg.stride
+            and prev.offset + prev.width == seg.offset
+            and prev.width + seg.width <= seg.stride
+        ):
+            merged[-1] = Segment(
+                prev.storage_ptr,
+                prev.offset,
+                prev.width + seg.width,
+                prev.stride,
+                prev.num_blocks,
+                prev.storage_view,
+            )
+        else:
+            merged.append(seg)
+    return merged
+
+
+class KVCacheRegistration:
+    """An engine's KV cache as kvtier sees it: per KV-cache group, the byte segments of a block.
+
+    All tensors must live on one device and hold the same number of blocks. Tensors (or parts)
+    that alias the same bytes within a group are counted once; partial overlaps are an error.
+    Tensors of different groups may alias each other (hybrid models share one block pool).
+    """
+
+    def __init__(self, tensors: Sequence[KVTensor]) -> None:
+        tensors = list(tensors)
+        if not tensors:
+            raise ValueError("tensors is empty; register at least one KVTensor")
+        for kv in tensors:
+            if not isinstance(kv, KVTensor):
+                raise TypeError(f"expected KVTensor items, got {type(kv).__name__}")
+        devices = {kv.tensor.device for kv in tensors}
+        if len(devices) != 1:
+            raise ValueError(f"KV tensors are on several devices {sorted(map(str, devices))}")
+        counts = {kv.num_blocks for kv in tensors}
+        if len(counts) != 1:
+            raise ValueError(f"KV tensors disagree on num_blocks: {sorted(counts)}")
+        by_group: dict[int, list[Segment]] = {}
+        for kv in tensors:
+            group_segments = by_group.setdefault(kv.group, [])
+            for seg in kv.segments():
+                if any(seg.same_place(old) for old in group_segments):
+                    continue
+                clash = next((old for old in group_segments if seg.overlaps(old)), None)
+                if clash is not None:
+                    raise ValueError(
+                        f"{kv!r} partially overlaps another tensor of group {kv.group} "
+                        f"(bytes at offset {seg.offset} vs {clash.offset}); aliases must be exact"
+                    )
+                group_segments.append(seg)
+        self.tensors: tuple[KVTensor, ...] = tuple(tensors)
+        self.device: torch.device = devices.pop()
+        self.num_blocks: int = counts.pop()
+        self._segments: dict[int, tuple[Segment, ...]] = {
+            g: tuple(_merge(segs)) for g, segs in sorted(by_group.items())
+        }
+        self.groups: tuple[int, ...] = tuple(self._segments)
+
+    def segments(self, group: int) -> tuple[Segment, ...]:
+        """The (merged) segments of `group`'s page, in page order."""
+        self._check_group(group)
+        return self._segments[group]
+
+    def page_bytes(self, group: int = 0) -> int:
+        """Bytes of one device block across all of `group`'s tensors, aliases counted once."""
+        return sum(seg.width for seg in self.segments(group))
+
+    @property
+    def max_page_bytes(self) -> int:
+        """The largest page over all groups: the host bytes reserved per device block."""
+        return max(self.page_bytes(g) for g in self.groups)
+
+    def alignment(self) -> int:
+        """Largest power of two (≤16) dividing every segment's address, width and stride."""
+        g = 0
+        for segs in self._segments.values():
+            for seg in segs:
+                g = math.gcd(g, seg.address, seg.width, seg.stride)
+        return math.gcd(g, 16)
+
+    def _check_group(self, group: int) -> None:
+        if group not in self._segments:
+            raise ValueError(f"group={group!r} is not registered; groups are {list(self.groups)}")
+
+    def __repr__(self) -> str:
+        pages = {g: self.page_bytes(g) for g in self.groups}
+        return (
+            f"KVCacheRegistration(tensors={len(self.tensors)}, num_blocks={self.num_blocks}, "
+            f"device={self.device}, page_bytes={pages})"
+        )

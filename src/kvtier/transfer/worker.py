@@ -1,0 +1,118 @@
+"""The transfer worker interface and the bookkeeping every backend shares.
+
+A worker moves the bytes of jobs between the registered device KV tensors and the host pool,
+asynchronously. Contract (DESIGN §2): `submit_*` validates and queues, never waits for a copy;
+jobs of one lane (stores, loads, urgent loads) complete in submission order; a job whose copy
+raised is reported `success=False`, never as done; each job is reported exactly once by
+`get_finished`.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+
+from kvtier.base import TransferResult
+from kvtier.transfer.host_pool import HostPool
+from kvtier.transfer.plan import IdsLike, Job, JobPlanner
+from kvtier.transfer.registration import KVCacheRegistration
+
+FaultInjector = Callable[[int, str], None]
+"""Test hook called as `f(job_id, "store" | "load")` just before a job's copies; raising fails
+that job the same way a failed copy would."""
+
+
+class TransferWorker(ABC):
+    """Moves bytes between device blocks and host slots; see the module docstring."""
+
+    def __init__(
+        self,
+        registration: KVCacheRegistration,
+        pool: HostPool,
+        fault_injector: FaultInjector | None = None,
+    ) -> None:
+        if pool.registration is not registration:
+            raise ValueError("pool was built for a different KVCacheRegistration")
+        self.registration = registration
+        self.pool = pool
+        self.blocks_per_chunk = pool.blocks_per_chunk
+        self._fault_injector = fault_injector
+        self._planner = JobPlanner(
+            registration.num_blocks,
+            pool.num_slots,
+            pool.blocks_per_chunk,
+            {g: registration.page_bytes(g) for g in registration.groups},
+        )
+        self._lock = threading.Lock()
+        self._unreported: set[int] = set()
+        """Ids submitted and not yet returned by get_finished (duplicates are refused)."""
+        self._closed = False
+
+    def submit_store(
+        self, job_id: int, device_blocks: IdsLike, slots: IdsLike, group: int = 0
+    ) -> None:
+        """Queue a copy of whole chunks: `device_blocks` (`len(slots) * blocks_per_chunk` of
+        them, in chunk order) into `slots`. On CUDA it runs after the compute queued so far."""
+        with self._lock:
+            self._check_job_id(job_id)
+            job = self._planner.store(job_id, device_blocks, slots, group)
+            self._unreported.add(job_id)
+            self._submit(job)
+
+    def submit_load(
+        self,
+        job_id: int,
+        slots: IdsLike,
+        device_blocks: IdsLike,
+        group: int = 0,
+        skip_blocks: int = 0,
+        urgent: bool = False,
+    ) -> None:
+        """Queue a copy of the blocks of `slots`' chunks, in order from `skip_blocks` of the first
+        chunk, into `device_blocks`; the last chunk may be used partially. `urgent` loads run in
+        their own lane and do not wait behind queued loads."""
+        with self._lock:
+            self._check_job_id(job_id)
+            job = self._planner.load(job_id, slots, device_blocks, group, skip_blocks, urgent)
+            self._unreported.add(job_id)
+            self._submit(job)
+
+    def get_finished(self) -> list[TransferResult]:
+        """Results of jobs finished since the last call, each lane in submission order."""
+        with self._lock:
+            results = self._collect()
+            for r in results:
+                self._unreported.discard(r.job_id)
+            return results
+
+    @abstractmethod
+    def wait(self, job_ids: Iterable[int]) -> None:
+        """Block until every job in `job_ids` has finished (ids not in flight are ignored).
+        Results stay queued for `get_finished`."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop: jobs not started are reported failed, started ones finish; idempotent."""
+
+    @abstractmethod
+    def _submit(self, job: Job) -> None:
+        """Start or queue a validated job (called with the lock held)."""
+
+    @abstractmethod
+    def _collect(self) -> list[TransferResult]:
+        """Take the finished results (called with the lock held)."""
+
+    def _check_job_id(self, job_id: int) -> None:
+        if self._closed:
+            raise RuntimeError("the transfer worker is shut down")
+        if isinstance(job_id, bool) or not isinstance(job_id, int):
+            raise ValueError(f"job_id={job_id!r} must be an int")
+        if job_id in self._unreported:
+            raise ValueError(f"job_id={job_id} is already in flight or not yet reported")
+
+    def __enter__(self) -> TransferWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,266 @@
+"""Byte-exact round trips and fault behaviour of the CPU transfer backend."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.base import TransferResult
+from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor, make_transfer_worker
+from kvtier.transfer.cpu_worker import CPUTransferWorker
+from kvtier.transfer.testing import (
+    DTYPES,
+    NUM_BLOCKS,
+    assert_block_equals,
+    make_layout,
+    snapshot,
+)
+
+
+def _drain(worker: CPUTransferWorker, ids: list[int]) -> list[TransferResult]:
+    worker.wait(ids)
+    return worker.get_finished()
+
+
+def round_trip(
+    kvs: list[KVTensor],
+    bpc: int,
+    rng: np.random.Generator,
+    *,
+    stage_bytes: int = 1 << 20,
+    jobs: int = 3,
+) -> None:
+    """Store random blocks to random slots, load them (from mid-chunk) into other blocks."""
+    reg = KVCacheRegistration(kvs)
+    chunks_per_job = 2
+    pool = HostPool(reg, bpc, num_slots=jobs * chunks_per_job + 3)
+    before = snapshot(kvs)
+    half = NUM_BLOCKS // 2
+    src_space, dst_space = rng.permutation(half), half + rng.permutation(NUM_BLOCKS - half)
+    slots = rng.permutation(pool.num_slots)
+    with make_transfer_worker(reg, pool, "cpu", stage_bytes=stage_bytes) as w:
+        per_job = chunks_per_job * bpc
+        plan = []
+        for j in range(jobs):  # many stores in flight
+            src = src_space[j * per_job : (j + 1) * per_job]
+            sl = slots[j * chunks_per_job : (j + 1) * chunks_per_job]
+            w.submit_store(j, src, sl)
+            plan.append((src, sl))
+        results = _drain(w, list(range(jobs)))
+        assert [r.job_id for r in results] == list(range(jobs))
+        assert all(r.success and r.bytes == per_job * reg.page_bytes() for r in results)
+        loads = []
+        for j, (src, sl) in enumerate(plan):  # many loads in flight
+            skip = int(rng.integers(bpc))
+            tail = int(rng.integers(bpc)) if per_job - skip > bpc else 0
+            n = per_job - skip - tail
+            dst = dst_space[j * per_job : j * per_job + n]
+            w.submit_load(100 + j, sl, dst, skip_blocks=skip)
+            loads.append((src[skip : skip + n], dst))
+        results = _drain(w, [100 + j for j in range(jobs)])
+        assert [r.job_id for r in results] == [100 + j for j in range(jobs)]
+        assert all(r.success for r in results)
+    for src, dst in loads:
+        for s, d in zip(src, dst, strict=True):
+            assert_block_equals(kvs, int(d), before[int(s)])
+    for b in src_space:  # stores never write device memory
+        assert_block_equals(kvs, int(b), before[int(b)])
+
+
+@pytest.mark.parametrize("bpc", [1, 2, 4])
+def test_round_trip_every_layout(layout: str, bpc: int) -> None:
+    round_trip(make_layout(layout, torch.float16, seed=bpc), bpc, np.random.default_rng(bpc))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["flash", "cross_layer", "mla", "aliased"])
+def test_round_trip_every_dtype(name: str, dtype: torch.dtype) -> None:
+    round_trip(make_layout(name, dtype, seed=3), 2, np.random.default_rng(7))
+
+
+@pytest.mark.parametrize("bpc", [1, 4])
+def test_round_trip_with_tiny_stage_takes_many_pieces(bpc: int) -> None:
+    kvs = make_layout("flash", torch.bfloat16, seed=5)
+    round_trip(kvs, bpc, np.random.default_rng(11), stage_bytes=1)
+
+
+@pytest.mark.parametrize("direction", ["host_run", "device_run"])
+def test_one_pass_paths_round_trip(direction: str) -> None:
+    """Consecutive slots or consecutive device blocks take the single-pass copy paths."""
+    kvs = make_layout("flashinfer", torch.float32, seed=9)
+    reg = KVCacheRegistration(kvs)
+    pool = HostPool(reg, 2, num_slots=10)
+    before = snapshot(kvs)
+    if direction == "host_run":
+        src, slots, dst = [9, 2, 17, 4, 30, 1], [3, 4, 5], [40, 33, 35, 47, 41, 25]
+    else:
+        src, slots, dst = [10, 11, 12, 13, 14, 15], [7, 0, 5], [30, 31, 32, 33, 34]
+    with make_transfer_worker(reg, pool) as w:
+        w.submit_store(1, src, slots)
+        w.submit_load(2, slots, dst, skip_blocks=1 if len(dst) == 5 else 0)
+        results = _drain(w, [1, 2])
+    assert [r.success for r in results] == [True, True]
+    offset = 1 if len(dst) == 5 else 0
+    for i, d in enumerate(dst):
+        assert_block_equals(kvs, d, before[src[i + offset]])
+
+
+def test_multiple_groups_use_their_own_pages() -> None:
+    a = make_layout("flash", torch.float16, seed=1)
+    b = [KVTensor(t.tensor, "mla", group=1) for t in make_layout("mla", torch.float16, seed=2)]
+    reg = KVCacheRegistration(a + b)
+    pool = HostPool(reg, 2, num_slots=6)
+    assert pool.slot_bytes == 2 * max(reg.page_bytes(0), reg.page_bytes(1))
+    before_a, before_b = snapshot(a), snapshot(b)
+    with make_transfer_worker(reg, pool) as w:
+        w.submit_store(1, [5, 6, 7, 8], [0, 1], group=0)
+        w.submit_store(2, [20, 3], [2], group=1)
+        w.submit_load(3, [0, 1], [40, 41, 42], group=0, skip_blocks=1)
+        w.submit_load(4, [2], [44], group=1, skip_blocks=1)
+        assert all(r.success for r in _drain(w, [1, 2, 3, 4]))
+    for dst, src in zip([40, 41, 42], [6, 7, 8], strict=True):
+        assert_block_equals(a, dst, before_a[src])
+    assert_block_equals(b, 44, before_b[3])
+
+
+def test_results_of_each_lane_come_in_submission_order() -> None:
+    kvs = make_layout("mla", torch.float16)
+    reg = KVCacheRegistration(kvs)
+    pool = HostPool(reg, 1, num_slots=NUM_BLOCKS)
+    rng = np.random.default_rng(0)
+
+    def jitter(job_id: int, direction: str) -> None:
+        time.sleep(float(rng.random()) * 1e-3)
+
+    seen: list[int] = []
+    with CPUTransferWorker(reg, pool, fault_injector=jitter) as w:
+        for j in range(40):
+            if j % 2:
+                w.submit_load(j, [j], [j])
+            else:
+                w.submit_store(j, [j], [j])
+            seen += [r.job_id for r in w.get_finished()]
+        w.wait(range(40))
+        seen += [r.job_id for r in w.get_finished()]
+    assert sorted(seen) == list(range(40))
+    stores = [j for j in seen if j % 2 == 0]
+    loads = [j for j in seen if j % 2]
+    assert stores == sorted(stores) and loads == sorted(loads)
+
+
+def test_failed_job_is_reported_failed_and_later_jobs_are_correct() -> None:
+    kvs = make_layout("flash", torch.float16, seed=4)
+    reg = KVCacheRegistration(kvs)
+    pool = HostPool(reg, 2, num_slots=8)
+    before = snapshot(kvs)
+
+    def fail_some(job_id: int, direction: str) -> None:
+        if job_id in (2, 5):
+            raise RuntimeError("injected copy failure")
+
+    with CPUTransferWorker(reg, pool, fault_injector=fail_some) as w:
+        w.submit_store(1, [0, 1], [0])
+        w.submit_store(2, [2, 3], [1])  # fails
+        w.submit_store(3, [4, 5], [2])
+        w.submit_load(4, [0, 2], [30, 31, 32, 33])
+        w.submit_load(5, [2], [40, 41])  # fails
+        w.submit_load(6, [2], [42])
+        results = {r.job_id: r for r in _drain(w, range(1, 7))}
+    assert {j for j, r in results.items() if not r.success} == {2, 5}
+    assert results[2].bytes == 0
+    for dst, src in zip([30, 31, 32, 33, 42], [0, 1, 4, 5, 4], strict=True):
+        assert_block_equals(kvs, dst, before[src])
+    for untouched in (40, 41):
+        assert_block_equals(kvs, untouched, before[untouched])
+
+
+def test_failure_inside_the_copy_marks_only_that_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    kvs = make_layout("mla", torch.float32, seed=6)
+    reg = KVCacheRegistration(kvs)
+    pool = HostPool(reg, 1, num_slots=8)
+    before = snapshot(kvs)
+    w = CPUTransferWorker(reg, pool)
+    real_run = w._copier.run
+
+    def flaky(job, dev_idx, host_idx):  # type: ignore[no-untyped-def]
+        if job.job_id == 7:
+            first = dataclasses.replace(job, dev_rows=job.dev_rows[:1], host_rows=job.host_rows[:1])
+            real_run(first, dev_idx[:1], host_idx[:1])  # partly written, then breaks
+            raise RuntimeError("copy broke halfway")
+        real_run(job, dev_idx, host_idx)
+
+    monkeypatch.setattr(w._copier, "run", flaky)
+    w.submit_store(7, [1, 2], [0, 1])
+    w.submit_store(8, [3, 4], [2, 3])
+    w.submit_load(9, [2, 3], [20, 21])
+    results = {r.job_id: r.success for r in _drain(w, [7, 8, 9])}
+    w.shutdown()
+    assert results == {7: False, 8: True, 9: True}
+    assert_block_equals(kvs, 20, before[3])
+    assert_block_equals(kvs, 21, before[4])
+
+
+def test_shutdown_with_jobs_in_flight_reports_each_job_once() -> None:
+    kvs = make_layout("cross_layer", torch.bfloat16, seed=8)
+    reg = KVCacheRegistration(kvs)
+    pool = HostPool(reg, 1, num_slots=NUM_BLOCKS)
+    before = snapshot(kvs)
+    gate = threading.Event()
+
+    def slow_first(job_id: int, direction: str) -> None:
+        if job_id == 0:
+            gate.wait(5)
+
+    w = CPUTransferWorker(reg, pool, fault_injector=slow_first)
+    for j in range(20):
+        w.submit_store(j, [j], [j])
+    threading.Timer(0.05, gate.set).start()
+    w.shutdown()
+    w.shutdown()  # idempotent
+    results = w.get_finished()
+    assert sorted(r.job_id for r in results) == list(range(20))
+    assert {r.job_id for r in results if r.success} <= {0}
+    w.wait(range(20))  # nothing left in flight: returns at once
+    with pytest.raises(RuntimeError, match="shut down"):
+        w.submit_store(99, [0], [0])
+    assert_block_equals(kvs, 0, before[0])
+    assert torch.equal(pool.rows[0, : reg.page_bytes()], torch.cat(before[0]))
+
+
+def test_urgent_load_overtakes_queued_loads() -> None:
+    kvs = make_layout("mla", torch.float16, seed=2)
+    reg = KVCacheRegistration(kvs)
+    pool = HostPool(reg, 1, num_slots=8)
+    gate, started = threading.Event(), threading.Event()
+
+    def hold(job_id: int, direction: str) -> None:
+        if job_id == 0:
+            started.set()
+            gate.wait(5)
+
+    with CPUTransferWorker(reg, pool, fault_injector=hold) as w:
+        w.submit_store(0, [1], [0])
+        started.wait(5)  # job 0 is running; the next two queue behind it
+        w.submit_load(1, [0], [10])
+        w.submit_load(2, [0], [11], urgent=True)
+        gate.set()
+        order = [r.job_id for r in _drain(w, [0, 1, 2])]
+    assert order == [0, 2, 1]
+
+
+def test_submit_does_not_wait_for_copies() -> None:
+    kvs = make_layout("mla", torch.float16)
+    reg = KVCacheRegistration(kvs)
+    pool = HostPool(reg, 1, num_slots=8)
+    gate = threading.Event()
+    with CPUTransferWorker(reg, pool, fault_injector=lambda j, d: gate.wait(5)) as w:
+        for j in range(5):
+            w.submit_store(j, [j], [j])  # would hang here if submit waited for the copy
+        assert w.get_finished() == []
+        gate.set()
+        assert len(_drain(w, range(5))) == 5
