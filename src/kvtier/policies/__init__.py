@@ -8,6 +8,7 @@ from kvtier.policies.base import (
     register_policy,
     registered_policies,
 )
+from kvtier.policies.kvaware import KVAwarePolicy
 from kvtier.policies.lru import LRUPolicy
 from kvtier.policies.s3fifo import S3FIFOPolicy
 from kvtier.policies.sieve import SIEVEPolicy
@@ -15,6 +16,7 @@ from kvtier.policies.sieve import SIEVEPolicy
 __all__ = [
     "ARCPolicy",
     "CachePolicy",
+    "KVAwarePolicy",
     "LRUPolicy",
     "S3FIFOPolicy",
     "SIEVEPolicy",
