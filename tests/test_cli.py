@@ -1,0 +1,176 @@
+"""The `kvtier` command: simulate (table, JSON, CSV, plot, advise) and policies."""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli import COMMANDS, build_parser, main
+
+
+@pytest.fixture
+def trace(tmp_path: Path) -> Path:
+    """A small Mooncake-format trace with shared, growing prefixes."""
+    rng = random.Random(0)
+    rows, history, next_id = [], [[0]], 1
+    for t in range(120):
+        ids = list(rng.choice(history))[: rng.randint(1, 6)]
+        for _ in range(rng.randint(0, 4)):
+            ids.append(next_id)
+            next_id += 1
+        history.append(ids)
+        rows.append({"timestamp": t, "input_length": len(ids) * 512 - 7, "hash_ids": ids})
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _json_rows(capsys: pytest.CaptureFixture[str], *args: str) -> list[dict[str, object]]:
+    assert main(["simulate", *args, "--json", "-", "--jobs", "1"]) == 0
+    out = capsys.readouterr().out
+    rows: list[dict[str, object]] = json.loads(out)
+    return rows
+
+
+def test_simulate_json_rows(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rows = _json_rows(capsys, str(trace), "--policies", "lru,opt", "--capacities", "5%,40")
+    assert [(r["policy"], r["capacity_blocks"]) for r in rows][:4] == [
+        ("lru", rows[0]["capacity_blocks"]),
+        ("lru", 40),
+        ("opt", rows[0]["capacity_blocks"]),
+        ("opt", 40),
+    ]
+    assert rows[-1]["policy"] == "infinite" and rows[-1]["capacity_frac"] == 1.0
+    for r in rows:
+        assert {"policy", "capacity_blocks", "capacity_frac", "block_hit_ratio"} <= set(r)
+        assert {"prefix_hit_ratio", "loads", "stores", "evictions", "stores_skipped"} <= set(r)
+    hit = {(r["policy"], r["capacity_blocks"]): r["block_hit_ratio"] for r in rows}
+    assert hit[("opt", 40)] >= hit[("lru", 40)]
+    assert rows[0]["bytes_loaded"] is None
+
+
+def test_simulate_table_csv_plot_and_shape(
+    trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    csv_path, png = tmp_path / "out.csv", tmp_path / "mrc.png"
+    status = main(
+        [
+            "simulate",
+            str(trace),
+            "--policies",
+            "lru,sieve",
+            "--capacities",
+            "10%,2GiB",
+            "--model-shape",
+            "llama-3-8b",
+            "--csv",
+            str(csv_path),
+            "--plot",
+            str(png),
+            "--mode",
+            "engine",
+            "--device-capacity",
+            "3",
+            "--store",
+            "on-evict",
+            "-q",
+        ]
+    )
+    out = capsys.readouterr()
+    assert status == 0
+    assert "block hit %" in out.out and "GiB loaded" in out.out and "sieve" in out.out
+    assert "opt" not in out.out  # not asked for
+    rows = list(csv.DictReader(csv_path.open()))
+    assert len(rows) == 5 and rows[1]["capacity_blocks"] == "32"  # 2 GiB / 64 MiB blocks
+    assert rows[0]["mode"] == "engine" and rows[0]["store_on"] == "on-evict"
+    assert int(rows[0]["bytes_stored"]) == int(rows[0]["stores"]) * 64 * 2**20
+    if png.exists():  # matplotlib installed
+        assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_without_matplotlib_names_the_extra(
+    trace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    status = main(
+        ["simulate", str(trace), "--policies", "lru", "--plot", str(tmp_path / "x.png"), "-q"]
+    )
+    assert status == 2
+    assert "pip install kvtier[plot]" in capsys.readouterr().err
+
+
+def test_opt_is_skipped_for_store_on_evict(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--mode", "engine", "--store", "on-evict", "--policies", "lru,opt"]
+    assert main(["simulate", str(trace), *args, "--json", "-", "--jobs", "1"]) == 0
+    captured = capsys.readouterr()
+    assert {r["policy"] for r in json.loads(captured.out)} == {"lru", "infinite"}
+    assert "opt skipped" in captured.err
+
+
+def test_advise(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", str(trace), "--advise", "--policies", "lru,opt", "-q"]) == 0
+    assert "smallest capacity" in capsys.readouterr().out
+    assert main(["simulate", str(trace), "--advise", "--policies", "lru", "--json", "-"]) == 0
+    (advice,) = json.loads(capsys.readouterr().out)
+    assert advice["policy"] == "lru" and advice["block_hit_ratio"] >= advice["target"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--policies", "lfu9"], "policy 'lfu9' is unknown"),
+        (["--capacities", "ten"], "capacity 'ten' is invalid"),
+        (["--capacities", "8GiB"], "give --model-shape"),
+        (["--model-shape", "gpt-9"], "model shape 'gpt-9'"),
+        (["--store-threshold", "-1"], "--store-threshold=-1"),
+        (["--jobs", "0"], "--jobs=0"),
+    ],
+)
+def test_simulate_errors(
+    trace: Path, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["simulate", str(trace), *args, "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtier simulate: error: ") and message in err
+
+
+def test_bad_trace_line_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"input_length": 3, "hash_ids": [1]}\n{"input_length": 3}\n')
+    assert main(["simulate", str(path), "-q"]) == 2
+    assert "t.jsonl:2: field 'hash_ids'" in capsys.readouterr().err
+    assert main(["simulate", str(tmp_path / "none.jsonl"), "-q"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_policies_lists_cache_and_admission_policies(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.admission import registered_admission_policies
+    from kvtier.policies import registered_policies
+
+    assert main(["policies"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    names = {line.split()[0] for line in lines if line.startswith("  ")}
+    assert set(registered_policies()) <= names
+    assert set(registered_admission_policies()) <= names
+    assert {"opt", "infinite"} <= names
+
+
+def test_parser_has_one_subparser_per_command() -> None:
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args([])
+    for cmd in COMMANDS:
+        assert parser.parse_args([cmd.name, *(["t.jsonl"] if cmd.name == "simulate" else [])])
+
+
+def test_python_m_kvtier_runs() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtier", "policies"], capture_output=True, text=True, check=True
+    )
+    assert "lru" in done.stdout
