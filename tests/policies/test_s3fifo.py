@@ -1,0 +1,46 @@
+"""S3-FIFO-specific behaviour."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.base import OffloadKey, make_offload_key
+from kvtier.policies import S3FIFOPolicy
+
+
+def key(i: int) -> OffloadKey:
+    return make_offload_key(i.to_bytes(8, "big"), 0)
+
+
+def test_one_hit_wonders_leave_from_small_queue_into_ghost() -> None:
+    s3 = S3FIFOPolicy(20)  # small queue target: 2
+    s3.insert([key(i) for i in range(20)], None)
+    assert s3.evict(1, set()) == [key(0)]
+    assert s3.table_sizes()["ghost"] == 1
+    s3.insert([key(0)], None)  # ghost hit: straight into main
+    assert s3.table_sizes()["main"] == 1 and s3.table_sizes()["ghost"] == 0
+
+
+def test_reused_small_key_is_promoted_not_evicted() -> None:
+    s3 = S3FIFOPolicy(20)
+    s3.insert([key(i) for i in range(20)], None)
+    s3.touch([key(0)], None)
+    s3.touch([key(0)], None)  # freq 2 > 1: the paper's promotion threshold
+    assert s3.evict(1, set()) == [key(1)]
+    assert key(0) in s3 and s3.table_sizes()["main"] == 1
+
+
+def test_main_queue_gives_reused_keys_a_second_chance() -> None:
+    s3 = S3FIFOPolicy(10)
+    for i in range(10):
+        s3.insert([key(i)], None)
+        s3.touch([key(i)], None)
+        s3.touch([key(i)], None)
+    for _ in range(9):  # promote most of them; the small queue is 1 key
+        s3.evict(1, set())
+    assert s3.table_sizes()["ghost"] == 0
+
+
+def test_bad_small_ratio_is_rejected() -> None:
+    with pytest.raises(ValueError, match=r"small_ratio=1\.5"):
+        S3FIFOPolicy(10, small_ratio=1.5)
