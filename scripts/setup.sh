@@ -15,4 +15,13 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
 
 # The CPU build of torch: an unpinned torch pulls a multi-GB CUDA build.
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[dev,plot]"
+# vLLM 0.33.0 on CPU: its declared dependencies include CUDA-only pins no CPU machine can meet, so
+# it goes in without them and its pure-Python dependencies come from requirements/. Skip with
+# KVTIER_WITH_VLLM=0 (the vLLM tests then skip themselves).
+if [ "${KVTIER_WITH_VLLM:-1}" = "1" ] && ! python -c "import vllm" 2>/dev/null; then
+  python -m pip install -q --no-deps "vllm==0.33.0"
+  python -m pip install -q -r requirements/vllm033-cpu.txt
+  python -m pip install -q --no-deps "xgrammar==0.2.8" apache-tvm-ffi
+fi
+python -m pip install -q -e ".[dev,plot,hf]"
+export HF_HUB_OFFLINE=1

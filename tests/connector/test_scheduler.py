@@ -1,0 +1,272 @@
+"""Lifecycle tests of the connector halves, driven by a step-by-step engine on CPU tensors."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from engine_sim import TOKENS_PER_BLOCK, Engine, Request, block_hashes
+from kvtier.base import TransferResult
+from kvtier.connector import OffloadingScheduler
+from kvtier.cpu import CPUOffloadingManager
+
+SYSTEM = block_hashes("system", 4)
+
+
+@pytest.fixture
+def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
+    params = getattr(request, "param", {})
+    e = Engine(**params)
+    yield e
+    e.close()
+
+
+def run_to_completion(e: Engine, req: Request) -> None:
+    """Admit, run one step, store everything, finish."""
+    assert e.add(req) is not None
+    e.step()
+    e.drain()
+    assert not e.finish(req.req_id)
+
+
+def assert_clean(e: Engine) -> None:
+    """No pin, no pending write, no job, no held block, nothing leaked."""
+    e.drain()
+    stats = e.manager.get_stats()
+    assert stats.pinned == 0
+    assert stats.pending_writes == 0
+    assert e.scheduler.num_jobs_in_flight() == 0
+    assert not e.held
+    assert stats.used_slots == stats.ready
+    assert e.load_mismatches == 0
+
+
+@pytest.mark.parametrize(
+    "engine", [{"blocks_per_chunk": 1}, {"blocks_per_chunk": 2}], indirect=True
+)
+def test_second_request_loads_the_shared_prefix_byte_exact(engine: Engine) -> None:
+    e = engine
+    run_to_completion(e, Request("a", block_hashes("a", 3, SYSTEM)))
+    stored = e.manager.get_stats().stores
+    assert stored == 7 // e.scheduler.blocks_per_chunk
+    b = Request("b", block_hashes("b", 2, SYSTEM))
+    n = e.add(b)
+    assert n == len(SYSTEM) * TOKENS_PER_BLOCK
+    e.step()
+    assert e.loaded_blocks == len(SYSTEM)
+    e.finish("b")
+    assert_clean(e)
+    assert e.manager.get_stats().hits > 0
+
+
+def test_load_starts_mid_chunk_when_the_device_holds_part_of_it() -> None:
+    e = Engine(blocks_per_chunk=2)
+    try:
+        run_to_completion(e, Request("a", block_hashes("a", 2, SYSTEM)))
+        b = Request("b", block_hashes("b", 1, SYSTEM))
+        e.scheduler.add_request("b", b.hashes, b.num_prompt_tokens)
+        # The device already has the first block: the load starts in the middle of chunk 0.
+        n = e.scheduler.get_num_new_matched_tokens("b", TOKENS_PER_BLOCK)
+        assert n == 3 * TOKENS_PER_BLOCK
+        b.blocks = [e.free_blocks.pop() for _ in range(len(b.hashes) + 1)]
+        e.scheduler.update_state_after_alloc("b", [b.blocks], n)
+        meta = e.scheduler.build_step_metadata()
+        (load,) = meta.loads
+        assert load.skip_blocks == 1
+        assert load.device_blocks.tolist() == b.blocks[1:4]
+        e.worker.start_step(meta)
+        e.worker.wait_for_loads(meta)
+        for i in range(1, 4):
+            assert bool((e.kv[b.blocks[i]] == e.kv.new_tensor(0)).all()) is False
+        e.scheduler.on_worker_results(e.worker.get_finished())
+        e.scheduler.request_finished("b")
+        assert e.manager.get_stats().pinned == 0
+    finally:
+        e.close()
+
+
+def test_abort_with_load_in_flight_holds_blocks_and_leaks_no_pin(engine: Engine) -> None:
+    e = engine
+    run_to_completion(e, Request("a", block_hashes("a", 2, SYSTEM)))
+    e.gate.hold["load"] = gate = threading.Event()
+    b = Request("b", block_hashes("b", 1, SYSTEM))
+    assert e.add(b)
+    meta = e.scheduler.build_step_metadata()
+    e.worker.start_step(meta)
+    assert e.finish("b") is True  # the load still writes into b's blocks: hold them
+    assert e.manager.get_stats().pinned == len(SYSTEM)
+    gate.set()
+    e.drain()
+    assert "b" in e.last_finished.sending
+    assert_clean(e)
+
+
+def test_abort_with_store_in_flight_holds_blocks_until_stored(engine: Engine) -> None:
+    e = engine
+    e.gate.hold["store"] = gate = threading.Event()
+    a = Request("a", block_hashes("a", 3))
+    e.add(a)
+    e.step()
+    assert e.finish("a") is True
+    blocks = e.held["a"]
+    assert not set(blocks) & set(e.free_blocks)
+    gate.set()
+    e.drain()
+    assert "a" in e.last_finished.sending
+    assert set(blocks) <= set(e.free_blocks)
+    assert e.manager.get_stats().stores == 3
+    assert_clean(e)
+
+
+def test_preempted_request_stores_finish_before_its_blocks_are_reused(engine: Engine) -> None:
+    e = engine
+    e.gate.hold["store"] = gate = threading.Event()
+    a = Request("a", block_hashes("a", 3))
+    e.add(a)
+    e.step()  # a's stores are queued and held by the gate
+    a_blocks = list(a.blocks)
+    e.preempt("a")
+    other = Request("x", block_hashes("x", 3))
+    e.add(other)
+    assert set(other.blocks) & set(a_blocks), "x should reuse a's freed blocks"
+    # The next step must first wait for a's stores, or x's compute would overwrite their source.
+    gate_timer = threading.Timer(0.2, gate.set)
+    gate_timer.start()
+    meta = e.step()
+    assert meta.wait_for, "the preempted request's stores were not waited for"
+    e.drain()
+    # a's chunks were stored with a's KV, not x's: load them into fresh blocks and compare.
+    again = Request("a2", list(a.hashes))
+    e.finish("x")
+    assert e.add(again) == 3 * TOKENS_PER_BLOCK
+    e.step()
+    assert e.loaded_blocks == 3
+    e.finish("a2")
+    assert not e.scheduler.request_finished("a")
+    assert_clean(e)
+
+
+def test_preempted_request_is_readmitted_and_loads_its_own_chunks(engine: Engine) -> None:
+    e = engine
+    a = Request("a", block_hashes("a", 3))
+    e.add(a)
+    e.step()
+    e.drain()
+    e.preempt("a")
+    assert e.admit(a) == 3 * TOKENS_PER_BLOCK
+    e.step()
+    assert e.loaded_blocks == 3
+    e.finish("a")
+    assert_clean(e)
+
+
+def test_failed_load_is_reported_and_recomputed(engine: Engine) -> None:
+    e = engine
+    run_to_completion(e, Request("a", block_hashes("a", 2, SYSTEM)))
+    e.gate.fail_directions.add("load")
+    b = Request("b", block_hashes("b", 1, SYSTEM))
+    assert e.add(b)
+    e.step()
+    done = e.last_finished
+    assert "b" in done.failed_loads
+    assert set(b.blocks[: len(SYSTEM)]) <= done.failed_load_blocks
+    assert e.loaded_blocks == 0  # nothing was served from the failed load
+    e.gate.fail_directions.clear()
+    e.finish("b")
+    assert_clean(e)
+
+
+def test_failed_store_is_never_served(engine: Engine) -> None:
+    e = engine
+    e.gate.fail_directions.add("store")
+    run_to_completion(e, Request("a", block_hashes("a", 3)))
+    assert e.manager.get_stats().failed_stores == 3
+    e.gate.fail_directions.clear()
+    assert e.add(Request("b", block_hashes("a", 3))) == 0
+    e.step()
+    e.finish("b")
+    assert_clean(e)
+
+
+def test_reset_with_jobs_in_flight_ignores_their_late_completions(engine: Engine) -> None:
+    e = engine
+    run_to_completion(e, Request("a", block_hashes("a", 2, SYSTEM)))
+    b = Request("b", block_hashes("b", 2, SYSTEM))
+    e.add(b)
+    e.step()  # b loads the shared prefix
+    e.drain()
+    e.gate.hold["store"] = gate = threading.Event()
+    meta = e.step()  # b's own chunks are stored, held by the gate
+    assert meta.stores
+    e.scheduler.reset_cache()
+    # Jobs of before the reset are still in flight: their slots are quarantined.
+    assert e.manager.get_stats().used_slots > 0
+    gate.set()
+    e.drain()
+    stats = e.manager.get_stats()
+    assert (stats.ready, stats.pinned, stats.pending_writes, stats.used_slots) == (0, 0, 0, 0)
+    e.finish("b")
+    # The tier works again after the flush.
+    run_to_completion(e, Request("c", block_hashes("c", 2)))
+    assert e.manager.get_stats().ready == 2
+    assert_clean(e)
+
+
+def test_one_load_or_one_set_of_stores_in_flight_per_request(engine: Engine) -> None:
+    e = engine
+    e.gate.hold["store"] = gate = threading.Event()
+    a = Request("a", block_hashes("a", 2))
+    e.add(a)
+    meta = e.step()
+    assert len(meta.stores) == 1
+    a.hashes.extend(block_hashes("more", 2, a.hashes)[2:])  # decode grew the sequence
+    a.blocks.extend(e.free_blocks.pop() for _ in range(2))
+    meta = e.step()
+    assert meta.stores == []  # a's first stores are still in flight
+    assert e.scheduler.get_num_new_matched_tokens("a", 0) is None
+    gate.set()
+    e.drain()
+    meta = e.step()
+    assert len(meta.stores) == 1 and len(meta.stores[0].device_blocks) == 2
+    e.drain()
+    e.finish("a")
+    assert_clean(e)
+
+
+def test_job_completes_only_when_every_worker_reported() -> None:
+    m = CPUOffloadingManager(8)
+    s = OffloadingScheduler(m, tokens_per_block=4, num_workers=2)
+    s.add_request("a", block_hashes("a", 2), 9)
+    s.get_num_new_matched_tokens("a", 0)
+    from kvtier.connector import StepProgress
+
+    meta = s.build_step_metadata([StepProgress("a", [[0, 1, 2]], 8)])
+    (job,) = meta.stores
+    s.on_worker_results([TransferResult(job.job_id, True)])
+    assert m.get_stats().pending_writes == 2
+    s.on_worker_results([TransferResult(job.job_id, False)])  # the second worker failed
+    assert m.get_stats().pending_writes == 0
+    assert m.get_stats().failed_stores == 2
+    with pytest.raises(ValueError, match="not in flight"):
+        s.on_worker_results([TransferResult(job.job_id, True)])
+
+
+def test_bad_arguments_get_clear_errors() -> None:
+    m = CPUOffloadingManager(8)
+    with pytest.raises(ValueError, match="tokens_per_block=0"):
+        OffloadingScheduler(m, tokens_per_block=0)
+    with pytest.raises(ValueError, match="groups"):
+        OffloadingScheduler(m, tokens_per_block=4, groups=(0, 0))
+    s = OffloadingScheduler(m, tokens_per_block=4)
+    with pytest.raises(ValueError, match="'nope' is not tracked"):
+        s.get_num_new_matched_tokens("nope", 0)
+    s.add_request("a", block_hashes("a", 2), 9)
+    with pytest.raises(ValueError, match="already tracked"):
+        s.add_request("a", [], 1)
+    with pytest.raises(ValueError, match="num_external_tokens=8"):
+        s.update_state_after_alloc("a", [[0, 1, 2]], 8)
+    assert not s.request_finished("a")
+    with pytest.raises(ValueError, match="not tracked"):
+        s.request_finished("a")
