@@ -66,7 +66,11 @@ class KVAwarePolicy(CachePolicy):
         counts = self._counts
         count = min(counts.pop(key, 0) + 1, self._max_count)
         counts[key] = count
-        while len(counts) > self._history_cap:
+        # At most one pass: if held keys alone exceed the bound (more keys held than the
+        # capacity promised), the history holds just them rather than looping forever.
+        for _ in range(len(counts)):
+            if len(counts) <= self._history_cap:
+                break
             old, old_count = counts.popitem(last=False)
             if old in self._credit or old in self._pinned:
                 # Held keys keep their count; the bound is on what is remembered past eviction.
