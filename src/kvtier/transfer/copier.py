@@ -1,9 +1,10 @@
 """Executes one job's copies with batched torch index ops; the same code serves CPU and CUDA.
 
 Per segment, a job is one gather (`index_select` into a strided `out=` view) when the
-destination rows form one run, one scatter (`index_copy_`) when the source rows do, and otherwise
-a gather into a small staging buffer followed by one scatter of whole pages. The staging buffer is
-sized to stay in cache (CPU) so the detour costs cache traffic, not memory traffic. Bytes are
+destination rows form one run, one scatter (`index_copy_`) when the source rows do, one plain
+copy per run of consecutive rows when runs are long (`plan.RUN_BYTES`), and otherwise a gather
+into a small staging buffer followed by one scatter of whole pages. The staging buffer is sized
+to stay in cache (CPU) so the detour costs cache traffic, not memory traffic. Bytes are
 viewed as the widest integer-like dtype their alignment allows, because the scatter kernel copies
 one element per iteration.
 """
@@ -123,6 +124,10 @@ class BlockCopier:
             d = job.dev_run
             for s in g.segments:
                 s.host.index_copy_(0, host_idx, s.dev[d : d + n])
+        elif job.runs is not None:
+            for d, h, k in zip(*job.runs, strict=True):
+                for s in g.segments:
+                    s.host[h : h + k].copy_(s.dev[d : d + k], non_blocking=True)
         else:
             step = g.stage_rows
             for a in range(0, n, step):
@@ -143,6 +148,10 @@ class BlockCopier:
             h = job.host_run
             for s in g.segments:
                 s.dev.index_copy_(0, dev_idx, s.host[h : h + n])
+        elif job.runs is not None:
+            for d, h, k in zip(*job.runs, strict=True):
+                for s in g.segments:
+                    s.dev[d : d + k].copy_(s.host[h : h + k], non_blocking=True)
         else:
             step = g.stage_rows
             for a in range(0, n, step):

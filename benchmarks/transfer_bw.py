@@ -1,0 +1,165 @@
+"""Store and load throughput of kvtier's transfer worker next to a contiguous-copy ceiling.
+
+For each page size and job size (blocks per job) it registers one KV tensor of
+`(num_blocks, page_bytes)`, stores random device blocks into random host slots (and loads them
+back into other random blocks) with many jobs in flight, and times the same number of bytes
+copied as one contiguous copy between the same two memories in the same run, alternating the
+two so both see the same machine noise. Figures are medians.
+
+    python benchmarks/transfer_bw.py                    # CPU here, CUDA where present
+    python benchmarks/transfer_bw.py --backend cpu --json out/transfer_bw.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor, make_transfer_worker
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], None], device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def bench_page(
+    backend: str,
+    device: torch.device,
+    page: int,
+    batches: list[int],
+    region: int,
+    moved: int,
+    repeats: int,
+    rng: np.random.Generator,
+) -> list[dict[str, object]]:
+    """Rows for one page size: store and load for every batch size."""
+    num_blocks = max(region // page, 2 * max(batches))
+    dev = torch.empty(num_blocks, page, dtype=torch.uint8, device=device)
+    dev.fill_(7)  # touch every page before timing
+    reg = KVCacheRegistration([KVTensor(dev, 0)])
+    pool = HostPool(reg, 1, num_slots=num_blocks)
+    pool.tensor.fill_(3)
+    dev_flat, host_flat = dev.view(-1), pool.tensor.view(-1)
+    rows = []
+    with make_transfer_worker(reg, pool, backend) as worker:
+        next_id = 0
+        for blocks in batches:
+            jobs = max(1, min(moved // (blocks * page), num_blocks // blocks))
+            nbytes = jobs * blocks * page
+
+            def run(direction: str, jobs: int = jobs, blocks: int = blocks) -> float:
+                nonlocal next_id
+                ids = []
+                dev_ids = rng.permutation(num_blocks)[: jobs * blocks].reshape(jobs, blocks)
+                slot_ids = rng.permutation(num_blocks)[: jobs * blocks].reshape(jobs, blocks)
+
+                def go() -> None:
+                    nonlocal next_id
+                    for j in range(jobs):
+                        if direction == "store":
+                            worker.submit_store(next_id, dev_ids[j], slot_ids[j])
+                        else:
+                            worker.submit_load(next_id, slot_ids[j], dev_ids[j])
+                        ids.append(next_id)
+                        next_id += 1
+                    worker.wait(ids)
+
+                seconds = _timed(go, device)
+                results = worker.get_finished()
+                assert all(r.success for r in results), "a benchmark transfer failed"
+                return seconds
+
+            def ceiling(direction: str, nbytes: int = nbytes) -> float:
+                # Same number of bytes, same two memories, at a random place in each.
+                a = int(rng.integers(0, num_blocks * page - nbytes + 1)) // 4096 * 4096
+                b = int(rng.integers(0, num_blocks * page - nbytes + 1)) // 4096 * 4096
+                src, dst = (dev_flat, host_flat) if direction == "store" else (host_flat, dev_flat)
+                out, inp = dst[b : b + nbytes], src[a : a + nbytes]
+
+                def copy() -> None:
+                    out.copy_(inp, non_blocking=True)
+
+                return _timed(copy, device)
+
+            times: dict[str, list[float]] = {"store": [], "load": []}
+            ceil: dict[str, list[float]] = {"store": [], "load": []}
+            for direction in ("store", "load"):
+                run(direction)  # warm-up
+                ceiling(direction)
+                for _ in range(repeats):
+                    ceil[direction].append(ceiling(direction))
+                    times[direction].append(run(direction))
+                rows.append(
+                    {
+                        "backend": backend,
+                        "direction": direction,
+                        "page_bytes": page,
+                        "blocks_per_job": blocks,
+                        "gbps": nbytes / statistics.median(times[direction]) / 1e9,
+                        "ceiling_gbps": nbytes / statistics.median(ceil[direction]) / 1e9,
+                    }
+                )
+    pool.close()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse arguments, run every page size, print the table, write JSON if asked."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--pages-kib", type=int, nargs="+", default=[8, 16, 64, 256, 1024, 2048])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 128])
+    ap.add_argument("--region-mib", type=int, default=256, help="device and host memory each")
+    ap.add_argument("--moved-mib", type=int, default=64, help="bytes moved per measurement")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
+    args = ap.parse_args(argv)
+    backend = args.backend
+    if backend == "auto":
+        backend = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device("cuda" if backend == "cuda" else "cpu")
+    rng = np.random.default_rng(args.seed)
+    rows: list[dict[str, object]] = []
+    for page_kib in args.pages_kib:
+        rows += bench_page(
+            backend, device, page_kib * KiB, args.batches, args.region_mib * MiB,
+            args.moved_mib * MiB, args.repeats, rng,
+        )  # fmt: skip
+    table = Table(title=f"kvtier transfer throughput ({backend}, torch threads "
+                  f"{torch.get_num_threads()})")  # fmt: skip
+    for col in ("direction", "page", "blocks/job", "GB/s", "ceiling GB/s", "ratio"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        gbps, ceil = float(r["gbps"]), float(r["ceiling_gbps"])  # type: ignore[arg-type]
+        table.add_row(
+            str(r["direction"]), f"{int(r['page_bytes']) // KiB} KiB",  # type: ignore[call-overload]
+            str(r["blocks_per_job"]), f"{gbps:.2f}", f"{ceil:.2f}", f"{gbps / ceil:.0%}",
+        )  # fmt: skip
+    Console().print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
