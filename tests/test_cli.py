@@ -130,6 +130,8 @@ def test_advise(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
         (["--model-shape", "gpt-9"], "model shape 'gpt-9'"),
         (["--store-threshold", "-1"], "--store-threshold=-1"),
         (["--jobs", "0"], "--jobs=0"),
+        (["--max-tracker-size", "0"], "--max-tracker-size='0'"),
+        (["--max-tracker-size", "-2x"], "--max-tracker-size='-2x'"),
     ],
 )
 def test_simulate_errors(
@@ -174,3 +176,11 @@ def test_python_m_kvtier_runs() -> None:
         [sys.executable, "-m", "kvtier", "policies"], capture_output=True, text=True, check=True
     )
     assert "lru" in done.stdout
+
+
+def test_tracker_size_per_slot(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--policies", "lru", "--capacities", "4", "--store-threshold", "2"]
+    tiny = _json_rows(capsys, str(trace), *base, "--max-tracker-size", "1x")
+    huge = _json_rows(capsys, str(trace), *base, "--max-tracker-size", "1000")
+    # A one-key-per-slot tracker forgets first sightings sooner, so it admits less.
+    assert tiny[0]["stores"] < huge[0]["stores"]  # type: ignore[operator]

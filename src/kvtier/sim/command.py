@@ -84,7 +84,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="admit a block on its N-th sighting (2 = admit on second sighting; 0 = always)",
     )
     p.add_argument(
-        "--max-tracker-size", type=int, default=64_000, help="bound of the admission tracker"
+        "--max-tracker-size",
+        default="64000",
+        help="bound of the admission tracker: a key count, or Nx for N keys per slot of the "
+        "run's capacity (default 64000)",
     )
     p.add_argument(
         "--model-shape",
@@ -127,6 +130,23 @@ def _policies(spec: str | None) -> list[str]:
                 f"policy {name!r} is unknown; expected some of: {', '.join([*known, *BOUNDS])}"
             )
     return list(dict.fromkeys(n for n in names if n != "infinite"))
+
+
+def _tracker_size(spec: str) -> tuple[int, float | None]:
+    """`"64000"` -> (64000, None); `"5x"` -> (64000, 5.0)."""
+    try:
+        if spec.endswith("x"):
+            per_slot = float(spec[:-1])
+            if per_slot > 0:
+                return 64_000, per_slot
+        elif int(spec) >= 1:
+            return int(spec), None
+    except ValueError:
+        pass
+    raise ValueError(
+        f"--max-tracker-size={spec!r} is invalid; expected a positive key count or Nx "
+        "(N keys per slot)"
+    )
 
 
 @contextlib.contextmanager
@@ -194,10 +214,12 @@ def run(args: argparse.Namespace) -> int:
         device_blocks = parse_capacity(
             args.device_capacity, unique_blocks=unique, block_bytes=block_bytes
         )[0]
+    tracker, per_slot = _tracker_size(args.max_tracker_size)
     opts = ReplayOptions(
         mode=args.mode,
         store_threshold=args.store_threshold,
-        max_tracker_size=args.max_tracker_size,
+        max_tracker_size=tracker,
+        tracker_per_slot=per_slot,
         device_blocks=device_blocks,
         store_on=args.store,
         hits_as=args.hits,

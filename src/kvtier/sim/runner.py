@@ -40,6 +40,8 @@ class ReplayOptions:
     mode: str = "flat"
     store_threshold: int = 0
     max_tracker_size: int = 64_000
+    tracker_per_slot: float | None = None
+    """If set, the admission tracker holds this many keys per slot instead of a fixed size."""
     device_blocks: int = 0
     store_on: str = "eager"
     hits_as: str | None = None
@@ -79,9 +81,10 @@ def run_one(
         threshold = 0
         mgr = make_manager("lru", capacity)
     else:
-        mgr = make_manager(
-            policy, capacity, store_threshold=threshold, max_tracker_size=opts.max_tracker_size
-        )
+        tracker = opts.max_tracker_size
+        if opts.tracker_per_slot is not None:
+            tracker = max(1, round(opts.tracker_per_slot * capacity))
+        mgr = make_manager(policy, capacity, store_threshold=threshold, max_tracker_size=tracker)
     if opts.mode == "flat":
         result = replay_flat(
             trace,
