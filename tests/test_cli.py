@@ -131,7 +131,7 @@ def test_advise(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
         (["--store-threshold", "-1"], "--store-threshold=-1"),
         (["--jobs", "0"], "--jobs=0"),
         (["--max-tracker-size", "0"], "--max-tracker-size='0'"),
-        (["--max-tracker-size", "-2x"], "--max-tracker-size='-2x'"),
+        (["--max-tracker-size=0x"], "--max-tracker-size='0x'"),
     ],
 )
 def test_simulate_errors(
