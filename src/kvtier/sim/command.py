@@ -259,7 +259,7 @@ def _emit(
             write_csv(results, f, shape)
     if args.plot is not None:
         try:
-            plot_miss_ratio(results, args.plot, title=title)
+            plot_miss_ratio(results, args.plot, title=title.split(":")[0] + f" ({args.mode})")
         except PlotUnavailable as e:
             raise ValueError(str(e)) from None
     if args.json != "-" and args.csv != "-":

@@ -134,7 +134,7 @@ def plot_miss_ratio(results: Sequence[RunResult], path: str | Path, *, title: st
         ax.axhline(1 - infinite[0].block_hit_ratio, color="grey", linestyle=":", label="infinite")
     ax.set_xlabel("capacity (% of the trace's unique blocks)")
     ax.set_ylabel("block miss ratio")
-    ax.set_title(title or "miss-ratio curve")
+    ax.set_title(title or "miss-ratio curve", fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
