@@ -11,7 +11,7 @@ import dataclasses
 import difflib
 import os
 import re
-import sys
+import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
@@ -19,11 +19,6 @@ from pathlib import Path
 from typing import Any, Final, Literal, cast
 
 import yaml
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10 reads TOML with the tomli backport
-    import tomli as tomllib
 
 from kvtier.hashing import HASH_ALGORITHMS
 from kvtier.policies import get_policy_cls, registered_policies
