@@ -1,0 +1,1 @@
+"""Engine integrations: `hf` (Hugging Face transformers); each needs its own extra."""

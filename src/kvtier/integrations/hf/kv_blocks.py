@@ -1,0 +1,272 @@
+"""Copy KV between a transformers cache and a paged block buffer.
+
+The paged buffer is the layout the transfer engine registers: one tensor per layer of shape
+`(num_blocks, 2, block_size, kv_heads, head_dim)` (K at index 0, V at 1, flashinfer-style).
+A transformers cache stores each layer as `keys`/`values` of shape
+`(batch, kv_heads, seq_len, head_dim)`. Every copy here is one vectorised torch op per layer
+(a reshape + `index_copy_` or a gather), never a Python loop over tokens or blocks.
+
+Supported cache layers: `DynamicLayer` and `StaticLayer` (full attention), and
+`DynamicSlidingWindowLayer` for the tokens it still holds. Quantized, indexed (sparse
+attention) and linear-attention layers hold no plain per-token KV and are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers.cache_utils import (
+    Cache,
+    DynamicCache,
+    DynamicIndexedLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionCacheLayerMixin,
+    QuantizedLayer,
+    StaticIndexedLayer,
+    StaticLayer,
+    StaticSlidingWindowLayer,
+)
+
+__all__ = [
+    "KVLayout",
+    "allocate_pages",
+    "build_cache_from_blocks",
+    "extract_blocks",
+    "kv_layout",
+]
+
+# Subclasses first: each of these is-a DynamicLayer/StaticLayer but does not hold plain KV.
+_REFUSED_LAYERS: tuple[type, ...] = (
+    QuantizedLayer,
+    DynamicIndexedLayer,
+    StaticIndexedLayer,
+    StaticSlidingWindowLayer,
+    LinearAttentionCacheLayerMixin,
+)
+
+
+class KVLayout:
+    """Shape of one model's paged KV: layers, KV heads and head size (from its config)."""
+
+    __slots__ = ("head_dim", "kv_heads", "num_layers")
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int) -> None:
+        for name, value in (("num_layers", num_layers), ("kv_heads", kv_heads)):
+            if value < 1:
+                raise ValueError(f"{name}={value} is invalid; expected a positive int")
+        if head_dim < 1:
+            raise ValueError(f"head_dim={head_dim} is invalid; expected a positive int")
+        self.num_layers = num_layers
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+
+    def __repr__(self) -> str:
+        return (
+            f"KVLayout(num_layers={self.num_layers}, kv_heads={self.kv_heads}, "
+            f"head_dim={self.head_dim})"
+        )
+
+    def page_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
+        """Shape of one layer's paged buffer holding `num_blocks` blocks of `block_size`."""
+        return (num_blocks, 2, block_size, self.kv_heads, self.head_dim)
+
+
+def kv_layout(config: Any) -> KVLayout:
+    """The paged-KV layout of a decoder-only transformers model, read from its config."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = int(text.num_attention_heads)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return KVLayout(int(text.num_hidden_layers), int(kv_heads), int(head_dim))
+
+
+def allocate_pages(
+    config: Any,
+    num_blocks: int,
+    block_size: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> list[torch.Tensor]:
+    """Zeroed paged buffers for `config`'s model: `(num_blocks, 2, block_size, H, D)` a layer."""
+    if num_blocks < 1 or block_size < 1:
+        raise ValueError(
+            f"num_blocks={num_blocks}, block_size={block_size} are invalid; expected positive ints"
+        )
+    layout = kv_layout(config)
+    shape = layout.page_shape(num_blocks, block_size)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)]
+
+
+def _layer_kv(layer: object, index: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(keys, values, first token held, tokens seen) of one cache layer; refuses exotic layers."""
+    if isinstance(layer, _REFUSED_LAYERS) or not isinstance(layer, (DynamicLayer, StaticLayer)):
+        raise TypeError(
+            f"cache layer {index} is a {type(layer).__name__}; expected a DynamicLayer, "
+            "DynamicSlidingWindowLayer or StaticLayer holding plain per-token KV"
+        )
+    seen = int(layer.get_seq_length())
+    if seen == 0:
+        empty = torch.empty(0)
+        return empty, empty, 0, 0
+    keys, values = layer.keys, layer.values
+    assert keys is not None and values is not None  # initialised: it has seen tokens
+    if isinstance(layer, DynamicSlidingWindowLayer):
+        # A sliding layer keeps only its last tokens: the held ones end at `seen`.
+        return keys, values, seen - keys.shape[-2], seen
+    return keys, values, 0, seen
+
+
+def _as_ids(block_ids: Sequence[int] | torch.Tensor, what: str) -> torch.Tensor:
+    ids = torch.as_tensor(block_ids)
+    if ids.ndim != 1 or (ids.numel() > 0 and ids.dtype not in (torch.int32, torch.int64)):
+        raise TypeError(
+            f"{what} has shape {tuple(ids.shape)} and dtype {ids.dtype}; expected 1-D ints"
+        )
+    return ids.to(torch.int64)
+
+
+def _check_pages(pages: Sequence[torch.Tensor], block_size: int | None = None) -> int:
+    """Validate per-layer page buffers against each other; return their block size."""
+    if len(pages) == 0:
+        raise ValueError("pages is empty; expected one paged buffer per layer")
+    first = pages[0]
+    if first.ndim != 5 or first.shape[1] != 2:
+        raise ValueError(
+            f"pages[0] has shape {tuple(first.shape)}; "
+            "expected (num_blocks, 2, block_size, kv_heads, head_dim)"
+        )
+    for i, page in enumerate(pages):
+        if page.shape != first.shape or page.dtype != first.dtype or page.device != first.device:
+            raise ValueError(
+                f"pages[{i}] is {tuple(page.shape)} {page.dtype} on {page.device}; expected "
+                f"every layer like pages[0]: {tuple(first.shape)} {first.dtype} on {first.device}"
+            )
+    if block_size is not None and first.shape[2] != block_size:
+        raise ValueError(f"pages hold blocks of {first.shape[2]} tokens; block_size={block_size}")
+    return int(first.shape[2])
+
+
+def extract_blocks(
+    cache: Cache,
+    batch_index: int,
+    token_start: int,
+    num_blocks: int,
+    block_size: int,
+    out_pages: Sequence[torch.Tensor],
+    out_block_ids: Sequence[int] | torch.Tensor,
+) -> None:
+    """Copy `num_blocks` full blocks of one sequence's KV from `cache` into paged buffers.
+
+    Block `i` is the tokens `token_start + i * block_size` .. `+ block_size` of sequence
+    `batch_index`; it goes to page `out_block_ids[i]` of every layer's `out_pages` tensor
+    (shape `(num_pages, 2, block_size, kv_heads, head_dim)`, same dtype as the cache).
+    Everything is validated before anything is written: on error the pages are unchanged.
+    """
+    page_block_size = _check_pages(out_pages, block_size)
+    ids = _as_ids(out_block_ids, "out_block_ids")
+    if num_blocks < 0 or ids.numel() != num_blocks:
+        raise ValueError(
+            f"out_block_ids has {ids.numel()} entries; expected num_blocks={num_blocks} (>= 0)"
+        )
+    if num_blocks == 0:
+        return
+    num_pages = out_pages[0].shape[0]
+    if int(ids.min()) < 0 or int(ids.max()) >= num_pages:
+        raise ValueError(f"out_block_ids {ids.tolist()} out of range; expected 0..{num_pages - 1}")
+    if bool(ids.sort().values.diff().eq(0).any()):
+        # index_copy_ with a repeated index writes one of the sources, unspecified which.
+        raise ValueError(f"out_block_ids {ids.tolist()} repeats a page; expected distinct ids")
+    if len(cache.layers) != len(out_pages):
+        raise ValueError(
+            f"cache has {len(cache.layers)} layers, out_pages {len(out_pages)}; expected equal"
+        )
+    token_end = token_start + num_blocks * page_block_size
+    sources = []
+    for i, layer in enumerate(cache.layers):
+        keys, values, held_from, seen = _layer_kv(layer, i)
+        if token_start < held_from or token_end > seen:
+            raise ValueError(
+                f"tokens {token_start}..{token_end} are not in cache layer {i}, which holds "
+                f"tokens {held_from}..{seen}"
+            )
+        if not 0 <= batch_index < keys.shape[0]:
+            raise ValueError(
+                f"batch_index={batch_index} out of range; the cache's batch is {keys.shape[0]}"
+            )
+        expected = out_pages[i].shape[2:]
+        got = (page_block_size, keys.shape[1], keys.shape[3])
+        if tuple(expected) != got or keys.dtype != out_pages[i].dtype:
+            raise ValueError(
+                f"cache layer {i} is {keys.dtype} with (kv_heads, head_dim)=({keys.shape[1]}, "
+                f"{keys.shape[3]}); out_pages[{i}] is {out_pages[i].dtype} {tuple(expected)}"
+            )
+        sources.append((keys, values, held_from))
+    dev_ids = ids.to(out_pages[0].device)
+    for page, (keys, values, held_from) in zip(out_pages, sources, strict=True):
+        lo, hi = token_start - held_from, token_end - held_from
+        # (H, T, D) -> (H, n, bs, D) -> (n, bs, H, D); stacking K and V gives (n, 2, bs, H, D).
+        kv = torch.stack((keys[batch_index, :, lo:hi], values[batch_index, :, lo:hi]), dim=0)
+        kv = kv.reshape(2, kv.shape[1], num_blocks, page_block_size, -1).permute(2, 0, 3, 1, 4)
+        page.index_copy_(0, dev_ids, kv.to(page.device))
+
+
+def build_cache_from_blocks(
+    pages: Sequence[torch.Tensor],
+    block_ids_per_sequence: Sequence[Sequence[int]] | torch.Tensor,
+    num_tokens: int,
+    config: Any = None,
+    *,
+    device: torch.device | str | None = None,
+) -> DynamicCache:
+    """A `DynamicCache` holding the first `num_tokens` tokens of each sequence, read from pages.
+
+    Row `b` of the batch is the concatenation of pages `block_ids_per_sequence[b]` (each row
+    lists at least `ceil(num_tokens / block_size)` ids; extra ids are ignored). All rows have
+    the same cached length: a batch whose sequences have different prefixes cached should
+    load the common minimum, or run one cache per sequence. `config` (the model's config)
+    makes the cache build sliding-window layers where the model has them, exactly as the
+    model's own forward would; `device` defaults to the pages' device.
+    """
+    block_size = _check_pages(pages)
+    if isinstance(block_ids_per_sequence, torch.Tensor):
+        rows = block_ids_per_sequence.to(torch.int64)
+        if rows.ndim != 2:
+            raise ValueError(
+                f"block_ids_per_sequence has shape {tuple(rows.shape)}; expected (batch, blocks)"
+            )
+    else:
+        if len(block_ids_per_sequence) == 0:
+            raise ValueError("block_ids_per_sequence is empty; expected one row per sequence")
+        lists = [
+            _as_ids(row, f"block_ids_per_sequence[{b}]")
+            for b, row in enumerate(block_ids_per_sequence)
+        ]
+        width = min(r.numel() for r in lists)
+        rows = torch.stack([r[:width] for r in lists])
+    needed = -(-num_tokens // block_size)
+    if num_tokens < 0 or rows.shape[1] < needed:
+        raise ValueError(
+            f"num_tokens={num_tokens} needs {needed} blocks of {block_size} per sequence; "
+            f"block_ids_per_sequence rows hold {rows.shape[1]}"
+        )
+    rows = rows[:, :needed]
+    num_pages = pages[0].shape[0]
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= num_pages):
+        raise ValueError(f"block ids {rows.tolist()} out of range; expected 0..{num_pages - 1}")
+    cache = DynamicCache(config=config)
+    if num_tokens == 0:
+        return cache
+    target = pages[0].device if device is None else torch.device(device)
+    batch = rows.shape[0]
+    index = rows.reshape(-1).to(pages[0].device)
+    for layer_idx, page in enumerate(pages):
+        # (B*n, 2, bs, H, D) -> (B, 2, H, n*bs, D): one gather and one copy per layer.
+        kv = page.index_select(0, index).reshape(batch, needed, *page.shape[1:])
+        kv = kv.permute(0, 2, 4, 1, 3, 5).flatten(3, 4)[:, :, :, :num_tokens]
+        kv = kv.to(target).contiguous()
+        cache.update(kv[:, 0], kv[:, 1], layer_idx)
+    return cache

@@ -1,0 +1,86 @@
+"""Small seeded random-weight transformers models for demos and tests (no download needed).
+
+Why not transformers' default initialisation: with `initializer_range=0.02` a 256-wide
+untrained model has next-token logits of standard deviation ~0.3 over the vocabulary (nearly
+flat), and greedy decoding falls into a context-free 2-token cycle, so "same tokens with and
+without kvtier" would check almost nothing. `make_demo_model` instead
+
+- draws every weight from N(0, 0.05²) (`initializer_range=0.05`): the attention and MLP
+  blocks then move the residual stream enough that the greedy choice depends on the context
+  (a 64-token greedy run visits ~30 distinct tokens instead of 2), while staying short of the
+  chaotic regime where float32 rounding gets amplified layer after layer (at 0.2 the logit
+  difference between two summation orders grows ~20x);
+- multiplies the final norm's gain by `logit_scale=4`, so logits have a standard deviation of
+  ~3, the spread of a trained LM's logits; the median top-1 minus top-2 margin is then ~0.6.
+
+Measured by tests/integrations/hf/test_models.py on a 6-turn chat: the smallest greedy margin
+is still hundreds of times the largest logit difference that reusing offloaded KV causes, so a
+token mismatch means wrong KV, not rounding. Scaling the output alone cannot do better than
+that ratio (rounding differences scale with it); only sharper, less context-dependent models
+can, which would make the token check weaker.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import torch
+
+__all__ = ["DEMO_ARCHS", "make_demo_model"]
+
+DEMO_ARCHS: Final = ("llama", "qwen2", "mistral")
+"""Architectures `make_demo_model` builds."""
+
+_DEFAULT_SIZE: Final[dict[str, Any]] = {
+    "vocab_size": 2048,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,  # grouped-query attention, as in current Llama/Qwen2/Mistral
+    "max_position_embeddings": 4096,
+    "initializer_range": 0.05,
+    "tie_word_embeddings": False,
+}
+
+
+def _config_class(arch: str) -> Any:
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+    if arch not in classes:
+        raise ValueError(f"arch={arch!r} is not supported; expected one of {', '.join(DEMO_ARCHS)}")
+    return classes[arch]
+
+
+def make_demo_model(
+    arch: str = "llama", seed: int = 0, *, logit_scale: float = 4.0, **size: Any
+) -> tuple[Any, Any]:
+    """A small float32 model of `arch` with seeded random weights, in eval mode: (model, config).
+
+    `size` overrides config fields (`hidden_size`, `num_hidden_layers`, `vocab_size`,
+    `initializer_range`, ...). The same `arch`, `seed` and `size` give bit-identical weights in
+    every process. Mistral gets `sliding_window=None` unless `size` sets one, so the default
+    model attends to its whole context like the other two.
+    """
+    from transformers import AutoModelForCausalLM
+
+    auto: Any = AutoModelForCausalLM  # untyped upstream
+
+    config_cls = _config_class(arch)
+    if not logit_scale > 0:
+        raise ValueError(f"logit_scale={logit_scale!r} is invalid; expected a positive float")
+    fields = {**_DEFAULT_SIZE, **size}
+    if arch == "mistral":
+        fields.setdefault("sliding_window", None)
+    config = config_cls(**fields)
+    # Seed a private generator state: the caller's global RNG stream is left as it was.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = auto.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        # Scale the final norm's gain, not the output matrix: logits are linear in it, and with
+        # tied embeddings scaling the shared matrix would also scale the inputs.
+        model.model.norm.weight.mul_(logit_scale)
+    model.eval()
+    return model, config

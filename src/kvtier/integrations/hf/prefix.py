@@ -1,0 +1,118 @@
+"""Greedy generation that starts from a cache already holding a prompt's prefix.
+
+`generate_greedy(model, input_ids, n, cache=c)` where `c` holds the KV of the first `P`
+tokens runs the model over tokens `P..T-1` only, then decodes `n` tokens greedily; with no
+cache it is the plain recompute path (full prefill, then greedy). Both paths return every
+step's logits so a caller can compare them. Positions are passed explicitly (`P..T-1`), so
+RoPE sees the same positions as in a full prefill; no attention mask is passed, which makes
+transformers build the plain causal (or sliding-window) mask over cached + new tokens.
+
+Rows of a batch share one cache, so they have the same prompt length and the same cached
+prefix length (a transformers cache has one sequence length for all rows). Callers with
+ragged prompts run one batch per prompt; `kvtier.integrations.hf.generator` does that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache
+
+__all__ = ["GreedyOutput", "generate_greedy", "prefill"]
+
+
+@dataclass(frozen=True)
+class GreedyOutput:
+    """Result of `generate_greedy`.
+
+    `tokens`: `(batch, max_new_tokens)` greedy choices. `logits`: `(batch, max_new_tokens,
+    vocab)` float32 logits each choice was the argmax of. `cache`: the KV of the prompt and of
+    every generated token but the last (its KV is computed only when a later step feeds it).
+    `prefill_tokens`: how many prompt tokens the forward ran over (prompt length minus the
+    cached prefix actually used).
+    """
+
+    tokens: torch.Tensor
+    logits: torch.Tensor
+    cache: Cache
+    prefill_tokens: int
+
+
+def _check_ids(input_ids: torch.Tensor) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[1] == 0:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)
+        raise ValueError(f"input_ids is {shape}; expected a (batch, seq_len >= 1) tensor")
+    if input_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"input_ids has dtype {input_ids.dtype}; expected int64 token ids")
+
+
+def _forward(model: Any, ids: torch.Tensor, cache: Cache, start: int) -> torch.Tensor:
+    """Run `ids` at positions `start..` on top of `cache`; return the last position's logits."""
+    positions = torch.arange(start, start + ids.shape[1], device=ids.device)
+    out = model(
+        input_ids=ids,
+        position_ids=positions.unsqueeze(0).expand(ids.shape[0], -1),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,  # the prompt's other positions' logits are never used
+    )
+    logits: torch.Tensor = out.logits[:, -1, :]
+    return logits.float()
+
+
+@torch.no_grad()
+def prefill(
+    model: Any, input_ids: torch.Tensor, cache: Cache | None = None
+) -> tuple[torch.Tensor, Cache, int]:
+    """Run the prompt over whatever `cache` does not hold; return (last logits, cache, tokens run).
+
+    `cache` holds the KV of the first `P` tokens of every row of `input_ids` (`P` =
+    `cache.get_seq_length()`); it is extended in place. When it holds the whole prompt the
+    last token is dropped from it and recomputed, since its logits are needed to choose the
+    first new token. `cache=None` starts a fresh `DynamicCache` (the recompute path).
+    """
+    _check_ids(input_ids)
+    if cache is None:
+        cache = DynamicCache(config=model.config)
+    seq_len = input_ids.shape[1]
+    cached = int(cache.get_seq_length())
+    if cached > seq_len:
+        raise ValueError(
+            f"cache holds {cached} tokens but the prompt has {seq_len}; expected a prefix of it"
+        )
+    if cached == seq_len:
+        cache.crop(-1)
+        cached -= 1
+    logits = _forward(model, input_ids[:, cached:], cache, cached)
+    return logits, cache, seq_len - cached
+
+
+@torch.no_grad()
+def generate_greedy(
+    model: Any,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    cache: Cache | None = None,
+) -> GreedyOutput:
+    """Greedy-decode `max_new_tokens` tokens after `input_ids`, reusing `cache`'s prefix KV.
+
+    With `cache=None` this is the recompute baseline: the same model calls a user makes with
+    `model.generate(do_sample=False)`, minus its stopping rules (it always generates
+    `max_new_tokens`). See `prefill` for what `cache` must hold.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} is invalid; expected >= 1")
+    logits, cache, ran = prefill(model, input_ids, cache)
+    batch = input_ids.shape[0]
+    tokens = torch.empty((batch, max_new_tokens), dtype=torch.int64, device=input_ids.device)
+    steps = torch.empty((batch, max_new_tokens, logits.shape[-1]), dtype=torch.float32)
+    position = input_ids.shape[1]
+    for step in range(max_new_tokens):
+        steps[:, step] = logits.cpu()
+        tokens[:, step] = logits.argmax(dim=-1)
+        if step + 1 < max_new_tokens:
+            logits = _forward(model, tokens[:, step : step + 1], cache, position)
+            position += 1
+    return GreedyOutput(tokens=tokens, logits=steps, cache=cache, prefill_tokens=ran)
