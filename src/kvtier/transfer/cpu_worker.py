@@ -45,7 +45,11 @@ class CPUTransferWorker(TransferWorker):
         super().__init__(registration, pool, fault_injector)
         stage = torch.empty(max(stage_bytes, pool.row_bytes), dtype=torch.uint8)
         self._copier = BlockCopier(registration, pool.rows, stage)
+        # Two conditions on one lock: new work wakes only the copy thread, and a finished job
+        # wakes waiters only if one waits for it (waking them per job costs GIL hand-offs).
         self._cv = threading.Condition(self._lock)
+        self._done_cv = threading.Condition(self._lock)
+        self._wanted: set[int] = set()
         self._queue: deque[Job] = deque()
         self._urgent: deque[Job] = deque()
         self._in_flight: set[int] = set()
@@ -68,8 +72,11 @@ class CPUTransferWorker(TransferWorker):
         ids = set(job_ids)
         if threading.current_thread() is self._thread:
             raise RuntimeError("wait() called from the transfer thread would deadlock")
-        with self._cv:
-            self._cv.wait_for(lambda: self._in_flight.isdisjoint(ids))
+        with self._lock:
+            ids &= self._in_flight
+            self._wanted |= ids
+            self._done_cv.wait_for(lambda: self._in_flight.isdisjoint(ids))
+            self._wanted -= ids
 
     def shutdown(self) -> None:
         """Cancel queued jobs (reported failed), let the running one finish, stop the thread."""
@@ -84,7 +91,10 @@ class CPUTransferWorker(TransferWorker):
             self._urgent.clear()
             self._queue.clear()
             self._cv.notify_all()
+            self._done_cv.notify_all()
         self._thread.join()
+        with self._lock:
+            self._done_cv.notify_all()
 
     def _serve(self) -> None:
         while True:
@@ -101,7 +111,8 @@ class CPUTransferWorker(TransferWorker):
                     TransferResult(job.job_id, ok, job.nbytes if ok else 0, seconds)
                 )
                 self._in_flight.discard(job.job_id)
-                self._cv.notify_all()
+                if job.job_id in self._wanted:
+                    self._done_cv.notify_all()
 
     def _run(self, job: Job) -> bool:
         try:
