@@ -3,7 +3,11 @@
 Per segment, a job is one gather (`index_select` into a strided `out=` view) when the
 destination rows form one run, one scatter (`index_copy_`) when the source rows do, one plain
 copy per run of consecutive rows when runs are long (`plan.RUN_BYTES`), and otherwise a gather
-into a small staging buffer followed by one scatter of whole pages. The staging buffer is sized
+into a small staging buffer followed by one scatter of whole pages. On the CPU, a job scattered
+on both sides is instead one `memmove` per row and segment, from addresses computed with numpy:
+torch and numpy have no single-pass gather-scatter, and a call into libc costs well under a
+microsecond, while the two-pass detour through the staging buffer reached only about half of
+the contiguous-copy bandwidth here (see docs/bench/transfer.md). The staging buffer is sized
 to stay in cache (CPU) so the detour costs cache traffic, not memory traffic. Bytes are
 viewed as the widest integer-like dtype their alignment allows, because the scatter kernel copies
 one element per iteration.
@@ -11,9 +15,12 @@ one element per iteration.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvtier.transfer.plan import Direction, Job
@@ -78,6 +85,7 @@ class BlockCopier:
             raise ValueError(f"stage of {stage.numel()} bytes cannot hold one {row_bytes}-byte row")
         n_host = int(host_rows.shape[0])
         host_flat = host_rows.reshape(-1)
+        self._on_cpu = host_rows.device.type == "cpu" and stage.device.type == "cpu"
         self._groups: dict[int, _GroupCopy] = {}
         for g in registration.groups:
             page = registration.page_bytes(g)
@@ -107,7 +115,9 @@ class BlockCopier:
         if n == 0:
             return
         group = self._groups[job.group]
-        if job.direction is Direction.STORE:
+        if self._on_cpu and job.host_run is None and job.dev_run is None:
+            _memmove_rows(group, job.direction is Direction.STORE, job.dev_rows, job.host_rows)
+        elif job.direction is Direction.STORE:
             self._store(group, job, n, dev_idx, host_idx)
         else:
             self._load(group, job, n, dev_idx, host_idx)
@@ -159,3 +169,19 @@ class BlockCopier:
                 torch.index_select(g.host_page, 0, host_idx[a:b], out=g.stage_page[: b - a])
                 for s in g.segments:
                     s.dev.index_copy_(0, dev_idx[a:b], s.stage[: b - a])
+
+
+_memmove = ctypes.memmove
+
+
+def _memmove_rows(
+    g: _GroupCopy, store: bool, dev_rows: npt.NDArray[np.int64], host_rows: npt.NDArray[np.int64]
+) -> None:
+    """Copy each (row, segment) with one libc memmove; ctypes releases the GIL inside each."""
+    for s in g.segments:
+        width = s.dev.shape[1] * s.dev.element_size()
+        dev = (s.dev.data_ptr() + dev_rows * (s.dev.stride(0) * s.dev.element_size())).tolist()
+        host = (s.host.data_ptr() + host_rows * (s.host.stride(0) * s.host.element_size())).tolist()
+        pairs = zip(host, dev, strict=True) if store else zip(dev, host, strict=True)
+        for dst, src in pairs:
+            _memmove(dst, src, width)
