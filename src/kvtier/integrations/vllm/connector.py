@@ -1,0 +1,201 @@
+"""`KVTierConnector`: kvtier as a vLLM 0.33 KV connector (`KVConnectorBase_V1`, `SupportsHMA`).
+
+    --kv-transfer-config '{"kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": "64GiB"}}'
+
+The scheduler role wraps kvtier's `OffloadingScheduler` (kvtier.integrations.vllm.scheduler_side),
+the worker role kvtier's transfer engine (worker_side). docs/vllm.md is the user guide.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
+from kvtier.integrations.vllm.scheduler_side import KVTierSchedulerSide
+from kvtier.integrations.vllm.setup import resolve_setup
+from kvtier.integrations.vllm.worker_side import KVTierWorkerSide
+
+if TYPE_CHECKING:
+    from vllm.attention.backends.abstract import AttentionMetadata
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
+    """Offloads vLLM's KV cache to kvtier's host tier and loads it back on prefix hits.
+
+    Configured by `kv_connector_extra_config`, parsed by `kvtier.config`: an unknown key or a
+    bad value raises `kvtier.config.ConfigError` here, when the engine starts.
+    """
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        setup = resolve_setup(vllm_config, kv_cache_config)
+        self.scheduler_side: KVTierSchedulerSide | None = None
+        self.worker_side: KVTierWorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler_side = KVTierSchedulerSide(setup)
+        else:
+            layer_groups = {
+                name: index
+                for index, group in enumerate(kv_cache_config.kv_cache_groups)
+                for name in group.layer_names
+            }
+            self.worker_side = KVTierWorkerSide(setup, layer_groups)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache: a store lost to preemption is only a future miss."""
+        return False
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """Layer-major pages, so a layer's device block is one contiguous run of bytes."""
+        return "LBHNC"
+
+    # -- worker role -------------------------------------------------------------------------
+
+    def _worker(self) -> KVTierWorkerSide:
+        if self.worker_side is None:
+            raise RuntimeError("worker-side call on the scheduler-side KVTierConnector")
+        return self.worker_side
+
+    def _meta(self) -> KVTierConnectorMetadata:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVTierConnectorMetadata):
+            raise TypeError(f"expected KVTierConnectorMetadata, got {type(meta).__name__}")
+        return meta
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Register vLLM's per-layer KV tensors with kvtier's transfer engine."""
+        self._worker().register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Wait for stores reading blocks that preemption hands to other requests."""
+        if not isinstance(kv_connector_metadata, KVTierConnectorMetadata):
+            raise TypeError(
+                f"expected KVTierConnectorMetadata, got {type(kv_connector_metadata).__name__}"
+            )
+        self._worker().handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Submit this step's loads (asynchronous; reported through get_finished)."""
+        self._worker().start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are whole-request and asynchronous: nothing to wait for per layer."""
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        """Stores are submitted once per step in wait_for_save."""
+
+    def wait_for_save(self) -> None:
+        """Submit this step's stores; they run after the forward pass that wrote the KV."""
+        self._worker().wait_for_save(self._meta())
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished loads (failed ones too) and held requests whose stores are done."""
+        return self._worker().get_transfer_results()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """`(finished_sending, finished_recving)`, as get_transfer_results without failures."""
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks that failed loads left invalid (single-group models; hybrid models get the
+        request in `failed_recving`, since vLLM cannot map block ids across groups)."""
+        errors = self._worker().take_load_errors()
+        return errors if len(self._kv_cache_config.kv_cache_groups) == 1 else set()
+
+    def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
+        """This worker's finished jobs, for the scheduler side."""
+        return self.worker_side.build_worker_meta() if self.worker_side is not None else None
+
+    def shutdown(self) -> None:
+        """Stop the transfer worker."""
+        if self.worker_side is not None:
+            self.worker_side.shutdown()
+
+    # -- scheduler role ----------------------------------------------------------------------
+
+    def _scheduler(self) -> KVTierSchedulerSide:
+        if self.scheduler_side is None:
+            raise RuntimeError("scheduler-side call on the worker-side KVTierConnector")
+        return self.scheduler_side
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        """Read block tables from vLLM's cache manager when a store is due."""
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._scheduler().bind_block_ids(kv_cache_manager.get_block_ids)
+
+    def on_new_request(self, request: Request) -> None:
+        """Start tracking a request."""
+        self._scheduler().on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens beyond `num_computed_tokens` kvtier can load; `None` means ask again."""
+        return self._scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Plan the load of the matched tokens into the blocks vLLM allocated."""
+        self._scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Plan this step's stores and hand the workers every job due."""
+        return self._scheduler().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Record the workers' finished jobs."""
+        self._scheduler().update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """True: vLLM keeps the blocks until the workers report the request finished."""
+        return self._scheduler().request_finished(request), None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """As request_finished, for every KV-cache group at once (hybrid models)."""
+        return self._scheduler().request_finished(request), None
+
+    def has_pending_block_frees(self) -> bool:
+        """Stores in flight will hand blocks back, so vLLM may wait instead of preempting."""
+        return self.scheduler_side is not None and self.scheduler_side.has_held()
+
+    def reset_cache(self) -> bool | None:
+        """Empty kvtier's host tier (transfers in flight finish harmlessly)."""
+        self._scheduler().reset_cache()
+        return True

@@ -1,0 +1,34 @@
+"""What kvtier's vLLM connector sends between its halves each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+from kvtier.connector.metadata import StepMetadata
+
+
+@dataclass
+class KVTierConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> workers: the step's jobs, and the finished requests whose blocks vLLM
+    holds until the workers report their stores done (`finished_sending`)."""
+
+    step: StepMetadata
+    held: list[str] = field(default_factory=list)
+
+
+@dataclass
+class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker(s) -> scheduler: finished jobs as `(job_id, success)`, one entry per worker."""
+
+    results: list[tuple[int, bool]] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """Concatenate two workers' reports; the scheduler counts one report per worker."""
+        if not isinstance(other, KVTierWorkerMetadata):
+            raise TypeError(f"cannot aggregate {type(other).__name__} into KVTierWorkerMetadata")
+        return KVTierWorkerMetadata(self.results + other.results)

@@ -1,0 +1,207 @@
+"""Scheduler half of `KVTierConnector`: vLLM's requests and steps onto `OffloadingScheduler`.
+
+vLLM's `Request.block_hashes` (one per device block) are kvtier's block hashes as they are;
+the KV-cache group index completes the key. The per-step path does one dict look-up and one
+small object per scheduled request; block tables are read from vLLM only when a store is due.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, overload
+
+from kvtier.base import TransferResult
+from kvtier.connector import OffloadingScheduler, StepProgress
+from kvtier.cpu import CPUOffloadingManager
+from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
+from kvtier.integrations.vllm.setup import VllmSetup
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class _LazyBlockIds(Sequence[Sequence[int]]):
+    """A request's block table per group, fetched from vLLM on first use (stores only)."""
+
+    __slots__ = ("_get", "_req_id", "_table")
+
+    def __init__(self, get: Callable[[str], tuple[list[int], ...]], req_id: str) -> None:
+        self._get = get
+        self._req_id = req_id
+        self._table: tuple[list[int], ...] | None = None
+
+    def _resolve(self) -> tuple[list[int], ...]:
+        if self._table is None:
+            self._table = self._get(self._req_id)
+        return self._table
+
+    @overload
+    def __getitem__(self, index: int) -> Sequence[int]: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Sequence[int]]: ...
+    def __getitem__(self, index: int | slice) -> Any:
+        return self._resolve()[index]
+
+    def __len__(self) -> int:
+        return len(self._resolve())
+
+    def __iter__(self) -> Iterator[Sequence[int]]:
+        return iter(self._resolve())
+
+
+class KVTierSchedulerSide:
+    """Adapts vLLM's scheduler-side connector calls to kvtier's `OffloadingScheduler`."""
+
+    def __init__(self, setup: VllmSetup) -> None:
+        cfg = setup.config
+        self.setup = setup
+        self.manager = CPUOffloadingManager(
+            setup.num_slots,
+            cfg.cache_policy,
+            store_threshold=cfg.store_threshold,
+            max_tracker_size=cfg.max_tracker_size,
+        )
+        self.scheduler = OffloadingScheduler(
+            self.manager,
+            tokens_per_block=setup.tokens_per_block,
+            blocks_per_chunk=setup.blocks_per_chunk,
+            groups=setup.groups,
+            num_workers=setup.num_workers,
+            offload_prompt_only=cfg.offload_prompt_only,
+        )
+        self._requests: dict[str, Request] = {}
+        self._get_block_ids: Callable[[str], tuple[list[int], ...]] | None = None
+        # Requests with a load in flight: vLLM frees their blocks on `finished_recving`, so
+        # they must never also be reported as `finished_sending`.
+        self._loads: dict[int, list[Any]] = {}  # job id -> [req id, reports left]
+        self._loading: dict[str, int] = {}  # req id -> load jobs in flight
+        self._held: list[str] = []
+        # Requests whose load failed: vLLM recomputes them, so kvtier must not offer the same
+        # chunks again (that would fail the same way, forever).
+        self._load_failed: set[str] = set()
+        logger.info(
+            "kvtier: scheduler side ready: %d host slots of %d blocks x %d tokens "
+            "(%.2f GiB), cache policy %s, %d KV-cache group(s), %d worker(s)",
+            setup.num_slots,
+            setup.blocks_per_chunk,
+            setup.tokens_per_block,
+            setup.num_slots * setup.slot_bytes / 2**30,
+            cfg.cache_policy,
+            len(setup.groups),
+            setup.num_workers,
+        )
+
+    def bind_block_ids(self, get_block_ids: Callable[[str], tuple[list[int], ...]]) -> None:
+        """Where to read a request's block table (vLLM's `KVCacheManager.get_block_ids`)."""
+        self._get_block_ids = get_block_ids
+
+    # -- vLLM scheduler calls ----------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        """Track a request from its arrival; its block hash list is shared, not copied."""
+        self._requests[request.request_id] = request
+        self.scheduler.add_request(
+            request.request_id,
+            request.block_hashes,
+            request.num_prompt_tokens,
+            request.kv_transfer_params,
+        )
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens kvtier can load (asynchronously); `(None, False)` means ask again."""
+        if self._load_failed and request.request_id in self._load_failed:
+            return 0, False
+        n = self.scheduler.get_num_new_matched_tokens(request.request_id, num_computed_tokens)
+        if n is None:
+            return None, False
+        return n, n > 0
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Plan the load into the blocks vLLM allocated for the matched tokens."""
+        if num_external_tokens == 0:
+            self.scheduler.update_state_after_alloc(request.request_id, (), 0)
+            return
+        self.scheduler.update_state_after_alloc(
+            request.request_id, blocks.get_block_ids(), num_external_tokens
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierConnectorMetadata:
+        """Turn one scheduler step into kvtier's step metadata."""
+        sched = self.scheduler
+        requests = self._requests
+        for req_id in scheduler_output.preempted_req_ids or ():
+            if req_id in requests:
+                sched.request_preempted(req_id)
+        get = self._get_block_ids
+        if get is None:
+            raise RuntimeError("bind_block_ids() was not called before the first step")
+        progress = [
+            StepProgress(
+                req_id,
+                _LazyBlockIds(get, req_id),
+                requests[req_id].num_computed_tokens + n,
+            )
+            for req_id, n in scheduler_output.num_scheduled_tokens.items()
+            if req_id in requests
+        ]
+        step = sched.build_step_metadata(progress)
+        for job in step.loads:
+            self._loads[job.job_id] = [job.req_id, self.setup.num_workers]
+            self._loading[job.req_id] = self._loading.get(job.req_id, 0) + 1
+        held, self._held = self._held, []
+        return KVTierConnectorMetadata(step, held)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """Record the jobs the workers finished this step."""
+        meta = output.kv_connector_worker_meta
+        if not isinstance(meta, KVTierWorkerMetadata) or not meta.results:
+            return
+        self.scheduler.on_worker_results(TransferResult(j, ok) for j, ok in meta.results)
+        if self._loads:
+            for job_id, ok in meta.results:
+                entry = self._loads.get(job_id)
+                if entry is None:
+                    continue
+                if not ok:
+                    self._load_failed.add(entry[0])
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._loads[job_id]
+                    left = self._loading[entry[0]] - 1
+                    if left:
+                        self._loading[entry[0]] = left
+                    else:
+                        del self._loading[entry[0]]
+        # vLLM hears about finished requests from the workers' get_finished.
+        self.scheduler.take_finished()
+
+    def request_finished(self, request: Request) -> bool:
+        """True when vLLM must keep the request's blocks until the workers report it."""
+        req_id = request.request_id
+        if self._requests.pop(req_id, None) is None:
+            return False
+        self._load_failed.discard(req_id)
+        hold = self.scheduler.request_finished(req_id)
+        if hold and req_id not in self._loading:
+            self._held.append(req_id)
+        return hold
+
+    def has_held(self) -> bool:
+        """Whether finished requests still hold blocks until their stores finish."""
+        # The scheduler tracks running requests plus finished ones with jobs in flight.
+        return self.scheduler.num_requests() > len(self._requests)
+
+    def reset_cache(self) -> None:
+        """Empty the host tier; transfers in flight finish without touching the new contents."""
+        self.scheduler.reset_cache()
+        logger.info("kvtier: host cache reset")

@@ -1,0 +1,136 @@
+"""What kvtier needs to know about a vLLM engine, read once at start-up from its configs.
+
+Both connector halves build a `VllmSetup` in their constructors, so a bad
+`kv_connector_extra_config` key or value fails when the engine starts, and the scheduler's
+slot count and the worker's host pool always agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    UniformTypeKVCacheSpecs,
+)
+
+from kvtier.config import ConfigError, KVTierConfig
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+
+def _group_page_bytes(group: KVCacheGroupSpec) -> int:
+    """Bytes of one device block across the group's layers (vLLM's own page accounting)."""
+    spec = group.kv_cache_spec
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return int(spec.page_size_bytes)
+    return int(spec.page_size_bytes) * len(group.layer_names)
+
+
+@dataclass(frozen=True, slots=True)
+class VllmSetup:
+    """kvtier's settings resolved against one vLLM engine.
+
+    `groups` are vLLM's KV-cache group indices (all of them are offloaded), `num_slots` the
+    host slots of `blocks_per_chunk` device blocks each, `num_workers` the workers that must
+    report every job.
+    """
+
+    config: KVTierConfig
+    tokens_per_block: int
+    blocks_per_chunk: int
+    groups: tuple[int, ...]
+    page_bytes: tuple[int, ...]
+    num_slots: int
+    num_workers: int
+    num_device_blocks: int
+
+    @property
+    def slot_bytes(self) -> int:
+        """Host bytes of one slot: a chunk of the group with the largest page."""
+        return self.blocks_per_chunk * max(self.page_bytes)
+
+
+def resolve_setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> VllmSetup:
+    """Check kvtier's extra config against the engine and size the host tier.
+
+    Raises `ConfigError` (a `ValueError`) naming the key or the engine feature at fault.
+    """
+    transfer = vllm_config.kv_transfer_config
+    extra: dict[str, Any] = dict(transfer.kv_connector_extra_config or {}) if transfer else {}
+    config = KVTierConfig.from_vllm_extra_config(extra)
+    if config.enable_events:
+        raise ConfigError(
+            "enable_events=True (from vLLM kv_connector_extra_config): kvtier does not publish "
+            "KV events through vLLM yet; expected false (vLLM's own prefix-cache events are "
+            "unaffected)"
+        )
+
+    groups = kv_cache_config.kv_cache_groups
+    if not groups:
+        raise ConfigError("the vLLM engine has no KV-cache groups; nothing to offload")
+    for index, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        specs = (
+            list(spec.kv_cache_specs.values())
+            if isinstance(spec, UniformTypeKVCacheSpecs)
+            else [spec]
+        )
+        for layer_spec in specs:
+            if not isinstance(layer_spec, FullAttentionSpec) or layer_spec.sliding_window:
+                raise ConfigError(
+                    f"KV-cache group {index} uses {type(layer_spec).__name__}; kvtier offloads "
+                    "full-attention groups only (hybrid models whose groups are all full "
+                    "attention are supported; sliding-window and Mamba layers are not yet)"
+                )
+    block_sizes = {int(g.kv_cache_spec.block_size) for g in groups}
+    if len(block_sizes) != 1:
+        raise ConfigError(
+            f"KV-cache groups have different block sizes {sorted(block_sizes)}; kvtier expects "
+            "one device block size for every group"
+        )
+    tokens_per_block = block_sizes.pop()
+    dcp = vllm_config.parallel_config.decode_context_parallel_size
+    if dcp != 1:
+        raise ConfigError(
+            f"decode_context_parallel_size={dcp}: kvtier supports 1 only (blocks of one worker "
+            "hold all tokens of a block)"
+        )
+    _, tokens_per_hash = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    if tokens_per_hash != tokens_per_block:
+        raise ConfigError(
+            f"vLLM hashes blocks of {tokens_per_hash} tokens but KV blocks hold "
+            f"{tokens_per_block}; kvtier needs one block hash per device block"
+        )
+    blocks_per_chunk = config.resolve_blocks_per_chunk(tokens_per_block)
+    page_bytes = tuple(_group_page_bytes(g) for g in groups)
+    slot_bytes = blocks_per_chunk * max(page_bytes)
+    if config.num_slots is not None:
+        num_slots = config.num_slots
+    elif config.cpu_bytes is not None:
+        num_slots = config.cpu_bytes // slot_bytes
+        if num_slots < 1:
+            raise ConfigError(
+                f"cpu_bytes={config.cpu_bytes} (from vLLM kv_connector_extra_config) holds no "
+                f"chunk of {slot_bytes} bytes ({blocks_per_chunk} blocks x {max(page_bytes)} "
+                "bytes); expected at least one chunk's worth"
+            )
+    else:
+        raise ConfigError(
+            "kv_connector_extra_config sets neither cpu_bytes_to_use (alias cpu_bytes) nor "
+            "num_slots; expected one of them, e.g. {'cpu_bytes_to_use': '64GiB'}"
+        )
+    return VllmSetup(
+        config=config,
+        tokens_per_block=tokens_per_block,
+        blocks_per_chunk=blocks_per_chunk,
+        groups=tuple(range(len(groups))),
+        page_bytes=page_bytes,
+        num_slots=num_slots,
+        num_workers=vllm_config.parallel_config.world_size,
+        num_device_blocks=int(kv_cache_config.num_blocks),
+    )

@@ -1,0 +1,283 @@
+"""A CPU stand-in for a vLLM engine: the real vLLM `Scheduler` with a KV connector, and a
+worker loop that runs the worker-side connector on CPU tensors shaped like vLLM's KV cache.
+
+Substitutes for what needs a GPU: the model forward pass writes a deterministic value per
+token (from its position and the token ids up to it) into every layer's KV instead of
+attention outputs, and samples a fixed token. Everything else is vLLM's own code.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+BLOCK_SIZE = 16
+NUM_LAYERS = 2
+NUM_KV_HEADS = 2
+HEAD_SIZE = 32
+_MODEL_DIR: str | None = None
+
+
+def tiny_model_dir() -> str:
+    """A locally saved tiny Llama config (no weights: the scheduler only reads the config)."""
+    global _MODEL_DIR
+    if _MODEL_DIR is None:
+        from transformers import LlamaConfig
+
+        _MODEL_DIR = tempfile.mkdtemp(prefix="kvtier-tiny-llama-")
+        LlamaConfig(
+            vocab_size=1024,
+            hidden_size=NUM_KV_HEADS * 2 * HEAD_SIZE,
+            intermediate_size=128,
+            num_hidden_layers=NUM_LAYERS,
+            num_attention_heads=NUM_KV_HEADS * 2,
+            num_key_value_heads=NUM_KV_HEADS,
+            max_position_embeddings=4096,
+        ).save_pretrained(_MODEL_DIR)
+    return _MODEL_DIR
+
+
+def make_vllm_config(
+    connector: str,
+    extra: Mapping[str, Any],
+    num_gpu_blocks: int,
+    module_path: str | None = None,
+    max_num_batched_tokens: int = 512,
+    load_failure_policy: str = "fail",
+) -> Any:
+    """A VllmConfig for the tiny model on CPU with the given KV connector."""
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    model = ModelConfig(
+        model=tiny_model_dir(), skip_tokenizer_init=True, dtype="float32", max_model_len=2048
+    )
+    cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True)
+    cache.num_gpu_blocks = num_gpu_blocks
+    sched = SchedulerConfig(
+        max_num_seqs=16,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=2048,
+        is_encoder_decoder=False,
+    )
+    transfer = KVTransferConfig(
+        kv_connector=connector,
+        kv_connector_module_path=module_path,
+        kv_role="kv_both",
+        kv_connector_extra_config=dict(extra),
+        kv_load_failure_policy=load_failure_policy,
+    )
+    return VllmConfig(
+        model_config=model,
+        cache_config=cache,
+        scheduler_config=sched,
+        kv_transfer_config=transfer,
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def make_kv_cache_config(num_blocks: int, num_groups: int = 1) -> Any:
+    """`num_groups` full-attention groups splitting the layers between them (several groups
+    make a hybrid-style config), each layer its own tensor."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32
+    )
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS * num_groups)]
+    groups = [
+        KVCacheGroupSpec(names[g * NUM_LAYERS : (g + 1) * NUM_LAYERS], spec)
+        for g in range(num_groups)
+    ]
+    page = spec.page_size_bytes
+    tensors = [
+        KVCacheTensor(size=page * num_blocks, layers=[n], layer_stride=0, block_stride=page)
+        for n in names
+    ]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
+
+
+def make_kv_caches(kv_cache_config: Any) -> dict[str, torch.Tensor]:
+    """Per-layer CPU tensors in vLLM's LBHNC layout: (num_blocks, heads, tokens, 2*head)."""
+    n = kv_cache_config.num_blocks
+    return {
+        name: torch.zeros(n, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)
+        for group in kv_cache_config.kv_cache_groups
+        for name in group.layer_names
+    }
+
+
+def token_value(tokens: list[int], position: int, layer: int) -> float:
+    """What the stand-in forward pass writes for a token: a function of its whole prefix."""
+    h = 0
+    for t in tokens[: position + 1]:
+        h = (h * 1_000_003 + t + 1) % 16_777_213
+    return float(h + layer * 7)
+
+
+@dataclass
+class Engine:
+    """The real vLLM Scheduler plus a CPU worker loop around a worker-side connector."""
+
+    scheduler: Any
+    worker: Any | None
+    kv_caches: dict[str, torch.Tensor]
+    group_of_layer: dict[str, int]
+    finished: set[str] = field(default_factory=set)
+    outputs: list[Any] = field(default_factory=list)
+    sampled_token: int = 7
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 4) -> Any:
+        """Add a request with greedy sampling of `max_tokens` tokens."""
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.request import Request
+
+        init_none_hash(sha256)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        request = Request(
+            req_id,
+            prompt,
+            params,
+            None,
+            block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+        )
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self, settle: bool = True) -> Any:
+        """One engine step: schedule, run the worker side, feed the output back.
+
+        `settle` waits for the transfers submitted in earlier steps before collecting results,
+        so each job is reported exactly one step after it was submitted (deterministic tests
+        on a shared, busy machine); `settle=False` leaves them to the copy thread.
+        """
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        earlier = list(self.worker.worker_side._jobs) if self.worker is not None else []
+        so = self.scheduler.schedule()
+        kv_out = KVConnectorOutput()
+        if self.worker is not None:
+            w = self.worker
+            w.bind_connector_metadata(so.kv_connector_metadata)
+            w.handle_preemptions(so.kv_connector_metadata)
+            w.start_load_kv(None)
+        self._forward(so)
+        if self.worker is not None:
+            w.wait_for_save()
+            if settle and earlier:
+                w.worker_side.transfer.wait(earlier)
+            res = w.get_transfer_results(so.finished_req_ids)
+            kv_out.finished_sending = res.finished_sending
+            kv_out.finished_recving = res.finished_recving
+            kv_out.failed_recving = res.failed_recving
+            kv_out.invalid_block_ids = w.get_block_ids_with_load_errors()
+            kv_out.kv_connector_worker_meta = w.build_connector_worker_meta()
+            w.clear_connector_metadata()
+        req_ids = list(so.num_scheduled_tokens)
+        sampled = []
+        for req_id in req_ids:
+            req = self.scheduler.requests[req_id]
+            done_prefill = req.num_computed_tokens >= req.num_tokens
+            sampled.append([self.sampled_token] if done_prefill else [])
+        out = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=kv_out,
+        )
+        engine_outputs = self.scheduler.update_from_output(so, out)
+        for eo in engine_outputs.values():
+            for o in eo.outputs:
+                if o.finish_reason is not None:
+                    self.finished.add(o.request_id)
+        self.outputs.append(so)
+        return so
+
+    def _forward(self, so: Any) -> None:
+        # After schedule(), num_computed_tokens already counts this step's tokens.
+        if not self.kv_caches:
+            return
+        for req_id, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[req_id]
+            end = req.num_computed_tokens
+            tokens = list(req.all_token_ids)
+            table = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+            for name, t in self.kv_caches.items():
+                g = self.group_of_layer[name]
+                layer = int(name.split(".")[2])
+                for p in range(end - n, end):
+                    t[table[g][p // BLOCK_SIZE], :, p % BLOCK_SIZE, :] = token_value(
+                        tokens, p, layer
+                    )
+
+    def run_until(self, done: Iterable[str], max_steps: int = 400) -> None:
+        """Step until every request in `done` finished and no KV transfer is in flight."""
+        want = set(done)
+        for _ in range(max_steps):
+            if want <= self.finished and not self.scheduler.has_requests():
+                return
+            self.step()
+        raise AssertionError(f"requests {sorted(want - self.finished)} did not finish")
+
+
+def make_engine(
+    connector: str,
+    extra: Mapping[str, Any],
+    *,
+    num_gpu_blocks: int = 64,
+    num_groups: int = 1,
+    module_path: str | None = "kvtier.integrations.vllm",
+    with_worker: bool = True,
+    max_num_batched_tokens: int = 512,
+    load_failure_policy: str = "fail",
+) -> Engine:
+    """Build the scheduler (which builds the scheduler-side connector) and a worker-side
+    connector with registered CPU KV tensors."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    vllm_config = make_vllm_config(
+        connector, extra, num_gpu_blocks, module_path, max_num_batched_tokens, load_failure_policy
+    )
+    kv_cache_config = make_kv_cache_config(num_gpu_blocks, num_groups)
+    scheduler = Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK_SIZE,
+        log_stats=True,
+    )
+    worker = None
+    kv_caches: dict[str, torch.Tensor] = {}
+    if with_worker:
+        worker = KVConnectorFactory.create_connector(
+            config=vllm_config, role=KVConnectorRole.WORKER, kv_cache_config=kv_cache_config
+        )
+        kv_caches = make_kv_caches(kv_cache_config)
+        worker.register_kv_caches(kv_caches)
+    group_of_layer = {
+        n: g for g, grp in enumerate(kv_cache_config.kv_cache_groups) for n in grp.layer_names
+    }
+    return Engine(scheduler, worker, kv_caches, group_of_layer)

@@ -1,0 +1,307 @@
+"""kvtier inside vLLM 0.33 on CPU: the real vLLM Scheduler driving KVTierConnector (and
+vLLM's OffloadingConnector with a kvtier policy), with kvtier's CPU transfer engine moving
+the bytes of CPU tensors shaped like vLLM's KV cache. See engine.py for the stand-ins."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (pip install 'kvtier[vllm]')", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine import BLOCK_SIZE, Engine, make_engine, token_value
+
+EXTRA = {"cpu_bytes_to_use": "8MiB"}
+PROMPT = list(range(1, 70))  # 69 tokens: 4 full 16-token blocks are offloaded
+
+
+@pytest.fixture(scope="module")
+def vllm_loaded() -> Iterator[None]:
+    """Import vLLM once for the module (about 15-30 s)."""
+    import vllm.v1.core.sched.scheduler  # noqa: F401
+
+    import kvtier.integrations.vllm  # noqa: F401
+
+    yield
+
+
+def _swap_transfer(engine: Engine, inject: Callable[[int, str], None]) -> None:
+    from kvtier.connector import OffloadingWorker
+    from kvtier.transfer import CPUTransferWorker
+
+    ws = engine.worker.worker_side
+    old = ws.transfer
+    new = CPUTransferWorker(old.registration, old.pool, fault_injector=inject)
+    old.shutdown()
+    ws.transfer = new
+    ws._worker = OffloadingWorker(new)
+
+
+def gate(engine: Engine) -> threading.Event:
+    """Hold every transfer of `engine` until the returned event is set."""
+    opened = threading.Event()
+    _swap_transfer(engine, lambda job_id, kind: opened.wait(60) and None)
+    return opened
+
+
+def kvtier_side(engine: Engine) -> Any:
+    return engine.scheduler.connector.scheduler_side
+
+
+def assert_no_leaks(engine: Engine) -> None:
+    side = kvtier_side(engine)
+    stats = side.manager.get_stats()
+    assert stats.pinned == 0 and stats.pending_writes == 0
+    assert side.scheduler.num_jobs_in_flight() == 0
+    assert side.scheduler.num_requests() == 0
+    assert not engine.worker.worker_side._jobs
+    assert not engine.scheduler.requests
+
+
+def expect_loaded(engine: Engine, req_id: str, tokens: list[int], num_tokens: int) -> None:
+    table = engine.scheduler.kv_cache_manager.get_block_ids(req_id)
+    for name, t in engine.kv_caches.items():
+        g = engine.group_of_layer[name]
+        layer = int(name.split(".")[2])
+        for p in range(num_tokens):
+            got = t[table[g][p // BLOCK_SIZE], :, p % BLOCK_SIZE, :]
+            assert bool((got == token_value(tokens, p, layer)).all()), (name, p)
+
+
+def store_a_then_forget_on_device(engine: Engine) -> None:
+    engine.add("a", PROMPT)
+    engine.run_until(["a"])
+    assert engine.scheduler.reset_prefix_cache()
+    for t in engine.kv_caches.values():
+        t.zero_()  # only a load from kvtier can bring the bytes back
+
+
+def step_until_running(engine: Engine, req_id: str) -> None:
+    from vllm.v1.request import RequestStatus
+
+    for _ in range(50):
+        req = engine.scheduler.requests[req_id]
+        if req.status == RequestStatus.RUNNING:
+            return
+        engine.step()
+    raise AssertionError(f"{req_id} never ran")
+
+
+@pytest.mark.parametrize("num_groups", [1, 2])
+def test_second_request_loads_the_stored_bytes(vllm_loaded: None, num_groups: int) -> None:
+    engine = make_engine("KVTierConnector", EXTRA, num_groups=num_groups)
+    store_a_then_forget_on_device(engine)
+    assert kvtier_side(engine).manager.get_stats().stores == 4 * num_groups
+    b = engine.add("b", [*PROMPT, 900, 901])
+    engine.step()
+    assert b.status.name == "WAITING_FOR_REMOTE_KVS"
+    assert b.num_computed_tokens == 4 * BLOCK_SIZE
+    step_until_running(engine, "b")
+    expect_loaded(engine, "b", [*PROMPT, 900, 901], 4 * BLOCK_SIZE)
+    engine.run_until(["b"])
+    stats = engine.scheduler.connector_prefix_cache_stats
+    assert stats is None or stats.hits >= 0
+    assert kvtier_side(engine).manager.get_stats().loads == 4 * num_groups
+    assert_no_leaks(engine)
+
+
+def test_preemption_waits_for_stores_in_flight(vllm_loaded: None) -> None:
+    engine = make_engine("KVTierConnector", EXTRA)
+    opened = gate(engine)
+    engine.add("a", PROMPT, max_tokens=8)
+    first = engine.step(settle=False)
+    store_ids = [j.job_id for j in first.kv_connector_metadata.step.stores]
+    assert store_ids
+    # Preempt the running request while its store still reads its blocks.
+    engine.scheduler.reset_prefix_cache(reset_running_requests=True)
+    opened.set()
+    so = engine.step()
+    assert so.kv_connector_metadata.step.wait_for == store_ids
+    assert engine.worker.worker_side.transfer._in_flight.isdisjoint(store_ids)
+    engine.run_until(["a"])
+    assert kvtier_side(engine).manager.get_stats().stores == 4
+    assert_no_leaks(engine)
+
+
+def test_abort_during_load_frees_blocks_once(vllm_loaded: None) -> None:
+    from vllm.v1.request import RequestStatus
+
+    engine = make_engine("KVTierConnector", EXTRA)
+    store_a_then_forget_on_device(engine)
+    opened = gate(engine)
+    engine.add("b", [*PROMPT, 5])
+    so = engine.step(settle=False)
+    assert so.kv_connector_metadata.step.loads
+    engine.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    assert "b" in engine.scheduler.requests  # blocks held while the load writes them
+    opened.set()
+    for _ in range(5):
+        engine.step()
+    assert "b" not in engine.scheduler.requests
+    assert_no_leaks(engine)
+
+
+def test_abort_with_stores_in_flight_holds_blocks_until_sent(vllm_loaded: None) -> None:
+    from vllm.v1.request import RequestStatus
+
+    engine = make_engine("KVTierConnector", EXTRA)
+    opened = gate(engine)
+    engine.add("a", PROMPT, max_tokens=8)
+    engine.step(settle=False)
+    engine.scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    engine.step(settle=False)
+    assert "a" in engine.scheduler.requests  # the store still reads its blocks
+    opened.set()
+    for _ in range(5):
+        engine.step()
+    assert "a" not in engine.scheduler.requests
+    assert kvtier_side(engine).manager.get_stats().stores == 4
+    assert_no_leaks(engine)
+
+
+def test_reset_mid_flight_ignores_old_jobs(vllm_loaded: None) -> None:
+    engine = make_engine("KVTierConnector", EXTRA)
+    opened = gate(engine)
+    engine.add("a", PROMPT)
+    engine.step(settle=False)
+    assert engine.scheduler.reset_connector_cache()
+    side = kvtier_side(engine)
+    assert side.manager.get_stats().used_slots == 4  # quarantined for the job in flight
+    opened.set()
+    engine.run_until(["a"])
+    # The pre-reset store was ignored; the request stored its chunks again after it.
+    stats = side.manager.get_stats()
+    assert stats.stores == 4 and stats.ready == 4 and stats.used_slots == 4
+    assert engine.scheduler.reset_prefix_cache()
+    for t in engine.kv_caches.values():
+        t.zero_()
+    engine.add("b", [*PROMPT, 3])
+    step_until_running(engine, "b")
+    expect_loaded(engine, "b", [*PROMPT, 3], 4 * BLOCK_SIZE)
+    engine.run_until(["b"])
+    assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_failed_load_follows_vllm_policy(vllm_loaded: None, policy: str) -> None:
+    engine = make_engine("KVTierConnector", EXTRA, load_failure_policy=policy)
+    store_a_then_forget_on_device(engine)
+
+    def fail_loads(job_id: int, kind: str) -> None:
+        if kind == "load":
+            raise RuntimeError("injected load failure")
+
+    _swap_transfer(engine, fail_loads)
+    b = engine.add("b", [*PROMPT, 8])
+    engine.step()
+    assert b.status.name == "WAITING_FOR_REMOTE_KVS"
+    if policy == "recompute":
+        for _ in range(20):
+            if b.num_output_tokens:
+                break
+            engine.step()
+        # vLLM recomputed the prompt: b's KV is the stand-in model's, never the zeros.
+        expect_loaded(engine, "b", [*PROMPT, 8], len(PROMPT))
+        engine.run_until(["b"])
+        assert b.num_output_tokens == 4
+    else:
+        engine.run_until(["b"])
+        assert b.status.name == "FINISHED_ERROR"
+    assert_no_leaks(engine)
+
+
+def test_offloading_connector_with_kvtier_policy(vllm_loaded: None) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingWorkerMetadata,
+    )
+
+    from kvtier.integrations.vllm.policy import KVTierPolicyAdapter
+    from kvtier.policies import ARCPolicy
+
+    extra = {
+        "cpu_bytes_to_use": 1 << 20,
+        "cache_policy_module_path": "kvtier.integrations.vllm.policy",
+        "eviction_policy": "kvtier_arc",
+    }
+    engine = make_engine("OffloadingConnector", extra, module_path=None, with_worker=False)
+    manager = engine.scheduler.connector.connector_scheduler.manager
+    assert isinstance(manager._policy, KVTierPolicyAdapter)
+    assert isinstance(manager._policy.inner, ARCPolicy)
+
+    # vLLM's own worker needs a GPU; stand in with one that completes every job at once.
+    def step() -> None:
+        so = engine.scheduler.schedule()
+        meta = so.kv_connector_metadata
+        done = OffloadingWorkerMetadata()
+        for job_id in [*meta.load_jobs, *meta.store_jobs]:
+            done.mark_completed(job_id)
+        engine.outputs.append(so)
+        _feed(engine, so, done, {job.req_id for job in meta.load_jobs.values()})
+
+    engine.step = lambda settle=True: step()  # type: ignore[method-assign]
+    engine.add("a", PROMPT)
+    engine.run_until(["a"])
+    assert engine.scheduler.reset_prefix_cache()
+    b = engine.add("b", [*PROMPT, 4])
+    engine.step()
+    assert b.num_computed_tokens == 4 * BLOCK_SIZE  # served by the CPU tier
+    engine.run_until(["b"])
+    # Fill past capacity: the kvtier policy picks the victims, the tier keeps working.
+    capacity = manager._num_chunks
+    num_fill = capacity // 2 + 2  # two chunks each: more than the tier holds
+    for i in range(num_fill):
+        engine.add(f"c{i}", [1000 + 100 * i + j for j in range(40)])
+    engine.run_until([f"c{i}" for i in range(num_fill)])
+    assert len(manager._policy.chunks) == capacity
+    assert len(manager._policy.inner) == len(manager._policy.chunks)
+
+
+def _feed(engine: Engine, so: Any, worker_meta: Any, recving: set[str]) -> None:
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    req_ids = list(so.num_scheduled_tokens)
+    sampled = [
+        [7]
+        if engine.scheduler.requests[r].num_computed_tokens
+        >= engine.scheduler.requests[r].num_tokens
+        else []
+        for r in req_ids
+    ]
+    out = ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        kv_connector_output=KVConnectorOutput(
+            finished_recving=recving, kv_connector_worker_meta=worker_meta
+        ),
+    )
+    for eo in engine.scheduler.update_from_output(so, out).values():
+        for o in eo.outputs:
+            if o.finish_reason is not None:
+                engine.finished.add(o.request_id)
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ({"cpu_bytes_to_use": "8MiB", "evicton_policy": "arc"}, "unknown key"),
+        ({"cpu_bytes_to_use": "lots"}, "cpu_bytes_to_use='lots'"),
+        ({"cpu_bytes_to_use": "8MiB", "eviction_policy": "fifo"}, "eviction_policy='fifo'"),
+        ({}, "cpu_bytes_to_use"),
+    ],
+)
+def test_bad_config_fails_at_start_up(
+    vllm_loaded: None, extra: dict[str, Any], needle: str
+) -> None:
+    from kvtier.config import ConfigError
+
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
+        make_engine("KVTierConnector", extra, with_worker=False)
