@@ -184,3 +184,11 @@ def test_tracker_size_per_slot(trace: Path, capsys: pytest.CaptureFixture[str]) 
     huge = _json_rows(capsys, str(trace), *base, "--max-tracker-size", "1000")
     # A one-key-per-slot tracker forgets first sightings sooner, so it admits less.
     assert tiny[0]["stores"] < huge[0]["stores"]  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("command", [[], *([c.name] for c in COMMANDS)])
+def test_help_renders(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([*command, "--help"])
+    assert info.value.code == 0
+    assert "usage: kvtier" in capsys.readouterr().out

@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--capacities",
         default=DEFAULT_CAPACITIES,
         help="comma-separated CPU-tier sizes: a share of the trace's unique blocks (5%%), "
-        f"a block count (20000) or bytes with --model-shape (64GiB); default {DEFAULT_CAPACITIES}",
+        "a block count (20000) or bytes with --model-shape (64GiB); default %(default)s",
     )
     p.add_argument("--mode", choices=MODES, default="flat", help="replay mode (default flat)")
     p.add_argument(
@@ -110,7 +110,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--advise",
         action="store_true",
-        help=f"print per policy the smallest capacity reaching {ADVISE_SHARE:.0%} of the "
+        help=f"print per policy the smallest capacity reaching {100 * ADVISE_SHARE:.0f}%% of the "
         "infinite cache's block hit ratio",
     )
     p.add_argument("--jobs", type=int, default=None, help="worker processes (default: one per CPU)")
