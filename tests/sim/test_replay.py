@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvtier.sim.replay import DevicePrefixCache, make_manager, replay_engine, replay_flat
+from kvtier.sim.replay import (
+    DevicePrefixCache,
+    ProgressFn,
+    make_manager,
+    replay_engine,
+    replay_flat,
+)
 from kvtier.sim.result import RunResult
 from kvtier.sim.runner import ReplayOptions, run_grid, run_one
 from kvtier.sim.shapes import MODEL_PRESETS
@@ -159,3 +165,26 @@ def test_row_has_bytes_with_a_model_shape(make_trace: MakeTrace) -> None:
     ]
     assert row["bytes_loaded"] == r.loads * 2 * 32 * 8 * 128 * 2 * r.block_tokens
     assert r.to_row()["bytes_stored"] is None
+
+
+@pytest.mark.parametrize("mode", ["flat", "engine"])
+def test_a_request_stream_replays_like_a_trace(mode: str, make_trace: MakeTrace) -> None:
+    trace = make_trace(12)
+    seen: list[int] = []
+
+    def run(source: Trace | Iterator[Request], progress: ProgressFn | None = None) -> RunResult:
+        mgr = make_manager("lru", 6)
+        if mode == "flat":
+            return replay_flat(source, mgr, progress=progress)
+        return replay_engine(source, mgr, device_blocks=3, progress=progress)
+
+    whole = run(trace)
+    streamed = run(iter(trace.requests), seen.append)
+    assert _counters(whole) == _counters(streamed)
+    assert (streamed.requests, streamed.blocks, streamed.tokens) == (
+        len(trace),
+        trace.num_blocks,
+        trace.num_tokens,
+    )
+    assert streamed.capacity_frac == whole.capacity_frac == 6 / trace.num_unique_blocks
+    assert sum(seen) == len(trace)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Final
 
 from kvtier.base import LookupResult, OffloadKey
@@ -95,9 +95,46 @@ def _check_hits_as(hits_as: str) -> bool:
     return hits_as == "load"
 
 
+class _Tally:
+    """The totals a report needs, from a `Trace` or counted while a request stream is replayed.
+
+    Streaming keeps only the set of distinct keys (for `capacity_frac`), never the requests.
+    """
+
+    def __init__(self, source: Trace | Iterable[Request]) -> None:
+        self._trace = source if isinstance(source, Trace) else None
+        self.num_requests = self.num_blocks = self.num_tokens = self.block_tokens = 0
+        self._unique: set[OffloadKey] = set()
+        self.requests: Iterable[Request] = (
+            source.requests if isinstance(source, Trace) else self._count(source)
+        )
+
+    def _count(self, source: Iterable[Request]) -> Iterator[Request]:
+        for req in source:
+            self.num_requests += 1
+            self.num_blocks += len(req.keys)
+            self.num_tokens += req.input_length
+            self.block_tokens = req.block_tokens
+            self._unique.update(req.keys)
+            yield req
+
+    def totals(self) -> tuple[int, int, int, int, int]:
+        """(requests, blocks, tokens, unique blocks, tokens per block)."""
+        t = self._trace
+        if t is not None:
+            return len(t), t.num_blocks, t.num_tokens, t.num_unique_blocks, t.block_tokens
+        return (
+            self.num_requests,
+            self.num_blocks,
+            self.num_tokens,
+            len(self._unique),
+            self.block_tokens,
+        )
+
+
 def _result(
     mgr: CPUOffloadingManager,
-    trace: Trace,
+    tally: _Tally,
     *,
     policy: str,
     mode: str,
@@ -110,16 +147,17 @@ def _result(
     hits_as: str,
 ) -> RunResult:
     stats = mgr.get_stats()
+    num_requests, num_blocks, num_tokens, unique, block_tokens = tally.totals()
     return RunResult(
         policy=policy,
         mode=mode,
         capacity_blocks=mgr.num_slots,
-        capacity_frac=mgr.num_slots / trace.num_unique_blocks if trace.num_unique_blocks else 0,
+        capacity_frac=mgr.num_slots / unique if unique else 0.0,
         store_threshold=store_threshold,
-        requests=len(trace),
-        blocks=trace.num_blocks,
-        tokens=trace.num_tokens,
-        block_tokens=trace.block_tokens,
+        requests=num_requests,
+        blocks=num_blocks,
+        tokens=num_tokens,
+        block_tokens=block_tokens,
         hits=hits,
         prefix_tokens=prefix_tokens,
         prefill_tokens_saved=saved,
@@ -136,7 +174,7 @@ def _result(
 
 
 def replay_flat(
-    trace: Trace,
+    trace: Trace | Iterable[Request],
     mgr: CPUOffloadingManager,
     *,
     policy: str = "",
@@ -144,7 +182,11 @@ def replay_flat(
     hits_as: str = "touch",
     progress: ProgressFn | None = None,
 ) -> RunResult:
-    """Replay every block access of `trace` through `mgr` (the textbook simulation)."""
+    """Replay every block access of `trace` through `mgr` (the textbook simulation).
+
+    `trace` may be a `Trace` or any iterable of requests, such as `iter_trace(path)`, which is
+    then streamed.
+    """
     load = _check_hits_as(hits_as)
     touch = mgr.touch
     hit_result = LookupResult.HIT
@@ -152,9 +194,10 @@ def replay_flat(
     prepare_store, complete_store = mgr.prepare_store, mgr.complete_store
     hits = 0
     prefix_tokens = 0
-    requests: list[Request] = trace.requests
+    tally = _Tally(trace)
+    n = 0
     start = time.perf_counter()
-    for n, req in enumerate(requests, start=1):
+    for n, req in enumerate(tally.requests, start=1):
         ctx = req.ctx
         mgr.on_new_request(ctx)
         prefix = -1  # blocks before the first miss; -1 while none missed
@@ -179,24 +222,24 @@ def replay_flat(
             progress(_PROGRESS_EVERY)
     seconds = time.perf_counter() - start
     if progress is not None:
-        progress(len(requests) % _PROGRESS_EVERY)
+        progress(n % _PROGRESS_EVERY)
     return _result(
         mgr,
-        trace,
+        tally,
         policy=policy or mgr.policy.name,
         mode="flat",
         store_threshold=store_threshold,
         hits=hits,
         prefix_tokens=prefix_tokens,
         saved=prefix_tokens,
-        cpu_lookups=trace.num_blocks,
+        cpu_lookups=tally.totals()[1],
         seconds=seconds,
         hits_as=hits_as,
     )
 
 
 def replay_engine(
-    trace: Trace,
+    trace: Trace | Iterable[Request],
     mgr: CPUOffloadingManager,
     *,
     device_blocks: int,
@@ -206,7 +249,10 @@ def replay_engine(
     hits_as: str = "load",
     progress: ProgressFn | None = None,
 ) -> RunResult:
-    """Replay `trace` with a device prefix cache of `device_blocks` blocks in front of `mgr`."""
+    """Replay `trace` with a device prefix cache of `device_blocks` blocks in front of `mgr`.
+
+    `trace` may be a `Trace` or any iterable of requests, which is then streamed.
+    """
     if store_on not in STORE_ON:
         raise ValueError(f"store_on={store_on!r} is invalid; expected one of: {STORE_ON}")
     load = _check_hits_as(hits_as)
@@ -217,8 +263,10 @@ def replay_engine(
     lookup, prepare_load, complete_load = mgr.lookup, mgr.prepare_load, mgr.complete_load
     prepare_store, complete_store = mgr.prepare_store, mgr.complete_store
     hits = device_hits = cpu_lookups = prefix_tokens = saved = 0
+    tally = _Tally(trace)
+    n = 0
     start = time.perf_counter()
-    for n, req in enumerate(trace.requests, start=1):
+    for n, req in enumerate(tally.requests, start=1):
         ctx = req.ctx
         keys = req.keys
         mgr.on_new_request(ctx)
@@ -258,10 +306,10 @@ def replay_engine(
             progress(_PROGRESS_EVERY)
     seconds = time.perf_counter() - start
     if progress is not None:
-        progress(len(trace) % _PROGRESS_EVERY)
+        progress(n % _PROGRESS_EVERY)
     result = _result(
         mgr,
-        trace,
+        tally,
         policy=policy or mgr.policy.name,
         mode="engine",
         store_threshold=store_threshold,
