@@ -150,7 +150,7 @@ def _tracker_size(spec: str) -> tuple[int, float | None]:
 
 
 @contextlib.contextmanager
-def _progress(total: int, enabled: bool) -> Iterator[ProgressFn | None]:
+def _progress(total: int, enabled: bool, unit: str = "requests") -> Iterator[ProgressFn | None]:
     if not enabled:
         yield None
         return
@@ -158,7 +158,7 @@ def _progress(total: int, enabled: bool) -> Iterator[ProgressFn | None]:
         TextColumn("replaying"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("requests"),
+        TextColumn(unit),
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
@@ -278,7 +278,7 @@ def _run_advise(
     target = ADVISE_SHARE * infinite
     resolution = max(1, round(trace.num_unique_blocks * 0.005))
     arg_lists = [(p, target, opts, resolution) for p in policies]
-    with _progress(len(policies), show_progress) as progress:
+    with _progress(len(policies), show_progress, "policies") as progress:
         on_done = (lambda: progress(1)) if progress is not None else None
         answers: list[Advice] | None = map_trace(
             trace, advise, arg_lists, jobs=jobs, on_done=on_done
