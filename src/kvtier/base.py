@@ -74,12 +74,23 @@ class LoadStoreSpec:
 
 
 class BlockIDsLoadStoreSpec(LoadStoreSpec):
-    """A spec addressed by integer ids (host slots or device blocks), co-indexed with keys."""
+    """A spec addressed by integer ids (host slots or device blocks), co-indexed with keys.
 
-    __slots__ = ("block_ids",)
+    The numpy array is built on first use: a trace replay never looks at it, an engine does.
+    """
+
+    __slots__ = ("_array", "_ids")
 
     def __init__(self, block_ids: npt.ArrayLike) -> None:
-        self.block_ids: npt.NDArray[np.int64] = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        self._ids = block_ids
+        self._array: npt.NDArray[np.int64] | None = None
+
+    @property
+    def block_ids(self) -> npt.NDArray[np.int64]:
+        """The ids as a 1-D int64 array."""
+        if self._array is None:
+            self._array = np.asarray(self._ids, dtype=np.int64).reshape(-1)
+        return self._array
 
     def __len__(self) -> int:
         return int(self.block_ids.shape[0])

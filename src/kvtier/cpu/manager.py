@@ -6,7 +6,7 @@ import logging
 from collections import Counter, deque
 from collections.abc import Collection, Iterable
 
-from kvtier.admission import AdmissionPolicy, make_admission_policy
+from kvtier.admission import AdmissionPolicy, AlwaysAdmit, make_admission_policy
 from kvtier.base import (
     LookupResult,
     ManagerStats,
@@ -59,6 +59,7 @@ class CPUOffloadingManager(OffloadingManager):
             if admission is not None
             else make_admission_policy(store_threshold, max_tracker_size)
         )
+        self._admit_all = type(self._admission) is AlwaysAdmit
         self._slot_of: dict[OffloadKey, int] = {}
         self._ref: list[int] = [_FREE] * num_slots
         self._free: list[int] = []
@@ -145,85 +146,91 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], ctx: ReqContext
     ) -> PrepareStoreOutput | None:
+        # Hot path of every engine step and of trace replays: kept flat on purpose.
         slot_of = self._slot_of
-        new: list[OffloadKey] = []
-        present: list[OffloadKey] = []
-        for key in keys:
-            if key in slot_of:
-                present.append(key)
-            elif type(key) is bytes:
-                new.append(key)
-            else:
+        new = [key for key in keys if key not in slot_of]
+        num_new = len(new)
+        if num_new == 0:
+            return PrepareStoreOutput([], CPULoadStoreSpec(()), [])
+        for key in new:
+            if type(key) is not bytes:
                 raise TypeError(f"offload keys are bytes; got {type(key).__name__} {key!r}")
-        if len(set(new)) != len(new):
+        if num_new > 1 and len(set(new)) != num_new:
             new = list(dict.fromkeys(new))
-        admitted = self._admission.admit(new, ctx) if new else new
-        self._stores_skipped += len(new) - len(admitted)
-        if not admitted:
-            return PrepareStoreOutput([], CPULoadStoreSpec([]), [])
-
-        num_free = len(self._free) + self.num_slots - self._next_fresh
-        num_to_evict = len(admitted) - num_free
+            num_new = len(new)
+        if self._admit_all:
+            admitted = new
+        else:
+            admitted = self._admission.admit(new, ctx)
+            self._stores_skipped += num_new - len(admitted)
+            if not admitted:
+                return PrepareStoreOutput([], CPULoadStoreSpec(()), [])
+        n = len(admitted)
+        free = self._free
+        fresh_left = self.num_slots - self._next_fresh
+        num_to_evict = n - len(free) - fresh_left
         evicted: list[OffloadKey] = []
+        ref = self._ref
         if num_to_evict > 0:
-            if num_to_evict > len(self._policy):
+            policy = self._policy
+            if num_to_evict > len(policy):
                 return None
-            victims = self._policy.evict(num_to_evict, present)
+            present = [key for key in keys if key in slot_of] if num_new < len(keys) else ()
+            victims = policy.evict(num_to_evict, present)
             if victims is None:
                 return None
-            ref = self._ref
             for key in victims:
                 slot = slot_of.pop(key)
                 ref[slot] = _FREE
-                self._free.append(slot)
+                free.append(slot)
             self._evictions += len(victims)
             evicted = victims
-            self._emit(victims, removed=True)
+            if self._events is not None:
+                self._emit(victims, removed=True)
 
-        slots = self._allocate(len(admitted))
-        ref = self._ref
+        # Fresh slots first: they were never handed out, so no transfer can still touch them.
+        if fresh_left >= n:
+            first = self._next_fresh
+            slots = list(range(first, first + n))
+            self._next_fresh = first + n
+        else:
+            slots = list(range(self._next_fresh, self.num_slots))
+            self._next_fresh = self.num_slots
+            rest = n - len(slots)
+            slots += free[-rest:]
+            del free[-rest:]
         for key, slot in zip(admitted, slots, strict=True):
             slot_of[key] = slot
             ref[slot] = _PENDING
-        self._num_pending += len(admitted)
+        self._num_pending += n
         return PrepareStoreOutput(admitted, CPULoadStoreSpec(slots), evicted)
 
     def complete_store(
         self, keys: Collection[OffloadKey], ctx: ReqContext, success: bool = True
     ) -> None:
         slot_of, ref = self._slot_of, self._ref
-        for key in keys:
-            slot = slot_of.get(key)
-            if slot is None or ref[slot] != _PENDING:
+        slots = [slot_of.get(key, -1) for key in keys]
+        for key, slot in zip(keys, slots, strict=True):
+            if slot < 0 or ref[slot] != _PENDING:
                 raise ValueError(f"complete_store of key {key.hex()} that has no store pending")
-        if len(set(keys)) != len(keys):
+        if len(slots) > 1 and len(set(slots)) != len(slots):
             raise ValueError("complete_store got the same key twice")
-        self._num_pending -= len(keys)
+        self._num_pending -= len(slots)
         if success:
-            for key in keys:
-                ref[slot_of[key]] = _READY
+            for slot in slots:
+                ref[slot] = _READY
             stored = list(keys)
             self._policy.insert(stored, ctx)
             self._stores += len(stored)
-            self._emit(stored, removed=False)
+            if self._events is not None:
+                self._emit(stored, removed=False)
         else:
             # Never announced, so nothing public to retract.
-            for key in keys:
-                slot = slot_of.pop(key)
+            for key, slot in zip(keys, slots, strict=True):
+                del slot_of[key]
                 ref[slot] = _FREE
-                self._free.append(slot)
-            self._failed_stores += len(keys)
-
-    def _allocate(self, n: int) -> list[int]:
-        # Fresh slots first: they were never handed out, so no transfer can still touch them.
-        num_fresh = min(n, self.num_slots - self._next_fresh)
-        slots = list(range(self._next_fresh, self._next_fresh + num_fresh))
-        self._next_fresh += num_fresh
-        rest = n - num_fresh
-        if rest:
-            slots.extend(self._free[-rest:])
-            del self._free[-rest:]
-        return slots
+            self._free.extend(slots)
+            self._failed_stores += len(slots)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
