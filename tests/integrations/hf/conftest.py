@@ -1,4 +1,9 @@
-"""Shared pieces of the HF integration tests: a multi-turn chat run both ways."""
+"""Shared pieces of the HF integration tests: a multi-turn chat run both ways.
+
+Imports of torch and transformers stay inside the functions: a conftest that raised `Skipped`
+at import would break collection of the whole suite where transformers is not installed; the
+test modules themselves `importorskip` it.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
-from kvtier.integrations.hf.kv_blocks import (  # noqa: E402
-    allocate_pages,
-    build_cache_from_blocks,
-    extract_blocks,
-)
-from kvtier.integrations.hf.prefix import generate_greedy  # noqa: E402
 
 BLOCK_SIZE = 16
 NUM_PAGES = 256
@@ -40,6 +35,8 @@ def blocks_match(cache: Any, pages: list[Any], first: int, end: int, block_size:
     A per-block loop on purpose: a reference independent of the vectorised copy under test.
     Blocks a sliding-window layer no longer holds are skipped for that layer.
     """
+    import torch
+
     for layer, page in zip(cache.layers, pages, strict=True):
         held_from = layer.get_seq_length() - layer.keys.shape[2]
         for b in range(first, end):
@@ -63,6 +60,15 @@ def run_chat(
     as an offloading engine would store them. Both copies (cache -> pages after a turn, pages ->
     cache before the next) are checked bit for bit.
     """
+    import torch
+
+    from kvtier.integrations.hf.kv_blocks import (
+        allocate_pages,
+        build_cache_from_blocks,
+        extract_blocks,
+    )
+    from kvtier.integrations.hf.prefix import generate_greedy
+
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     pages = allocate_pages(model.config, NUM_PAGES, BLOCK_SIZE)
