@@ -38,7 +38,7 @@ def block_rows(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
             f"{num_blocks} device blocks (or a multiple, for kernel blocks)"
         )
     if t.shape[0] != num_blocks:
-        t = t.unflatten(0, (num_blocks, -1))
+        t = t.view(num_blocks, -1, *t.shape[1:])
     item = t.element_size()
     dims = sorted((t.stride(d), t.shape[d]) for d in range(1, t.dim()) if t.shape[d] != 1)
     expected = 1
