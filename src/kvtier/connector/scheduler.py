@@ -112,6 +112,10 @@ class OffloadingScheduler:
         self._generation = 0
         self._jobs_before_reset = 0
         self._unsent: list[TransferJob] = []
+        self.bytes_loaded = 0
+        """Bytes moved by successful load jobs, summed over workers."""
+        self.bytes_stored = 0
+        """Bytes moved by successful store jobs, summed over workers."""
         self._wait_for: list[int] = []
         self._finished = FinishedRequests()
 
@@ -305,6 +309,11 @@ class OffloadingScheduler:
                 raise ValueError(f"worker reported job {r.job_id}, which is not in flight")
             job.reports_left -= 1
             job.success = job.success and r.success
+            if r.success:
+                if job.spec.kind is JobKind.LOAD:
+                    self.bytes_loaded += r.bytes
+                else:
+                    self.bytes_stored += r.bytes
             if job.reports_left == 0:
                 self._complete(self._jobs.pop(r.job_id))
 
@@ -414,6 +423,10 @@ class OffloadingScheduler:
         self._unsent = keep
 
     # -- introspection ------------------------------------------------------------------------
+
+    def job_ids_in_flight(self) -> list[int]:
+        """Ids of jobs created and not yet completed (sent or not)."""
+        return list(self._jobs)
 
     def num_jobs_in_flight(self) -> int:
         """Jobs created and not yet completed (sent or not)."""

@@ -1,161 +1,246 @@
-"""Draft `KVTierGenerator`: greedy generation that loads a prompt's offloaded prefix blocks.
+"""`KVTierGenerator`: greedy generation for transformers models with kvtier as the prefix cache.
 
-Per prompt: hash its tokens into blocks (`BlockHasher`), ask the block store how many leading
-blocks it holds, load those into the generator's page buffer, build a cache from them,
-prefill only the rest, generate, then store the request's new full blocks. The page buffer
-plays the engine's device KV (one `(num_blocks, 2, block_size, H, D)` tensor per layer, the
-layout the transfer engine registers); the `BlockStore` moves blocks between it and wherever
-offloaded blocks live. Wiring kvtier's connector means implementing `BlockStore` on top of it
-(lookup -> manager lookup, load -> submit_load + wait, store -> submit_store).
+Call it instead of `model.generate`. Per prompt: hash its tokens into blocks, ask kvtier's
+scheduler half how much of the prefix it holds, load those chunks from the host pool into the
+generator's paged KV buffer (the "device" KV), build a transformers cache from them, prefill
+only the rest, generate, then hand the request's new full blocks to kvtier to store. The stores
+run in the background while the next prompt is processed; a prompt that needs a chunk still
+being written waits for it.
 
-`InProcessBlockStore` is TEST SCAFFOLDING: a dict standing in for the connector so the
-generator can be tested now. It has no capacity limit, no eviction and no tiers; it is not the
-product.
+The paged buffer is one `(num_blocks, 2, block_size, kv_heads, head_dim)` tensor per layer,
+registered with kvtier's transfer engine; the manager, the connector halves and the transfer
+engine are the same objects an engine integration uses.
 """
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from kvtier.base import OffloadKey
-from kvtier.hashing import BlockHasher, chunk_keys
+from kvtier.config import KVTierConfig
+from kvtier.connector import OffloadingScheduler, OffloadingWorker, StepProgress
+from kvtier.cpu import CPUOffloadingManager
+from kvtier.hashing import BlockHasher
 from kvtier.integrations.hf.kv_blocks import allocate_pages, build_cache_from_blocks, extract_blocks
 from kvtier.integrations.hf.prefix import generate_greedy
+from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor, make_transfer_worker
 
-__all__ = ["BlockStore", "GenerationResult", "InProcessBlockStore", "KVTierGenerator"]
+__all__ = ["GenerationResult", "GeneratorStats", "KVTierGenerator"]
 
-
-class BlockStore(Protocol):
-    """Offloaded KV blocks by key, moved to and from the generator's page buffer."""
-
-    def lookup(self, keys: Sequence[OffloadKey]) -> int:
-        """How many of `keys`, from the first, can be loaded now (stops at the first miss)."""
-        ...
-
-    def load(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> None:
-        """Copy the blocks of `keys` into pages `block_ids`; done when this returns."""
-        ...
-
-    def store(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> None:
-        """Offload pages `block_ids` under `keys` (the store may drop some: it is a cache)."""
-        ...
-
-
-class InProcessBlockStore:
-    """TEST SCAFFOLDING, not the product: an unbounded dict of key -> per-layer block copies."""
-
-    def __init__(self, pages: Sequence[torch.Tensor]) -> None:
-        self.pages = list(pages)
-        self.blocks: dict[OffloadKey, list[torch.Tensor]] = {}
-
-    def lookup(self, keys: Sequence[OffloadKey]) -> int:
-        """Number of leading `keys` held."""
-        for i, key in enumerate(keys):
-            if key not in self.blocks:
-                return i
-        return len(keys)
-
-    def load(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> None:
-        """Copy held blocks into pages; `KeyError` names a key that is not held."""
-        missing = [k.hex() for k in keys if k not in self.blocks]
-        if missing:
-            raise KeyError(f"keys not held: {missing}")
-        ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
-        for layer, page in enumerate(self.pages):
-            page.index_copy_(0, ids, torch.stack([self.blocks[k][layer] for k in keys]))
-
-    def store(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> None:
-        """Copy pages into the dict under `keys`."""
-        for key, block in zip(keys, block_ids, strict=True):
-            self.blocks[key] = [page[block].clone() for page in self.pages]
+_DEFAULT_SLOTS_PER_BLOCK = 8
 
 
 @dataclass(frozen=True)
 class GenerationResult:
-    """One prompt's result: greedy `tokens` (1-D), per-step `logits` `(n, vocab)`,
-    `hit_tokens` loaded from the store, `prefill_tokens` the model actually ran over."""
+    """One prompt's result: greedy `tokens` (1-D), per-step `logits` `(n, vocab)`, the
+    `hit_tokens` loaded from kvtier, the `prefill_tokens` the model ran over, and `ttft_s`, the
+    time from the call to the first token's logits (lookup, load and prefill)."""
 
     tokens: torch.Tensor
     logits: torch.Tensor
     hit_tokens: int
     prefill_tokens: int
+    ttft_s: float
+
+
+@dataclass
+class GeneratorStats:
+    """Totals over a generator's lifetime."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    prefill_tokens: int = 0
+    bytes_loaded: int = 0
+    bytes_stored: int = 0
+    failed_loads: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+
+    @property
+    def prefix_hit_ratio(self) -> float:
+        """Share of prompt tokens whose KV came from kvtier."""
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 class KVTierGenerator:
     """Greedy generation for a transformers causal LM that reuses offloaded prefix blocks.
 
-    `pages` defaults to a fresh buffer of `max_blocks` blocks (enough for the longest prompt
-    plus its reply). `namespace` identifies the model (name, revision) so two models never
-    share blocks. Prompts run one at a time, each on its own cache.
+    `config` sets the host pool (`cpu_bytes` or `num_slots`; default: 8 slots per device
+    block), the cache and admission policies, the hash and the transfer backend. `max_blocks`
+    device blocks must hold the longest prompt plus its reply. `namespace` identifies the
+    model (name, revision, dtype) so two models never share blocks. Prompts run one at a time,
+    each on its own transformers cache. Use as a context manager, or call `close()`.
     """
 
     def __init__(
         self,
         model: Any,
-        store: BlockStore | None = None,
+        config: KVTierConfig | None = None,
         *,
         block_size: int = 16,
         max_blocks: int = 256,
         namespace: str = "",
-        pages: Sequence[torch.Tensor] | None = None,
     ) -> None:
+        config = config if config is not None else KVTierConfig()
         self.model = model
+        self.config = config
         self.block_size = block_size
-        self.hasher = BlockHasher(block_size, namespace=namespace)
-        self.pages = (
-            list(pages)
-            if pages is not None
-            else allocate_pages(model.config, max_blocks, block_size, dtype=model.dtype)
+        self.hasher = BlockHasher(block_size, algorithm=config.hash_algorithm, namespace=namespace)
+        device = next(model.parameters()).device
+        self.pages = allocate_pages(
+            model.config, max_blocks, block_size, dtype=model.dtype, device=device
         )
-        self.max_blocks = int(self.pages[0].shape[0])
-        self.store: BlockStore = store if store is not None else InProcessBlockStore(self.pages)
+        self.max_blocks = max_blocks
+        registration = KVCacheRegistration([KVTensor(p, "flashinfer") for p in self.pages])
+        bpc = config.resolve_blocks_per_chunk(block_size)
+        if config.cpu_bytes is not None:
+            self.pool = HostPool(registration, bpc, byte_budget=config.cpu_bytes)
+        else:
+            slots = config.num_slots or _DEFAULT_SLOTS_PER_BLOCK * max_blocks // bpc
+            self.pool = HostPool(registration, bpc, num_slots=slots, pin=config.pin_memory)
+        self.manager = CPUOffloadingManager(
+            self.pool.num_slots,
+            config.cache_policy,
+            store_threshold=config.store_threshold,
+            max_tracker_size=config.max_tracker_size,
+            enable_events=config.enable_events,
+            max_pending_events=config.max_pending_events,
+        )
+        self.scheduler = OffloadingScheduler(
+            self.manager,
+            tokens_per_block=block_size,
+            blocks_per_chunk=bpc,
+            offload_prompt_only=config.offload_prompt_only,
+        )
+        self.transfer = make_transfer_worker(registration, self.pool, config.transfer_backend)
+        self.worker = OffloadingWorker(self.transfer)
+        self.stats = GeneratorStats()
+        self._free_blocks = list(range(max_blocks))
+        self._held: dict[str, list[int]] = {}
+        self._req_ids = itertools.count()
 
-    def _keys(self, tokens: torch.Tensor) -> list[OffloadKey]:
-        return chunk_keys(self.hasher.hash_blocks(tokens.cpu().numpy()), 1)
+    # -- public API ---------------------------------------------------------------------------
 
     def generate_one(
         self, prompt: Sequence[int] | torch.Tensor, max_new_tokens: int
     ) -> GenerationResult:
         """Generate for one prompt: load its cached prefix, prefill the rest, store new blocks."""
+        start = time.perf_counter()
         ids = torch.as_tensor(prompt, dtype=torch.int64).reshape(-1)
-        # The cache ends up holding prompt + all new tokens but the last.
-        total_blocks = (ids.numel() + max_new_tokens - 1) // self.block_size
-        if total_blocks > self.max_blocks:
+        if ids.numel() == 0:
+            raise ValueError("prompt is empty; expected at least one token id")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} is invalid; expected >= 1")
+        # The cache ends up holding the prompt and every new token but the last.
+        need = -(-(ids.numel() + max_new_tokens - 1) // self.block_size)
+        if need > self.max_blocks:
             raise ValueError(
-                f"prompt of {ids.numel()} tokens + {max_new_tokens} new needs {total_blocks} "
-                f"blocks; the page buffer holds {self.max_blocks}"
+                f"prompt of {ids.numel()} tokens + {max_new_tokens} new needs {need} blocks; "
+                f"the page buffer holds {self.max_blocks}"
             )
-        keys = self._keys(ids)
-        hit = self.store.lookup(keys)
+        req_id = f"hf-{next(self._req_ids)}"
+        hashes = self.hasher.hash_blocks(ids.numpy())
+        scheduler = self.scheduler
+        scheduler.add_request(req_id, hashes, ids.numel())
+        hit = scheduler.get_num_new_matched_tokens(req_id, 0)
+        while hit is None:  # a chunk of this prefix is still being written
+            self._drain()
+            hit = scheduler.get_num_new_matched_tokens(req_id, 0)
+        blocks = self._allocate(need)
+        scheduler.update_state_after_alloc(req_id, [blocks], hit)
         if hit:
-            self.store.load(keys[:hit], range(hit))
-        device = next(self.model.parameters()).device
-        cache = build_cache_from_blocks(
-            self.pages, [list(range(hit))], hit * self.block_size, self.model.config, device=device
-        )
-        out = generate_greedy(self.model, ids.unsqueeze(0).to(device), max_new_tokens, cache=cache)
+            meta = scheduler.build_step_metadata()
+            self.worker.start_step(meta)
+            self.worker.wait_for_loads(meta)
+            self._collect()
+            if req_id in self._last_failed_loads:
+                hit = 0  # never use the blocks of a failed load: recompute them
+                self.stats.failed_loads += 1
+        device = self.pages[0].device
+        cache = build_cache_from_blocks(self.pages, [blocks], hit, self.model.config, device=device)
+        out = generate_greedy(self.model, ids.unsqueeze(0).to(device), max_new_tokens, cache)
+        ttft = out.first_token_time - start
+
+        # Offer the request's full blocks (prompt and reply) to kvtier.
         seq = torch.cat([ids, out.tokens[0].cpu()])
-        full = int(out.cache.get_seq_length()) // self.block_size
-        if full > hit:
-            all_keys = self._keys(seq[: full * self.block_size])
-            first = hit * self.block_size
+        held_tokens = int(out.cache.get_seq_length())
+        hit_blocks = hit // self.block_size
+        full = held_tokens // self.block_size
+        if full > hit_blocks:
             extract_blocks(
-                out.cache, 0, first, full - hit, self.block_size, self.pages, range(hit, full)
+                out.cache, 0, hit_blocks * self.block_size, full - hit_blocks, self.block_size,
+                self.pages, blocks[hit_blocks:full],
+            )  # fmt: skip
+            hashes.extend(
+                self.hasher.hash_blocks(seq[: full * self.block_size].numpy())[len(hashes) :]
             )
-            self.store.store(all_keys[hit:full], range(hit, full))
-        return GenerationResult(
-            tokens=out.tokens[0],
-            logits=out.logits[0],
-            hit_tokens=hit * self.block_size,
-            prefill_tokens=out.prefill_tokens,
-        )
+        meta = scheduler.build_step_metadata([StepProgress(req_id, [blocks], held_tokens)])
+        self.worker.start_step(meta)
+        self.worker.finish_step(meta)
+        if scheduler.request_finished(req_id):
+            self._held[req_id] = blocks
+        else:
+            self._free_blocks.extend(blocks)
+        self._collect()
+
+        s = self.stats
+        s.requests += 1
+        s.prompt_tokens += ids.numel()
+        s.hit_tokens += hit
+        s.prefill_tokens += out.prefill_tokens
+        s.ttft_s.append(ttft)
+        return GenerationResult(out.tokens[0], out.logits[0], hit, out.prefill_tokens, ttft)
 
     def generate(
         self, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int
     ) -> list[GenerationResult]:
         """`generate_one` for each prompt in order (a later prompt may reuse an earlier one's)."""
         return [self.generate_one(p, max_new_tokens) for p in prompts]
+
+    def flush(self) -> None:
+        """Wait until every store in flight is done."""
+        self._drain()
+
+    def close(self) -> None:
+        """Finish the stores in flight and stop the transfer worker."""
+        self._drain()
+        self.transfer.shutdown()
+
+    def __enter__(self) -> KVTierGenerator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    _last_failed_loads: frozenset[str] = frozenset()
+
+    def _allocate(self, n: int) -> list[int]:
+        if len(self._free_blocks) < n and self._held:
+            self._drain()  # blocks of finished requests come back when their stores end
+        if len(self._free_blocks) < n:
+            raise RuntimeError(
+                f"{n} device blocks needed, {len(self._free_blocks)} free of {self.max_blocks}"
+            )
+        blocks = self._free_blocks[-n:]
+        del self._free_blocks[-n:]
+        return blocks
+
+    def _collect(self) -> None:
+        self.scheduler.on_worker_results(self.worker.get_finished())
+        self.stats.bytes_loaded = self.scheduler.bytes_loaded
+        self.stats.bytes_stored = self.scheduler.bytes_stored
+        done = self.scheduler.take_finished()
+        self._last_failed_loads = frozenset(done.failed_loads)
+        for req_id in done.sending:
+            self._free_blocks.extend(self._held.pop(req_id))
+
+    def _drain(self) -> None:
+        self.transfer.wait(self.scheduler.job_ids_in_flight())
+        self._collect()

@@ -14,6 +14,7 @@ ragged prompts run one batch per prompt; `kvtier.integrations.hf.generator` does
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,8 @@ class GreedyOutput:
     logits: torch.Tensor
     cache: Cache
     prefill_tokens: int
+    first_token_time: float = 0.0
+    """`time.perf_counter()` when the first token's logits were ready (time to first token)."""
 
 
 def _check_ids(input_ids: torch.Tensor) -> None:
@@ -105,6 +108,7 @@ def generate_greedy(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} is invalid; expected >= 1")
     logits, cache, ran = prefill(model, input_ids, cache)
+    first_token_time = time.perf_counter()
     batch = input_ids.shape[0]
     tokens = torch.empty((batch, max_new_tokens), dtype=torch.int64, device=input_ids.device)
     steps = torch.empty((batch, max_new_tokens, logits.shape[-1]), dtype=torch.float32)
@@ -115,4 +119,4 @@ def generate_greedy(
         if step + 1 < max_new_tokens:
             logits = _forward(model, tokens[:, step : step + 1], cache, position)
             position += 1
-    return GreedyOutput(tokens=tokens, logits=steps, cache=cache, prefill_tokens=ran)
+    return GreedyOutput(tokens, steps, cache, ran, first_token_time)
