@@ -173,6 +173,8 @@ def test_failed_load_is_reported_and_recomputed(engine: Engine) -> None:
     assert "b" in done.failed_loads
     assert set(b.blocks[: len(SYSTEM)]) <= done.failed_load_blocks
     assert e.loaded_blocks == 0  # nothing was served from the failed load
+    # Asked again (an engine's recompute path), the request is offered nothing more.
+    assert e.scheduler.get_num_new_matched_tokens("b", 0) == 0
     e.gate.fail_directions.clear()
     e.finish("b")
     assert_clean(e)

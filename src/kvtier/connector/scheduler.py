@@ -60,6 +60,7 @@ class _Request:
     planned_load: tuple[int, int] | None = None
     jobs: set[int] = field(default_factory=set)
     finished: bool = False
+    load_failed: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -172,6 +173,8 @@ class OffloadingScheduler:
         req.planned_load = None
         if req.jobs:
             return None
+        if req.load_failed:
+            return 0  # the engine recomputes; offering the same chunks again could loop
         tpc = self.tokens_per_chunk
         first_chunk = num_computed_tokens // tpc
         if not req.touched_device_hits and first_chunk > 0:
@@ -358,6 +361,7 @@ class OffloadingScheduler:
         if spec.kind is JobKind.LOAD:
             self._finished.recving.add(spec.req_id)
             if not job.success:
+                req.load_failed = True
                 self._finished.failed_loads.add(spec.req_id)
                 self._finished.failed_load_blocks.update(spec.device_blocks.tolist())
         if req.finished and not req.jobs:
