@@ -28,7 +28,13 @@ from kvtier.cpu import CPUOffloadingManager
 from kvtier.hashing import BlockHasher
 from kvtier.integrations.hf.kv_blocks import allocate_pages, build_cache_from_blocks, extract_blocks
 from kvtier.integrations.hf.prefix import generate_greedy
-from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor, make_transfer_worker
+from kvtier.transfer import (
+    FaultInjector,
+    HostPool,
+    KVCacheRegistration,
+    KVTensor,
+    make_transfer_worker,
+)
 
 __all__ = ["GenerationResult", "GeneratorStats", "KVTierGenerator"]
 
@@ -74,7 +80,8 @@ class KVTierGenerator:
     block), the cache and admission policies, the hash and the transfer backend. `max_blocks`
     device blocks must hold the longest prompt plus its reply. `namespace` identifies the
     model (name, revision, dtype) so two models never share blocks. Prompts run one at a time,
-    each on its own transformers cache. Use as a context manager, or call `close()`.
+    each on its own transformers cache. `fault_injector` goes to the transfer worker (tests make
+    transfers fail with it). Use as a context manager, or call `close()`.
     """
 
     def __init__(
@@ -85,6 +92,7 @@ class KVTierGenerator:
         block_size: int = 16,
         max_blocks: int = 256,
         namespace: str = "",
+        fault_injector: FaultInjector | None = None,
     ) -> None:
         config = config if config is not None else KVTierConfig()
         self.model = model
@@ -117,7 +125,9 @@ class KVTierGenerator:
             blocks_per_chunk=bpc,
             offload_prompt_only=config.offload_prompt_only,
         )
-        self.transfer = make_transfer_worker(registration, self.pool, config.transfer_backend)
+        self.transfer = make_transfer_worker(
+            registration, self.pool, config.transfer_backend, fault_injector=fault_injector
+        )
         self.worker = OffloadingWorker(self.transfer)
         self.stats = GeneratorStats()
         self._free_blocks = list(range(max_blocks))
