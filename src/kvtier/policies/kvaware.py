@@ -1,4 +1,8 @@
-"""Prefix-aware GreedyDual-Frequency eviction for KV-cache blocks."""
+"""Prefix-aware eviction for KV-cache blocks: a frequency filter, switched on and off by two
+miniature simulations, in front of GreedyDual-Frequency.
+
+The design and its measurements are in docs/policies.md ("The KV-aware policy").
+"""
 
 from __future__ import annotations
 
@@ -8,78 +12,212 @@ from collections.abc import Collection, Iterable, Sequence
 from kvtier.base import OffloadKey, ReqContext
 from kvtier.policies.base import CachePolicy, register_policy
 
+_M64 = (1 << 64) - 1
+# Odd 64-bit multipliers: one per sketch row, one to pick the keys the shadow models see.
+_ROWS = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93)
+_SAMPLE = 0xA24BAED4963EE407
+_HALVE = bytes(v >> 1 for v in range(256))
+_MAX_COUNT = 15
+# Where a pinned key returns at unpin.
+_MAIN, _WINDOW, _WINDOW_TAIL = 0, 1, 2
+# (admit every block leaving the window, apply the deepest-block rule), one shadow each.
+_MODES = ((True, True), (False, True), (True, False), (False, False))
+_MODE_NAMES = ("adaptive", "filter", "open")
+
+
+def key_hash(key: object) -> int:
+    """A hash of `key` that is the same in every process (`hash()` of bytes is salted)."""
+    if type(key) is bytes:
+        return hash(int.from_bytes(key, "big"))
+    return hash(key)
+
+
+class FrequencySketch:
+    """Count-min sketch of recent access counts: 4 rows of `width` one-byte counters capped at
+    15, all halved every `period` accesses so that old popularity fades. Fixed size."""
+
+    def __init__(self, width: int, period: int) -> None:
+        bits = max(4, (width - 1).bit_length())
+        self.width = 1 << bits
+        self._shift = 64 - bits
+        self._table = bytearray(4 * self.width)
+        self._period = max(1, period)
+        self._added = 0
+
+    def _cells(self, h: int) -> tuple[int, int, int, int]:
+        s, w = self._shift, self.width
+        r0, r1, r2, r3 = _ROWS
+        return (
+            ((h * r0) & _M64) >> s,
+            w + (((h * r1) & _M64) >> s),
+            2 * w + (((h * r2) & _M64) >> s),
+            3 * w + (((h * r3) & _M64) >> s),
+        )
+
+    def estimate(self, h: int) -> int:
+        """Recent access count of hash `h` (an over-estimate only through collisions)."""
+        t = self._table
+        a, b, c, d = self._cells(h)
+        return min(t[a], t[b], t[c], t[d])
+
+    def add(self, h: int) -> int:
+        """Count one access of hash `h` and return its new estimate."""
+        t = self._table
+        a, b, c, d = self._cells(h)
+        low = min(t[a], t[b], t[c], t[d])
+        if low < _MAX_COUNT:
+            # Conservative update: only the counters at the minimum rise.
+            low += 1
+            for i in (a, b, c, d):
+                if t[i] < low:
+                    t[i] = low
+        self._added += 1
+        if self._added >= self._period:
+            self._table = self._table.translate(_HALVE)
+            self._added //= 2
+        return low
+
+    def clear(self) -> None:
+        """Forget every count."""
+        self._table = bytearray(len(self._table))
+        self._added = 0
+
+    def __len__(self) -> int:
+        return len(self._table)
+
 
 @register_policy(
     "kvaware",
-    "prefix-aware GreedyDual-Frequency: a block's credit is its use count (remembered past "
-    "eviction), credits age as victims are taken, a request's deepest block goes first",
+    "prefix-aware: a frequency filter (switched by two shadow simulations) before "
+    "GreedyDual-Frequency; a request's deepest block goes first, heads outlive their tails",
 )
 class KVAwarePolicy(CachePolicy):
-    """Evicts the block with the lowest credit. A use sets a block's credit to the current
-    floor `L` plus its use count; each eviction raises `L` to the victim's credit, so blocks
-    that stop being used age out however often they were used before.
+    """New blocks enter a small LRU window. A block leaving the window competes with the main
+    area's victim: it is admitted when its recent access count (a count-min sketch, which
+    remembers blocks long after they are evicted) beats the victim's, or always when the
+    filter is switched off. The main area is GreedyDual-Frequency: a use sets a block's credit
+    to the floor plus its count, eviction takes the lowest credit and raises the floor to it.
 
-    Use counts outlive eviction in a history bounded to `history_factor * capacity` keys: a
-    conversation's blocks come back at its next turn, usually long after an LRU window would
-    have forgotten them, and the count is what says they are the conversation's. The deepest
-    block of a request enters at the floor itself: a prefix hit on it needs every ancestor
-    and the next turn to end on exactly the same token, so it is the least likely to serve.
+    Two shadow copies of the policy, one filtering and one admitting everything, replay a
+    hash-sampled subset of the keys at a proportionally smaller capacity; the filter is on
+    while the filtering shadow has the higher recent hit count.
 
-    Credits are integers kept in buckets (one LRU queue per credit); the floor only rises,
-    so finding the victim is amortised O(1) with counts capped at `max_count`.
+    Prefix structure: a request's deepest block (usually partial, so rarely reused) enters
+    the window last in line and passes it only by beating the victim's count, then sits at
+    the floor; a call's keys are applied tail first so a prefix's head outlives its tail.
+    Whether the deepest-block rule pays is itself left to the shadows: there are four, one
+    per (filter on/off, rule on/off), and the policy follows the best.
+
+    `mode="filter"` or `"open"` fixes the filter (rule on, no shadows), for comparisons.
+    Every per-key table is bounded by the capacity (the shadows by their own, smaller one);
+    the sketch has `4 * sketch_width * capacity` one-byte counters, rounded up to a power of 2.
     """
 
-    def __init__(self, capacity: int, history_factor: int = 8, max_count: int = 64) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        window: float = 0.01,
+        sketch_width: int = 32,
+        model_size: int = 256,
+        mode: str = "adaptive",
+        *,
+        _shared: FrequencySketch | None = None,
+        _admit_all: bool = True,
+        _tail_first: bool = True,
+    ) -> None:
         super().__init__(capacity)
-        if history_factor < 1:
-            raise ValueError(f"history_factor={history_factor} is invalid; expected >= 1")
-        if max_count < 1:
-            raise ValueError(f"max_count={max_count} is invalid; expected >= 1")
-        self._history_cap = history_factor * capacity
-        self._max_count = max_count
+        if not 0.0 < window < 1.0:
+            raise ValueError(f"window={window} is invalid; expected 0 < window < 1")
+        if sketch_width < 1:
+            raise ValueError(f"sketch_width={sketch_width} is invalid; expected >= 1")
+        if model_size < 1:
+            raise ValueError(f"model_size={model_size} is invalid; expected >= 1")
+        if mode not in _MODE_NAMES:
+            raise ValueError(f"mode={mode!r} is invalid; expected one of {_MODE_NAMES}")
+        self._win_target = max(1, int(window * capacity))
+        # Window keys -> whether the key is its request's deepest block; oldest first.
+        self._win: OrderedDict[OffloadKey, bool] = OrderedDict()
         self._credit: dict[OffloadKey, int] = {}
         self._buckets: dict[int, OrderedDict[OffloadKey, None]] = {}
         self._floor = 0
-        self._pinned: set[OffloadKey] = set()
-        # Use counts of resident and evicted keys, least recently used first.
-        self._counts: OrderedDict[OffloadKey, int] = OrderedDict()
+        self._pinned: dict[OffloadKey, int] = {}
         self._tail_req: str | None = None
         self._tail_key: OffloadKey | None = None
+        self._admit_all = _admit_all if mode == "adaptive" else mode == "open"
+        self._tail_first = _tail_first
+        self._models: tuple[KVAwarePolicy, ...] | None = None
+        self._owns_sketch = _shared is None
+        if _shared is not None:
+            self._sketch = _shared
+            return
+        # Counts fade over 32 capacities' worth of accesses: long enough to span the gap
+        # between a conversation's turns in a cache that cannot hold the conversation.
+        width = sketch_width * capacity
+        self._sketch = FrequencySketch(width, width)
+        if mode != "adaptive":
+            return
+        shift = max(0, (capacity // model_size).bit_length() - 1)
+        self._sample_shift = 64 - shift if shift else 0
+        mcap = max(1, capacity >> shift)
+        self._models = tuple(
+            KVAwarePolicy(mcap, window, _shared=self._sketch, _admit_all=a, _tail_first=t)
+            for a, t in _MODES
+        )
+        self._model_hits = [0.0] * len(_MODES)
+        self._keep = 1.0 - 1.0 / (8 * mcap)
+
+    @property
+    def filtering(self) -> bool:
+        """Whether blocks leaving the window must beat the main victim's count to stay."""
+        return not self._admit_all
 
     def __len__(self) -> int:
-        return len(self._credit)
+        return len(self._win) + len(self._credit)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._credit
+        return key in self._win or key in self._credit
+
+    # -- per-access bookkeeping ------------------------------------------------------------
 
     def _is_tail(self, key: OffloadKey, ctx: ReqContext | None) -> bool:
-        if ctx is None or not ctx.key_positions:
+        if ctx is None or not ctx.key_positions or not self._tail_first:
             return False
         if ctx.req_id != self._tail_req:
-            # Once per request: O(request length), not O(pool).
+            # Once per request: O(request length).
             positions = ctx.key_positions
             self._tail_req = ctx.req_id
             self._tail_key = max(positions, key=positions.__getitem__)
         return key == self._tail_key
 
-    def _use(self, key: OffloadKey) -> int:
-        counts = self._counts
-        count = min(counts.pop(key, 0) + 1, self._max_count)
-        counts[key] = count
-        # At most one pass: if held keys alone exceed the bound (more keys held than the
-        # capacity promised), the history holds just them rather than looping forever.
-        for _ in range(len(counts)):
-            if len(counts) <= self._history_cap:
-                break
-            old, old_count = counts.popitem(last=False)
-            if old in self._credit or old in self._pinned:
-                # Held keys keep their count; the bound is on what is remembered past eviction.
-                counts[old] = old_count
+    def _seen(self, key: OffloadKey, ctx: ReqContext | None) -> int:
+        """Count an access of `key`, feed the shadows if it is sampled; its recent count."""
+        h = key_hash(key)
+        if not self._owns_sketch:
+            return self._sketch.estimate(h)
+        count = self._sketch.add(h)
+        models = self._models
+        if models is not None and (
+            not self._sample_shift or not ((h * _SAMPLE) & _M64) >> self._sample_shift
+        ):
+            keep, hits = self._keep, self._model_hits
+            for i, model in enumerate(models):
+                hits[i] = hits[i] * keep + model._replay(key, ctx)
+            best = max(range(len(hits)), key=hits.__getitem__)
+            self._admit_all, self._tail_first = _MODES[best]
         return count
 
-    def _place(self, key: OffloadKey, ctx: ReqContext | None) -> None:
-        count = self._use(key)
-        credit = self._floor if self._is_tail(key, ctx) else self._floor + count
+    def _replay(self, key: OffloadKey, ctx: ReqContext | None) -> int:
+        """Shadow use: one access as a cache of `capacity` slots sees it; 1 on a hit."""
+        if key in self:
+            self.touch((key,), ctx)
+            return 1
+        if len(self) >= self.capacity:
+            self.evict(1, ())
+        self.insert((key,), ctx)
+        return 0
+
+    def _place(self, key: OffloadKey, count: int, tail: bool) -> None:
+        credit = self._floor if tail else self._floor + max(count, 1)
         self._credit[key] = credit
         bucket = self._buckets.get(credit)
         if bucket is None:
@@ -96,81 +234,147 @@ class KVAwarePolicy(CachePolicy):
             del self._buckets[credit]
         return True
 
+    # -- the CachePolicy interface ---------------------------------------------------------
+
     def insert(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
-        for key in keys:
-            if key not in self._credit and key not in self._pinned:
-                self._place(key, ctx)
+        win, credit, pinned = self._win, self._credit, self._pinned
+        for key in reversed(keys):
+            if key in win or key in credit or key in pinned:
+                continue
+            self._seen(key, ctx)
+            tail = self._is_tail(key, ctx)
+            win[key] = tail
+            if tail:
+                win.move_to_end(key, last=False)
 
     def touch(self, keys: Iterable[OffloadKey], ctx: ReqContext | None) -> None:
-        for key in keys:
-            if self._unplace(key):
-                self._place(key, ctx)
+        win = self._win
+        for key in reversed(list(keys)):
+            if key in win:
+                win.move_to_end(key)
+                self._seen(key, ctx)
+            elif self._unplace(key):
+                self._place(key, self._seen(key, ctx), self._is_tail(key, ctx))
 
     def pin(self, keys: Iterable[OffloadKey]) -> None:
+        win = self._win
         for key in keys:
-            if self._unplace(key):
-                self._pinned.add(key)
+            tail = win.pop(key, None)
+            if tail is not None:
+                self._pinned[key] = _WINDOW_TAIL if tail else _WINDOW
+            elif self._unplace(key):
+                self._pinned[key] = _MAIN
 
     def unpin(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
-        for key in keys:
-            if key in self._pinned:
-                self._pinned.discard(key)
-                self._place(key, ctx)
+        for key in reversed(keys):
+            where = self._pinned.pop(key, None)
+            if where is None:
+                continue
+            count = self._seen(key, ctx)
+            if where == _MAIN:
+                self._place(key, count, self._is_tail(key, ctx))
+            else:
+                self._win[key] = where == _WINDOW_TAIL
 
     def remove(self, keys: Iterable[OffloadKey]) -> None:
         for key in keys:
-            self._pinned.discard(key)
+            self._pinned.pop(key, None)
+            self._win.pop(key, None)
             self._unplace(key)
+
+    def _main_victim(self, protected: Collection[OffloadKey]) -> OffloadKey | None:
+        # Credits lie in [floor, floor + 15]: placed there, and the floor only rises. The
+        # floor may pass only credits with no key at all, or protected keys would be stranded.
+        buckets = self._buckets
+        raise_floor = True
+        for credit in range(self._floor, self._floor + _MAX_COUNT + 1):
+            bucket = buckets.get(credit)
+            if bucket is None:
+                continue
+            for key in bucket:
+                if key not in protected:
+                    if raise_floor:
+                        self._floor = credit
+                    return key
+            raise_floor = False
+        return None
 
     def evict(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
         if n <= 0:
             return []
-        blocked = sum(1 for k in protected if k in self._credit)
+        blocked = sum(1 for k in protected if k in self) if protected else 0
         if len(self) - blocked < n:
             return None
         victims: list[OffloadKey] = []
-        credit = self._floor
-        buckets = self._buckets
-        # The floor may only pass credits that hold no key at all, or protected keys would
-        # be stranded below it where no later scan looks.
-        raise_floor = True
+        win, target, sketch = self._win, self._win_target, self._sketch
         while len(victims) < n:
-            bucket = buckets.get(credit)
-            found = False
-            if bucket is not None:
-                for key in bucket:
-                    if key not in protected:
-                        victims.append(key)
-                        found = True
-                        break
+            # A window over its size (the tier was filling) hands its surplus to main.
+            while len(win) > target:
+                moved, tail = win.popitem(last=False)
+                self._place(moved, sketch.estimate(key_hash(moved)), tail)
+            cand = _first(win, protected) if len(win) == target else None
+            victim = self._main_victim(protected) if self._credit else None
+            if cand is not None and victim is not None:
+                tail = win.pop(cand)
+                count = sketch.estimate(key_hash(cand))
+                if (self._admit_all and not tail) or count > sketch.estimate(key_hash(victim)):
+                    self._unplace(victim)
+                    self._place(cand, count, tail)
+                    victims.append(victim)
                 else:
-                    raise_floor = False
-            if not found:
-                # Credits never drop below the floor, so the next candidate is above it.
-                credit += 1
-                continue
-            self._unplace(victims[-1])
-            if raise_floor:
-                self._floor = credit
+                    victims.append(cand)
+            elif victim is not None:
+                self._unplace(victim)
+                victims.append(victim)
+            else:
+                cand = _first(win, protected)
+                assert cand is not None, "the count check above guarantees a candidate"
+                del win[cand]
+                victims.append(cand)
         return victims
 
     def clear(self) -> None:
+        self._win.clear()
         self._credit.clear()
         self._buckets.clear()
         self._pinned.clear()
-        self._counts.clear()
         self._floor = 0
         self._tail_req = self._tail_key = None
+        if self._owns_sketch:
+            self._sketch.clear()
+        if self._models is not None:
+            for model in self._models:
+                model.clear()
+            self._model_hits = [0.0] * len(_MODES)
+            self._admit_all, self._tail_first = _MODES[0]
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         if ctx.req_id == self._tail_req:
             self._tail_req = self._tail_key = None
+        if self._models is not None:
+            for model in self._models:
+                model.on_request_finished(ctx)
 
     def table_sizes(self) -> dict[str, int]:
-        """Sizes of the credit table, the credit buckets, the pinned keys and the history."""
-        return {
+        """Per-key tables (window, credits, pinned, the two shadows' keys), the credit
+        buckets (at most 16), and the fixed-size sketch's counters (`sketch_counters`)."""
+        sizes = {
+            "window": len(self._win),
             "credits": len(self._credit),
             "buckets": len(self._buckets),
             "pinned": len(self._pinned),
-            "history": len(self._counts),
         }
+        if self._models is not None:
+            sizes["shadow_filter"] = len(self._models[0])
+            sizes["shadow_open"] = len(self._models[1])
+            sizes["sketch_counters"] = len(self._sketch)
+        return sizes
+
+
+def _first(
+    table: OrderedDict[OffloadKey, bool], protected: Collection[OffloadKey]
+) -> OffloadKey | None:
+    for key in table:
+        if key not in protected:
+            return key
+    return None
