@@ -1,6 +1,9 @@
-"""KVTierGenerator reuses stored prefix blocks and matches recompute (integrations.hf.generator).
+"""KVTierGenerator on the real manager, connector halves and CPU transfer engine
+(kvtier.integrations.hf.generator): batches, failed loads, eviction, stats, bad input.
 
-Uses `InProcessBlockStore`, the test stand-in for the connector.
+Every test compares with plain recompute (`generate_greedy` without a cache): tokens must be
+identical, logits within `LOGIT_ATOL = 1e-4` (reasoning in test_prefix.py and test_e2e.py).
+Byte-exactness of loads is checked in test_e2e.py.
 """
 
 from __future__ import annotations
@@ -12,11 +15,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvtier.integrations.hf.generator import InProcessBlockStore, KVTierGenerator  # noqa: E402
+from kvtier.config import KVTierConfig  # noqa: E402
+from kvtier.integrations.hf.generator import GenerationResult, KVTierGenerator  # noqa: E402
 from kvtier.integrations.hf.models import make_demo_model  # noqa: E402
 from kvtier.integrations.hf.prefix import generate_greedy  # noqa: E402
 
-LOGIT_ATOL = 1e-4  # reasoning in test_prefix.py
+LOGIT_ATOL = 1e-4
+BS = 16
 
 
 @pytest.fixture(scope="module")
@@ -24,50 +29,126 @@ def model() -> Any:
     return make_demo_model("qwen2", seed=2)[0]
 
 
-def test_chat_turns_hit_earlier_turns_blocks_and_match_recompute(model: Any) -> None:
-    gen = KVTierGenerator(model, block_size=16, max_blocks=32, namespace="demo-qwen2")
-    rng = torch.Generator().manual_seed(11)
-    history = torch.empty(0, dtype=torch.int64)
-    hits, prefills = [], []
-    for _ in range(3):
-        history = torch.cat([history, torch.randint(0, 2048, (40,), generator=rng)])
-        result = gen.generate_one(history, 8)
-        ref = generate_greedy(model, history.unsqueeze(0), 8)
-        assert torch.equal(result.tokens, ref.tokens[0])
-        assert (result.logits - ref.logits[0]).abs().max().item() <= LOGIT_ATOL
-        hits.append(result.hit_tokens)
-        prefills.append(result.prefill_tokens)
-        history = torch.cat([history, result.tokens])
-    # Turn 2 reuses turn 1's 47 cached tokens as 2 blocks; turn 3 reuses 5 blocks (95 tokens).
-    assert hits == [0, 32, 80]
-    assert prefills == [40, 88 - 32, 136 - 80]
+def _ids(n: int, seed: int) -> Any:
+    return torch.randint(0, 2048, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def test_repeated_prompt_loads_all_of_it(model: Any) -> None:
-    gen = KVTierGenerator(model, block_size=16, max_blocks=8)
-    prompt = torch.randint(0, 2048, (48,), generator=torch.Generator().manual_seed(12))
-    first, again = gen.generate([prompt, prompt], 4)
-    assert (first.hit_tokens, again.hit_tokens) == (0, 48)
-    assert again.prefill_tokens == 1  # the last prompt token runs again for its logits
+def _assert_matches_recompute(model: Any, prompt: Any, result: GenerationResult) -> None:
+    ref = generate_greedy(model, prompt.unsqueeze(0), result.tokens.numel())
+    assert torch.equal(result.tokens, ref.tokens[0])
+    assert (result.logits - ref.logits[0]).abs().max().item() <= LOGIT_ATOL
+
+
+def test_batch_of_prompts_with_a_shared_prefix(model: Any) -> None:
+    system = _ids(64, 1)
+    prompts = [torch.cat([system, _ids(20 + 7 * i, 10 + i)]) for i in range(4)]
+    with KVTierGenerator(model, block_size=BS, max_blocks=32) as gen:
+        results = gen.generate(prompts, 6)
+        stats = gen.stats
+    # The first prompt stores the system prompt's 4 blocks; the other three load them.
+    assert [r.hit_tokens for r in results] == [0, 64, 64, 64]
+    assert [r.prefill_tokens for r in results] == [p.numel() - r.hit_tokens for p, r in
+                                                   zip(prompts, results, strict=True)]  # fmt: skip
+    for prompt, result in zip(prompts, results, strict=True):
+        _assert_matches_recompute(model, prompt, result)
+        assert result.logits.shape == (6, 2048)
+        assert result.ttft_s > 0
+    assert stats.requests == 4
+    assert stats.prompt_tokens == sum(p.numel() for p in prompts)
+    assert stats.hit_tokens == 192
+    assert stats.prefix_hit_ratio == pytest.approx(192 / stats.prompt_tokens)
+    assert len(stats.ttft_s) == 4
+    assert stats.bytes_loaded > 0 and stats.bytes_stored > 0
+
+
+def test_repeated_prompt_computes_at_least_its_last_token(model: Any) -> None:
+    prompt = _ids(48, 12)
+    with KVTierGenerator(model, block_size=BS, max_blocks=8) as gen:
+        first, again = gen.generate([prompt, prompt], 4)
+    # 3 full blocks are stored, but the block holding the last prompt token is not loaded:
+    # the engine must compute at least that token for the first new token's logits.
+    assert (first.hit_tokens, again.hit_tokens) == (0, 32)
+    assert again.prefill_tokens == 16
     assert torch.equal(first.tokens, again.tokens)
 
 
-def test_namespaces_do_not_share_blocks(model: Any) -> None:
-    a = KVTierGenerator(model, block_size=16, max_blocks=8, namespace="a")
-    b = KVTierGenerator(model, block_size=16, max_blocks=8, namespace="b", pages=a.pages)
-    store = a.store
-    assert isinstance(store, InProcessBlockStore)
-    b.store = store  # one store, two models' namespaces
-    prompt = torch.randint(0, 2048, (40,), generator=torch.Generator().manual_seed(13))
-    a.generate_one(prompt, 4)
-    assert b.generate_one(prompt, 4).hit_tokens == 0
-    assert a.generate_one(prompt, 4).hit_tokens == 32
+def test_failed_load_is_not_served_and_the_request_recomputes(model: Any) -> None:
+    failures: list[int] = []
+
+    def fail_first_load(job_id: int, direction: str) -> None:
+        if direction == "load" and not failures:
+            failures.append(job_id)
+            raise OSError("injected load failure")
+
+    prompt = _ids(70, 13)
+    longer = torch.cat([prompt, _ids(30, 14)])
+    with KVTierGenerator(model, block_size=BS, max_blocks=8, fault_injector=fail_first_load) as gen:
+        gen.generate_one(prompt, 5)
+        failed = gen.generate_one(longer, 5)
+        assert failures, "the injector never ran: no load was attempted"
+        assert failed.hit_tokens == 0
+        assert failed.prefill_tokens == longer.numel()
+        _assert_matches_recompute(model, longer, failed)
+        assert gen.stats.failed_loads == 1
+        assert gen.stats.hit_tokens == 0
+        assert gen.stats.bytes_loaded == 0
+        # Nothing leaked: the chunks are loadable again, and every device block came back (the
+        # next request needs all 8).
+        again = gen.generate_one(torch.cat([longer, _ids(27, 15)]), 2)
+        assert again.hit_tokens > 0
+        _assert_matches_recompute(model, torch.cat([longer, _ids(27, 15)]), again)
+        assert gen.manager.get_stats().pinned == 0
 
 
-def test_too_long_request_is_refused_before_any_work(model: Any) -> None:
-    gen = KVTierGenerator(model, block_size=16, max_blocks=2)
-    store = gen.store
-    assert isinstance(store, InProcessBlockStore)
-    with pytest.raises(ValueError, match="needs 3 blocks; the page buffer holds 2"):
-        gen.generate_one(list(range(40)), 10)
-    assert not store.blocks
+def test_eviction_under_a_tiny_pool_keeps_outputs_identical(model: Any) -> None:
+    config = KVTierConfig(num_slots=6, offload_prompt_only=False)
+    with KVTierGenerator(model, config, block_size=BS, max_blocks=16) as gen:
+        history = _ids(40, 16)
+        hits = []
+        for turn in range(4):
+            result = gen.generate_one(history, 6)
+            _assert_matches_recompute(model, history, result)
+            hits.append(result.hit_tokens)
+            history = torch.cat([history, result.tokens, _ids(30, 20 + turn)])
+        gen.flush()
+        manager = gen.manager.get_stats()
+    assert manager.evictions > 0
+    assert manager.used_slots <= 6
+    assert manager.pinned == 0
+    # Turns still load what survived eviction (a 148-token history needs 9 blocks, 6 fit).
+    assert hits[0] == 0 and all(h > 0 for h in hits[1:])
+    assert gen.stats.hit_tokens == sum(hits)
+
+
+def test_namespaces_give_different_block_hashes(model: Any) -> None:
+    a = KVTierGenerator(model, block_size=BS, max_blocks=4, namespace="model-a")
+    b = KVTierGenerator(model, block_size=BS, max_blocks=4, namespace="model-b")
+    try:
+        ids = _ids(32, 17).numpy()
+        assert set(a.hasher.hash_blocks(ids)).isdisjoint(b.hasher.hash_blocks(ids))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_bad_input_is_refused_before_any_work(model: Any) -> None:
+    with KVTierGenerator(model, block_size=BS, max_blocks=2) as gen:
+        with pytest.raises(ValueError, match="needs 4 blocks; the page buffer holds 2"):
+            gen.generate_one(list(range(40)), 10)
+        with pytest.raises(ValueError, match="prompt is empty"):
+            gen.generate_one([], 3)
+        with pytest.raises(ValueError, match="max_new_tokens=0"):
+            gen.generate_one([1, 2, 3], 0)
+        assert gen.stats.requests == 0
+        assert gen.scheduler.num_requests() == 0
+        # The generator still works after the refusals.
+        result = gen.generate_one(list(range(20)), 3)
+        assert result.tokens.numel() == 3
+
+
+def test_close_stops_the_transfer_worker(model: Any) -> None:
+    with KVTierGenerator(model, block_size=BS, max_blocks=8) as gen:
+        gen.generate_one(_ids(40, 18), 2)
+    assert gen.scheduler.num_jobs_in_flight() == 0
+    with pytest.raises(RuntimeError):
+        gen.transfer.submit_store(10_000, [0], [0])
