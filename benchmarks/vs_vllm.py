@@ -189,6 +189,30 @@ def _scheduler_engine(
     )
 
 
+def _vllm_chunks(scheduler: Any) -> int:
+    return int(scheduler.connector.connector_scheduler.manager._num_chunks)
+
+
+def _vllm_engine_with_chunks(
+    policy: str, num_slots: int, slot_guess: int, align: int, device_blocks: int
+) -> Any:
+    """vLLM's engine with exactly `num_slots` host chunks: vLLM sizes its pool from bytes with
+    its own per-chunk size, so the first guess is corrected from the count it reports."""
+
+    def build(chunk_bytes: int) -> Any:
+        extra = {"cpu_bytes_to_use": num_slots * chunk_bytes, "eviction_policy": policy}
+        return _scheduler_engine("OffloadingConnector", extra, None, device_blocks)
+
+    engine = build(slot_guess)
+    got = _vllm_chunks(engine)
+    if got != num_slots:
+        engine = build(num_slots * slot_guess // got // align * align)
+        got = _vllm_chunks(engine)
+    if got != num_slots:
+        raise RuntimeError(f"vLLM sized its pool to {got} chunks; wanted {num_slots}")
+    return engine
+
+
 def _stub_worker_output(meta: Any) -> Any:
     """What workers that finish every job at once would report for `meta`."""
     from vllm.v1.outputs import KVConnectorOutput
@@ -284,12 +308,7 @@ def compare_schedulers(
 
         align = CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT
         v_slot = -(-slot_bytes // align) * align
-        vs = _scheduler_engine(
-            "OffloadingConnector",
-            {"cpu_bytes_to_use": num_slots * v_slot, "eviction_policy": policy},
-            None,
-            device_blocks,
-        )
+        vs = _vllm_engine_with_chunks(policy, num_slots, v_slot, align, device_blocks)
         steps, secs, v_hit = _run_scheduler(vs, prompts)
         v_rates.append(steps / secs)
         ks = _scheduler_engine(

@@ -147,6 +147,12 @@ class OffloadingScheduler:
             raise ValueError(f"request {req_id!r} already finished")
         req.finished = True
         self._cancel_unsent(req)
+        # The whole prefix was used by this request: commit that use now, so a chunk's
+        # recency reflects the request's end (the tail is applied before the head).
+        for g in range(len(self.groups)):
+            used = self._chunk_keys(req, 0, min(req.next_store_chunk, self._num_chunks(req)), g)
+            if used:
+                self.manager.touch(used, req.ctx)
         self.manager.on_request_finished(req.ctx)
         if req.jobs:
             return True
