@@ -71,6 +71,15 @@ def test_protected_keys_are_never_victims_and_stay_held(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_protected_keys_given_twice_block_one_candidate(name: str) -> None:
+    # The manager passes the keys of a store call already present; a call may repeat a key.
+    policy, keys = filled(name)
+    victims = policy.evict(7, [keys[0], keys[0]])
+    assert victims is not None and keys[0] not in victims and len(set(victims)) == 7
+    assert keys[0] in policy and len(policy) == 1
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_pinned_keys_are_never_victims_until_unpinned(name: str) -> None:
     policy, keys = filled(name)
     policy.pin(keys[:3])

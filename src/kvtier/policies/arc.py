@@ -48,93 +48,129 @@ class ARCPolicy(CachePolicy):
         return key in self._t1 or key in self._t2
 
     def insert(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
+        # Hot path: locals and local size counters only, and the ghost bounds enforced inline
+        # where a key enters T1 (the only place they can be exceeded), so no helper call.
+        t1, t2, b1, b2, pinned = self._t1, self._t2, self._b1, self._b2, self._pinned
         c = self.capacity
+        n_t1 = len(t1) + self._pinned_t1
+        n_b1, n_b2 = len(b1), len(b2)
+        n_rest = len(pinned) - self._pinned_t1 + len(t2)  # keys held outside T1
         for key in keys:
-            if key in self._t1 or key in self._t2 or key in self._pinned:
+            if key in t1 or key in t2 or key in pinned:
                 continue
-            if key in self._b1:
+            if key in b1:
                 # A key evicted from T1 came back: T1 was too small.
-                self._p = min(float(c), self._p + max(len(self._b2) / len(self._b1), 1.0))
-                del self._b1[key]
-                self._t2[key] = None
-            elif key in self._b2:
-                self._p = max(0.0, self._p - max(len(self._b1) / len(self._b2), 1.0))
-                del self._b2[key]
-                self._t2[key] = None
+                self._p = min(float(c), self._p + max(n_b2 / n_b1, 1.0))
+                del b1[key]
+                n_b1 -= 1
+                t2[key] = None
+                n_rest += 1
+            elif key in b2:
+                self._p = max(0.0, self._p - max(n_b1 / n_b2, 1.0))
+                del b2[key]
+                n_b2 -= 1
+                t2[key] = None
+                n_rest += 1
             else:
-                self._t1[key] = None
-                self._trim_ghosts()
-
-    def _trim_ghosts(self) -> None:
-        # ARC's directory bounds: |T1| + |B1| <= c and the four lists together <= 2c.
-        c = self.capacity
-        t1 = len(self._t1) + self._pinned_t1
-        while self._b1 and t1 + len(self._b1) > c:
-            self._b1.popitem(last=False)
-        total = len(self._pinned) + len(self) + len(self._b1) + len(self._b2)
-        while self._b2 and total > 2 * c:
-            self._b2.popitem(last=False)
-            total -= 1
+                t1[key] = None
+                n_t1 += 1
+                # ARC's directory bounds: |T1| + |B1| <= c and the four lists together <= 2c.
+                while n_b1 and n_t1 + n_b1 > c:
+                    b1.popitem(last=False)
+                    n_b1 -= 1
+                while n_b2 and n_rest + n_t1 + n_b1 + n_b2 > 2 * c:
+                    b2.popitem(last=False)
+                    n_b2 -= 1
 
     def touch(self, keys: Iterable[OffloadKey], ctx: ReqContext | None) -> None:
+        t1, t2 = self._t1, self._t2
         for key in keys:
-            if key in self._t1:
-                del self._t1[key]
-                self._t2[key] = None
-            elif key in self._t2:
-                self._t2.move_to_end(key)
+            if key in t1:
+                del t1[key]
+                t2[key] = None
+            elif key in t2:
+                t2.move_to_end(key)
 
     def pin(self, keys: Iterable[OffloadKey]) -> None:
+        t1, t2, pinned = self._t1, self._t2, self._pinned
         for key in keys:
-            if key in self._t1:
-                del self._t1[key]
-                self._pinned[key] = _T1
+            if key in t1:
+                del t1[key]
+                pinned[key] = _T1
                 self._pinned_t1 += 1
-            elif key in self._t2:
-                del self._t2[key]
-                self._pinned[key] = _T2
+            elif key in t2:
+                del t2[key]
+                pinned[key] = _T2
 
     def unpin(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
+        t2, pinned = self._t2, self._pinned
         for key in keys:
-            where = self._pinned.pop(key, None)
+            where = pinned.pop(key, None)
             if where is None:
                 continue
             if where == _T1:
                 self._pinned_t1 -= 1
             # Unpinning is a use, and a used key belongs at the MRU end of T2.
-            self._t2[key] = None
+            t2[key] = None
 
     def remove(self, keys: Iterable[OffloadKey]) -> None:
+        t1, t2, pinned = self._t1, self._t2, self._pinned
         for key in keys:
-            self._t1.pop(key, None)
-            self._t2.pop(key, None)
-            if self._pinned.pop(key, None) == _T1:
+            t1.pop(key, None)
+            t2.pop(key, None)
+            if pinned.pop(key, None) == _T1:
                 self._pinned_t1 -= 1
 
     def evict(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
         if n <= 0:
             return []
-        blocked = sum(1 for k in protected if k in self._t1 or k in self._t2)
-        if len(self) - blocked < n:
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        if protected:
+            if not isinstance(protected, (set, frozenset, dict)):
+                protected = set(protected)
+            blocked = sum(1 for k in protected if k in t1 or k in t2)
+            if len(t1) + len(t2) - blocked < n:
+                return None
+            return self._evict_around(n, protected)
+        if len(t1) + len(t2) < n:
             return None
+        victims: list[OffloadKey] = []
+        append = victims.append
+        p, pinned_t1 = self._p, self._pinned_t1
+        for _ in range(n):
+            # REPLACE: take from T1 when it exceeds its target (or T2 has nothing to give).
+            if t1 and (len(t1) + pinned_t1 > p or not t2):
+                key = t1.popitem(last=False)[0]
+                b1[key] = None
+            else:
+                key = t2.popitem(last=False)[0]
+                b2[key] = None
+            append(key)
+        return victims
+
+    def _evict_around(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey]:
+        # evict() with keys to pass over; the caller checked that n victims exist.
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        p, pinned_t1 = self._p, self._pinned_t1
         victims: list[OffloadKey] = []
         skipped1: list[OffloadKey] = []
         skipped2: list[OffloadKey] = []
         while len(victims) < n:
-            # REPLACE: take from T1 when it exceeds its target (or T2 has nothing to give).
-            t1_size = len(self._t1) + self._pinned_t1
-            from_t1 = bool(self._t1) and (t1_size > self._p or not self._t2)
-            src, ghost, skipped = (
-                (self._t1, self._b1, skipped1) if from_t1 else (self._t2, self._b2, skipped2)
-            )
-            key, _ = src.popitem(last=False)
-            if key in protected:
-                skipped.append(key)
-                continue
-            ghost[key] = None
+            if t1 and (len(t1) + pinned_t1 > p or not t2):
+                key = t1.popitem(last=False)[0]
+                if key in protected:
+                    skipped1.append(key)
+                    continue
+                b1[key] = None
+            else:
+                key = t2.popitem(last=False)[0]
+                if key in protected:
+                    skipped2.append(key)
+                    continue
+                b2[key] = None
             victims.append(key)
         # Protected keys go back to the LRU end they were taken from, in order.
-        for src, skipped in ((self._t1, skipped1), (self._t2, skipped2)):
+        for src, skipped in ((t1, skipped1), (t2, skipped2)):
             for key in reversed(skipped):
                 src[key] = None
                 src.move_to_end(key, last=False)

@@ -302,6 +302,8 @@ class KVAwarePolicy(CachePolicy):
     def evict(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
         if n <= 0:
             return []
+        if protected and not isinstance(protected, (set, frozenset, dict)):
+            protected = set(protected)  # O(1) membership, and a repeated key counts once
         blocked = sum(1 for k in protected if k in self) if protected else 0
         if len(self) - blocked < n:
             return None

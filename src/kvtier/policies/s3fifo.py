@@ -45,69 +45,88 @@ class S3FIFOPolicy(CachePolicy):
         return key in self._small or key in self._main
 
     def insert(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
+        small, main, ghost, pinned = self._small, self._main, self._ghost, self._pinned
         for key in keys:
-            if key in self._small or key in self._main or key in self._pinned:
+            if key in small or key in main or key in pinned:
                 continue
-            if key in self._ghost:
-                del self._ghost[key]
-                self._main[key] = 0
+            if key in ghost:
+                del ghost[key]
+                main[key] = 0
             else:
-                self._small[key] = 0
+                small[key] = 0
 
     def touch(self, keys: Iterable[OffloadKey], ctx: ReqContext | None) -> None:
-        # A hit only bumps a counter: S3-FIFO never reorders on a hit.
+        # A hit only bumps a counter: S3-FIFO never reorders on a hit (assigning to a key
+        # an OrderedDict holds keeps its place).
+        small, main = self._small, self._main
         for key in keys:
-            if key in self._small:
-                self._small[key] = min(self._small[key] + 1, _MAX_FREQ)
-            elif key in self._main:
-                self._main[key] = min(self._main[key] + 1, _MAX_FREQ)
+            freq = small.get(key)
+            if freq is not None:
+                if freq < _MAX_FREQ:
+                    small[key] = freq + 1
+                continue
+            freq = main.get(key)
+            if freq is not None and freq < _MAX_FREQ:
+                main[key] = freq + 1
 
     def pin(self, keys: Iterable[OffloadKey]) -> None:
+        small, main, pinned = self._small, self._main, self._pinned
         for key in keys:
-            if key in self._small:
-                self._pinned[key] = (_SMALL, self._small.pop(key))
-            elif key in self._main:
-                self._pinned[key] = (_MAIN, self._main.pop(key))
+            if key in small:
+                pinned[key] = (_SMALL, small.pop(key))
+            elif key in main:
+                pinned[key] = (_MAIN, main.pop(key))
 
     def unpin(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
+        small, main, pinned = self._small, self._main, self._pinned
         for key in keys:
-            entry = self._pinned.pop(key, None)
+            entry = pinned.pop(key, None)
             if entry is None:
                 continue
             queue, freq = entry
             # The key left its place while pinned; it returns at the head, counted as a hit.
-            (self._small if queue == _SMALL else self._main)[key] = min(freq + 1, _MAX_FREQ)
+            (small if queue == _SMALL else main)[key] = min(freq + 1, _MAX_FREQ)
 
     def remove(self, keys: Iterable[OffloadKey]) -> None:
+        small, main, pinned = self._small, self._main, self._pinned
         for key in keys:
-            self._small.pop(key, None)
-            self._main.pop(key, None)
-            self._pinned.pop(key, None)
+            small.pop(key, None)
+            main.pop(key, None)
+            pinned.pop(key, None)
 
     def evict(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
         if n <= 0:
             return []
-        blocked = sum(1 for k in protected if k in self._small or k in self._main)
-        if len(self) - blocked < n:
+        small, main, ghost = self._small, self._main, self._ghost
+        if protected:
+            if not isinstance(protected, (set, frozenset, dict)):
+                protected = set(protected)
+            blocked = sum(1 for k in protected if k in small or k in main)
+        else:
+            blocked = 0
+        if len(small) + len(main) - blocked < n:
             return None
         victims: list[OffloadKey] = []
         held_small: list[tuple[OffloadKey, int]] = []
         held_main: list[tuple[OffloadKey, int]] = []
-        small, main = self._small, self._main
+        small_target, promote = self._small_target, self._promote_freq
+        ghost_cap = self._ghost_cap
         while len(victims) < n:
-            if small and (len(small) >= self._small_target or not main):
+            if small and (len(small) >= small_target or not main):
                 key, freq = small.popitem(last=False)
-                if key in protected:
+                if protected and key in protected:
                     held_small.append((key, freq))
-                elif freq >= self._promote_freq:
+                elif freq >= promote:
                     # Reused while on probation: worth a place in main; frequency restarts.
                     main[key] = 0
                 else:
-                    self._remember(key)
+                    ghost[key] = None
+                    if len(ghost) > ghost_cap:
+                        ghost.popitem(last=False)
                     victims.append(key)
             else:
                 key, freq = main.popitem(last=False)
-                if key in protected:
+                if protected and key in protected:
                     held_main.append((key, freq))
                 elif freq > 0:
                     main[key] = freq - 1
@@ -119,11 +138,6 @@ class S3FIFOPolicy(CachePolicy):
                 queue[key] = freq
                 queue.move_to_end(key, last=False)
         return victims
-
-    def _remember(self, key: OffloadKey) -> None:
-        self._ghost[key] = None
-        if len(self._ghost) > self._ghost_cap:
-            self._ghost.popitem(last=False)
 
     def clear(self) -> None:
         self._small.clear()

@@ -47,17 +47,19 @@ class SIEVEPolicy(CachePolicy):
         return node is not None and not node.pinned
 
     def insert(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
+        nodes = self._nodes
+        head = self._head
         for key in keys:
-            if key in self._nodes:
+            if key in nodes:
                 continue
             node = _Node(key)
-            node.older = self._head
-            if self._head is not None:
-                self._head.newer = node
-            self._head = node
-            if self._tail is None:
+            node.older = head
+            if head is not None:
+                head.newer = node
+            else:
                 self._tail = node
-            self._nodes[key] = node
+            head = nodes[key] = node
+        self._head = head
 
     def touch(self, keys: Iterable[OffloadKey], ctx: ReqContext | None) -> None:
         nodes = self._nodes
@@ -105,25 +107,40 @@ class SIEVEPolicy(CachePolicy):
     def evict(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
         if n <= 0:
             return []
-        blocked = sum(1 for k in protected if k in self)
+        if protected:
+            if not isinstance(protected, (set, frozenset, dict)):
+                protected = set(protected)
+            blocked = sum(1 for k in protected if k in self)
+        else:
+            blocked = 0
         if len(self) - blocked < n:
             return None
+        nodes = self._nodes
         victims: list[OffloadKey] = []
-        hand = self._hand if self._hand is not None else self._tail
+        tail = self._tail
+        hand = self._hand if self._hand is not None else tail
         while len(victims) < n:
             assert hand is not None
-            if hand.pinned or hand.key in protected:
-                nxt = hand.newer
+            nxt = hand.newer
+            if hand.pinned or (protected and hand.key in protected):
+                pass
             elif hand.visited:
                 hand.visited = False
-                nxt = hand.newer
             else:
-                nxt = hand.newer
+                # Unlink the victim (inline _unlink: the hand is set below, not moved here).
+                older = hand.older
+                if nxt is not None:
+                    nxt.older = older
+                else:
+                    self._head = older
+                if older is not None:
+                    older.newer = nxt
+                else:
+                    tail = self._tail = nxt
+                del nodes[hand.key]
                 victims.append(hand.key)
-                self._hand = None  # _unlink must not move a hand we are about to set
-                self._unlink(hand)
             # Past the head the sweep starts again from the tail.
-            hand = nxt if nxt is not None else self._tail
+            hand = nxt if nxt is not None else tail
         self._hand = hand
         return victims
 
