@@ -5,5 +5,4 @@ set -euo pipefail
 # shellcheck source=scripts/setup.sh
 . "$(dirname "$0")/setup.sh"
 
-kvtier simulate data/traces/mooncake_conversation/conversation_trace.jsonl \
-  --policies lru,arc,s3fifo,sieve,opt --capacities 1%,5%,10%,25% "$@"
+kvtier demo "$@"

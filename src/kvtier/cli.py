@@ -36,6 +36,18 @@ def _simulate(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _demo_arguments(p: argparse.ArgumentParser) -> None:
+    from kvtier.demo import add_arguments
+
+    add_arguments(p)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvtier.demo import run
+
+    return run(args)
+
+
 def _no_arguments(p: argparse.ArgumentParser) -> None:
     pass
 
@@ -69,6 +81,12 @@ COMMANDS: list[Command] = [
         "replay a trace through the CPU-tier manager for policies × capacities",
         _simulate_arguments,
         _simulate,
+    ),
+    Command(
+        "demo",
+        "multi-turn chat on a small model, with kvtier vs recomputation: hits, TTFT, same tokens",
+        _demo_arguments,
+        _demo,
     ),
     Command(
         "policies", "list the registered cache and admission policies", _no_arguments, _policies

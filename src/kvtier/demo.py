@@ -1,0 +1,322 @@
+"""`kvtier demo`: a multi-turn chat workload with kvtier vs plain recomputation, on a small model.
+
+The workload is the Mooncake conversation trace's shape, scaled down about 16x so it runs on
+a laptop CPU: every request starts with one shared system prompt (Mooncake's block 0), each
+conversation grows turn by turn (a turn's prompt is the whole conversation so far: earlier
+prompts, the model's replies, then new user text), and turns of different conversations
+arrive round-robin, as interleaved traffic would. User text is seeded random token ids.
+
+Each request runs twice, back to back, once through `KVTierGenerator` (load the stored
+prefix, prefill the rest) and once with full recomputation; which one goes first alternates,
+so that machine noise falls on both alike. The report compares prefix hits, prefill tokens,
+time to first token and the bytes kvtier moved, and says whether the greedy tokens are
+identical, which sets the exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DemoOptions", "DemoResult", "add_arguments", "run", "run_demo"]
+
+BLOCK_SIZE = 16
+VARIANTS = ("kvtier", "recompute")
+EXIT_HELP = "exit status: 0 when kvtier's tokens equal recomputation's, 1 when they differ"
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """The workload and model of one demo run (defaults: about a minute on 2 CPU cores)."""
+
+    conversations: int = 8
+    turns: int = 4
+    system_tokens: int = 64
+    user_tokens: int = 96
+    new_tokens: int = 16
+    seed: int = 0
+    model: Path | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("conversations", "turns", "system_tokens", "user_tokens", "new_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')}={value!r}; expected an int >= 1")
+        if self.model is not None and not self.model.is_dir():
+            raise ValueError(
+                f"--model {self.model} is not a directory; expected a local checkpoint"
+            )
+
+
+@dataclass
+class DemoResult:
+    """What one demo run measured (also the `--json` document)."""
+
+    model: str
+    requests: int
+    prompt_tokens: int
+    identical_outputs: bool
+    max_logit_diff: float
+    prefix_hit_ratio: float
+    prefill_tokens: dict[str, int]
+    prefill_tokens_saved: int
+    ttft_median_s: dict[str, float]
+    ttft_p90_s: dict[str, float]
+    bytes_loaded: int
+    bytes_stored: int
+    failed_loads: int
+    wall_s: float
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def _load_model(opts: DemoOptions) -> tuple[Any, str]:
+    """(model, namespace): the local checkpoint, or the seeded random-weight Llama demo model."""
+    import torch
+
+    if opts.model is None:
+        from kvtier.integrations.hf.models import make_demo_model
+
+        longest = opts.system_tokens + opts.turns * (2 * opts.user_tokens + opts.new_tokens)
+        model, _ = make_demo_model(
+            "llama", opts.seed, max_position_embeddings=max(4096, 2 * longest)
+        )
+        return model, f"kvtier-demo-llama-seed{opts.seed}"
+    from transformers import AutoModelForCausalLM
+
+    auto: Any = AutoModelForCausalLM  # untyped upstream
+    model = auto.from_pretrained(str(opts.model), local_files_only=True, dtype=torch.float32)
+    model.eval()
+    return model, f"{opts.model.resolve()}:float32"
+
+
+def _user_turn(opts: DemoOptions, vocab: int, turn: int, gen: torch.Generator) -> torch.Tensor:
+    import torch
+
+    # A first turn carries the long context Mooncake's first requests have (documents, code);
+    # later turns add shorter messages. Lengths vary +-50% around the mean.
+    mean = opts.user_tokens * (2 if turn == 0 else 1)
+    n = int(torch.randint(mean // 2, mean + mean // 2 + 1, (1,), generator=gen))
+    return torch.randint(0, vocab, (max(n, 1),), generator=gen)
+
+
+class _Reply(NamedTuple):
+    tokens: torch.Tensor
+    logits: torch.Tensor
+    ttft_s: float
+    prefill_tokens: int
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run_demo(opts: DemoOptions, on_request: Callable[[], None] = lambda: None) -> DemoResult:
+    """Run the workload with kvtier and with recomputation; `on_request` ticks per request."""
+    import torch
+
+    from kvtier.config import KVTierConfig
+    from kvtier.integrations.hf.generator import KVTierGenerator
+    from kvtier.integrations.hf.prefix import generate_greedy
+
+    start = time.perf_counter()
+    model, namespace = _load_model(opts)
+    vocab = int(model.config.vocab_size)
+    rng = torch.Generator().manual_seed(opts.seed)
+    system = torch.randint(0, vocab, (opts.system_tokens,), generator=rng)
+    users = [
+        [_user_turn(opts, vocab, t, rng) for t in range(opts.turns)]
+        for _ in range(opts.conversations)
+    ]
+    longest = max(opts.system_tokens + sum(u.numel() for u in conv) for conv in users)
+    longest += opts.turns * opts.new_tokens
+    max_blocks = -(-longest // BLOCK_SIZE)
+    # Replies are stored too (offload_prompt_only=False): in a chat the next turn's prompt
+    # starts with this turn's reply, so its KV is as reusable as the prompt's. The pool holds
+    # every block of the workload, so the demo shows reuse, not eviction.
+    config = KVTierConfig(offload_prompt_only=False, num_slots=max_blocks * opts.conversations + 1)
+    history = {v: [system.clone() for _ in users] for v in VARIANTS}
+    ttft: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    recompute_prefill = 0
+    identical = True
+    worst = 0.0
+    with KVTierGenerator(
+        model, config, block_size=BLOCK_SIZE, max_blocks=max_blocks, namespace=namespace
+    ) as gen:
+
+        def with_kvtier(prompt: torch.Tensor) -> _Reply:
+            res = gen.generate_one(prompt, opts.new_tokens)
+            return _Reply(res.tokens, res.logits, res.ttft_s, res.prefill_tokens)
+
+        def recompute(prompt: torch.Tensor) -> _Reply:
+            t0 = time.perf_counter()
+            out = generate_greedy(model, prompt.unsqueeze(0), opts.new_tokens)
+            ttft_s = out.first_token_time - t0
+            return _Reply(out.tokens[0], out.logits[0], ttft_s, out.prefill_tokens)
+
+        runners = {"kvtier": with_kvtier, "recompute": recompute}
+        for turn in range(opts.turns):
+            for c, conv in enumerate(users):
+                order = VARIANTS if (turn + c) % 2 == 0 else VARIANTS[::-1]
+                replies: dict[str, _Reply] = {}
+                for v in order:
+                    prompt = torch.cat([history[v][c], conv[turn]])
+                    replies[v] = runners[v](prompt)
+                    ttft[v].append(replies[v].ttft_s)
+                    history[v][c] = torch.cat([prompt, replies[v].tokens])
+                k, r = replies["kvtier"], replies["recompute"]
+                recompute_prefill += r.prefill_tokens
+                if torch.equal(k.tokens, r.tokens):
+                    worst = max(worst, float((k.logits - r.logits).abs().max()))
+                else:
+                    identical = False
+                on_request()
+        stats = gen.stats
+    return DemoResult(
+        model=str(opts.model) if opts.model else f"random-weight llama (seed {opts.seed})",
+        requests=stats.requests,
+        prompt_tokens=stats.prompt_tokens,
+        identical_outputs=identical,
+        max_logit_diff=worst,
+        prefix_hit_ratio=stats.prefix_hit_ratio,
+        prefill_tokens={"kvtier": stats.prefill_tokens, "recompute": recompute_prefill},
+        prefill_tokens_saved=recompute_prefill - stats.prefill_tokens,
+        ttft_median_s={v: statistics.median(t) for v, t in ttft.items()},
+        ttft_p90_s={v: _percentile(t, 0.9) for v, t in ttft.items()},
+        bytes_loaded=stats.bytes_loaded,
+        bytes_stored=stats.bytes_stored,
+        failed_loads=stats.failed_loads,
+        wall_s=time.perf_counter() - start,
+        options={k: str(v) if isinstance(v, Path) else v for k, v in asdict(opts).items()},
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def result_table(r: DemoResult) -> Table:
+    """The demo's report as a rich table: kvtier next to recomputation."""
+    table = Table(title="kvtier demo: multi-turn chat", caption=f"model: {r.model}")
+    table.add_column("")
+    table.add_column("kvtier", justify="right")
+    table.add_column("recompute", justify="right")
+    saved = r.prefill_tokens_saved / r.prefill_tokens["recompute"]
+    speedup = r.ttft_median_s["recompute"] / r.ttft_median_s["kvtier"]
+    rows = [
+        ("requests", str(r.requests), str(r.requests)),
+        ("prefix hit", f"{r.prefix_hit_ratio:.1%}", "-"),
+        ("prefill tokens", f"{r.prefill_tokens['kvtier']:,}", f"{r.prefill_tokens['recompute']:,}"),
+        ("prefill tokens saved", f"{r.prefill_tokens_saved:,} ({saved:.0%})", "-"),
+        (
+            "TTFT median",
+            f"{r.ttft_median_s['kvtier'] * 1e3:.1f} ms ({speedup:.1f}x)",
+            f"{r.ttft_median_s['recompute'] * 1e3:.1f} ms",
+        ),
+        (
+            "TTFT p90",
+            f"{r.ttft_p90_s['kvtier'] * 1e3:.1f} ms",
+            f"{r.ttft_p90_s['recompute'] * 1e3:.1f} ms",
+        ),
+        ("bytes loaded", _mib(r.bytes_loaded), "-"),
+        ("bytes stored", _mib(r.bytes_stored), "-"),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Declare `kvtier demo`'s arguments on `p`."""
+    d = DemoOptions()
+    p.epilog = EXIT_HELP
+    p.add_argument("--conversations", type=int, default=d.conversations, help="default %(default)s")
+    p.add_argument(
+        "--turns", type=int, default=d.turns, help="turns per conversation (default %(default)s)"
+    )
+    p.add_argument(
+        "--system-tokens",
+        type=int,
+        default=d.system_tokens,
+        help="shared system prompt length (default %(default)s)",
+    )
+    p.add_argument(
+        "--user-tokens",
+        type=int,
+        default=d.user_tokens,
+        help="mean new user tokens per turn, twice that on the first (default %(default)s)",
+    )
+    p.add_argument(
+        "--new-tokens",
+        type=int,
+        default=d.new_tokens,
+        help="tokens generated per reply (default %(default)s)",
+    )
+    p.add_argument("--seed", type=int, default=d.seed, help="workload and model seed (default 0)")
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="local transformers checkpoint directory (AutoModelForCausalLM, no download); "
+        "default: a seeded random-weight Llama-architecture model",
+    )
+    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write results here")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no table")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `kvtier demo`; 0 when outputs are identical, 1 when not, 2 on bad input."""
+    opts = DemoOptions(
+        conversations=args.conversations,
+        turns=args.turns,
+        system_tokens=args.system_tokens,
+        user_tokens=args.user_tokens,
+        new_tokens=args.new_tokens,
+        seed=args.seed,
+        model=args.model,
+    )
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print(
+            "kvtier demo: needs torch and transformers: pip install 'kvtier[hf]'", file=sys.stderr
+        )
+        return 2
+    requests = opts.conversations * opts.turns
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        disable=args.quiet,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("chat requests (kvtier + recompute)", total=requests)
+        result = run_demo(opts, lambda: progress.advance(task))
+    if args.json is not None:
+        args.json.write_text(json.dumps(asdict(result), indent=2) + "\n")
+    if not args.quiet:
+        console = Console(width=max(100, Console().width))
+        console.print(result_table(result))
+        verdict = "identical" if result.identical_outputs else "DIFFERENT"
+        console.print(
+            f"generated tokens: {verdict} with and without kvtier "
+            f"(max logit difference {result.max_logit_diff:.1e}); "
+            f"wall time {result.wall_s:.0f} s"
+        )
+    return 0 if result.identical_outputs else 1
