@@ -14,13 +14,13 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvtier.base import OffloadKey, ReqContext, make_offload_key
+from kvtier.base import LookupResult, OffloadKey, ReqContext, make_offload_key
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.policies import registered_policies
 
@@ -58,40 +58,49 @@ def mooncake_workload(path: Path = MOONCAKE) -> Workload:
         return [[_key(h) for h in json.loads(line)["hash_ids"]] for line in f]
 
 
-def replay(workload: Workload, policy: str, num_slots: int) -> tuple[int, int, float, float]:
-    """Run the engine call sequence; return (calls, blocks, seconds, block hit ratio)."""
-    m = CPUOffloadingManager(num_slots, policy, enable_events=True)
+def replay(
+    workload: Workload, manager: Any, make_ctx: Callable[[str], Any], hit: object
+) -> tuple[int, int, float, float]:
+    """Run the engine call sequence on any manager with vLLM's method names; return
+    (calls, blocks, seconds, prefix hit ratio). `hit` is the manager's HIT lookup result."""
     calls = blocks = hits = 0
     start = time.perf_counter()
     for i, chain in enumerate(workload):
-        ctx = ReqContext(str(i))
-        m.on_new_request(ctx)
+        ctx = make_ctx(str(i))
+        manager.on_new_request(ctx)
         n_hit = 0
         for k in chain:
             calls += 1
-            if m.lookup(k, ctx).name != "HIT":
+            if manager.lookup(k, ctx) is not hit:
                 break
             n_hit += 1
         if n_hit:
             head = chain[:n_hit]
-            m.touch(head, ctx)
-            m.prepare_load(head, ctx)
-            m.complete_load(head, ctx)
+            manager.touch(head, ctx)
+            manager.prepare_load(head, ctx)
+            manager.complete_load(head, ctx)
             calls += 3
         rest = chain[n_hit:]
         if rest:
-            out = m.prepare_store(rest, ctx)
+            out = manager.prepare_store(rest, ctx)
             calls += 1
             if out is not None:
-                m.complete_store(out.keys_to_store, ctx)
+                manager.complete_store(out.keys_to_store, ctx)
                 calls += 1
-        m.on_request_finished(ctx)
-        m.take_events()
+        manager.on_request_finished(ctx)
+        for _ in manager.take_events():
+            pass
         calls += 2
         blocks += len(chain)
         hits += n_hit
     seconds = time.perf_counter() - start
     return calls, blocks, seconds, hits / max(blocks, 1)
+
+
+def replay_kvtier(workload: Workload, policy: str, num_slots: int) -> tuple[int, int, float, float]:
+    """`replay` through a fresh kvtier manager with events on."""
+    manager = CPUOffloadingManager(num_slots, policy, enable_events=True)
+    return replay(workload, manager, ReqContext, LookupResult.HIT)
 
 
 def run(
@@ -102,7 +111,7 @@ def run(
         unique = len({k for chain in workload for k in chain})
         num_slots = max(1, unique // 10)
         for policy in policies:
-            samples = [replay(workload, policy, num_slots) for _ in range(repeats)]
+            samples = [replay_kvtier(workload, policy, num_slots) for _ in range(repeats)]
             seconds = statistics.median(s[2] for s in samples)
             calls, blocks, _, hit_ratio = samples[0]
             rows.append(

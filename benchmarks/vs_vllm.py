@@ -19,7 +19,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,44 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from kvtier.base import ReqContext
 from kvtier.cpu import CPUOffloadingManager
-from manager_ops import MOONCAKE, Workload, mooncake_workload
-
-
-def _replay(
-    workload: Workload, manager: Any, make_ctx: Callable[[str], Any], hit: object
-) -> tuple[int, float, float]:
-    """The engine call sequence of manager_ops.replay, for any manager with vLLM's API."""
-    calls = blocks = hits = 0
-    start = time.perf_counter()
-    for i, chain in enumerate(workload):
-        ctx = make_ctx(str(i))
-        manager.on_new_request(ctx)
-        n_hit = 0
-        for k in chain:
-            calls += 1
-            if manager.lookup(k, ctx) is not hit:
-                break
-            n_hit += 1
-        if n_hit:
-            head = chain[:n_hit]
-            manager.touch(head, ctx)
-            manager.prepare_load(head, ctx)
-            manager.complete_load(head, ctx)
-            calls += 3
-        rest = chain[n_hit:]
-        if rest:
-            out = manager.prepare_store(rest, ctx)
-            calls += 1
-            if out is not None:
-                manager.complete_store(out.keys_to_store, ctx)
-                calls += 1
-        manager.on_request_finished(ctx)
-        for _ in manager.take_events():
-            pass
-        calls += 2
-        blocks += len(chain)
-        hits += n_hit
-    return calls, time.perf_counter() - start, hits / blocks
+from manager_ops import MOONCAKE, Workload, mooncake_workload, replay
 
 
 def compare_managers(
@@ -84,10 +47,10 @@ def compare_managers(
         v_hit = k_hit = 0.0
         for _ in range(repeats):
             vm = VManager(num_slots, cache_policy=policy, enable_events=True)
-            calls, secs, v_hit = _replay(workload, vm, VReqContext, VLookup.HIT)
+            calls, _, secs, v_hit = replay(workload, vm, VReqContext, VLookup.HIT)
             v_rates.append(calls / secs)
             km = CPUOffloadingManager(num_slots, policy, enable_events=True)
-            calls, secs, k_hit = _replay(workload, km, ReqContext, LookupResult.HIT)
+            calls, _, secs, k_hit = replay(workload, km, ReqContext, LookupResult.HIT)
             k_rates.append(calls / secs)
         v, k = statistics.median(v_rates), statistics.median(k_rates)
         out[policy] = {

@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
+from kvtier.config import parse_size
+
 DTYPE_BYTES: Final = {
     "fp32": 4,
     "float32": 4,
@@ -76,17 +78,6 @@ def parse_model_shape(spec: str) -> ModelShape:
     )
 
 
-_UNITS: Final = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
 _CAPACITY_RE: Final = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(%|[a-zA-Z]+)?\s*$")
 
 
@@ -112,18 +103,20 @@ def parse_capacity(
         if not m.group(1).isdigit():
             raise ValueError(f"capacity {spec!r} is invalid; a block count must be an integer")
         blocks = int(m.group(1))
-    elif unit.lower() in _UNITS:
+    else:
+        try:
+            nbytes = parse_size(spec.strip())
+        except ValueError:
+            raise ValueError(
+                f"capacity {spec!r} has unknown unit {unit!r}; expected % or one of: "
+                "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+            ) from None
         if block_bytes is None:
             raise ValueError(
                 f"capacity {spec!r} is a size in bytes; give --model-shape so it can be "
                 "converted to blocks"
             )
-        blocks = int(number * _UNITS[unit.lower()]) // block_bytes
-    else:
-        raise ValueError(
-            f"capacity {spec!r} has unknown unit {unit!r}; expected % or one of: "
-            "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
-        )
+        blocks = nbytes // block_bytes
     if blocks < 1:
         raise ValueError(f"capacity {spec!r} is less than one block")
     return blocks, blocks / unique_blocks if unique_blocks else 0.0
