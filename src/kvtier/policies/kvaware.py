@@ -20,8 +20,16 @@ _HALVE = bytes(v >> 1 for v in range(256))
 _MAX_COUNT = 15
 # Where a pinned key returns at unpin.
 _MAIN, _WINDOW, _WINDOW_TAIL = 0, 1, 2
-# (admit every block leaving the window, apply the deepest-block rule), one shadow each.
-_MODES = ((True, True), (False, True), (True, False), (False, False))
+# (admit every block leaving the window, apply the deepest-block rule, credit by count), one
+# shadow each. The first is the starting mode; the last two are LRU with and without the rule.
+_MODES = (
+    (True, True, True),
+    (False, True, True),
+    (True, False, True),
+    (False, False, True),
+    (True, False, False),
+    (True, True, False),
+)
 _MODE_NAMES = ("adaptive", "filter", "open")
 
 
@@ -98,15 +106,16 @@ class KVAwarePolicy(CachePolicy):
     filter is switched off. The main area is GreedyDual-Frequency: a use sets a block's credit
     to the floor plus its count, eviction takes the lowest credit and raises the floor to it.
 
-    Two shadow copies of the policy, one filtering and one admitting everything, replay a
-    hash-sampled subset of the keys at a proportionally smaller capacity; the filter is on
-    while the filtering shadow has the higher recent hit count.
+    Shadow copies of the policy, each in one fixed mode, replay a hash-sampled subset of the
+    keys at a proportionally smaller capacity (miniature simulation); the policy takes the
+    mode of the shadow with the most recent hits.
 
     Prefix structure: a request's deepest block (usually partial, so rarely reused) enters
     the window last in line and passes it only by beating the victim's count, then sits at
     the floor; a call's keys are applied tail first so a prefix's head outlives its tail.
-    Whether the deepest-block rule pays is itself left to the shadows: there are four, one
-    per (filter on/off, rule on/off), and the policy follows the best.
+    Whether the filter, the deepest-block rule and the use counts pay is left to six shadows
+    (the four filter/rule combinations with counts, and two without counts, which make the
+    main area plain LRU): the policy follows whichever has the most recent hits.
 
     `mode="filter"` or `"open"` fixes the filter (rule on, no shadows), for comparisons.
     Every per-key table is bounded by the capacity (the shadows by their own, smaller one);
@@ -124,6 +133,7 @@ class KVAwarePolicy(CachePolicy):
         _shared: FrequencySketch | None = None,
         _admit_all: bool = True,
         _tail_first: bool = True,
+        _counts: bool = True,
     ) -> None:
         super().__init__(capacity)
         if not 0.0 < window < 1.0:
@@ -144,7 +154,9 @@ class KVAwarePolicy(CachePolicy):
         self._tail_req: str | None = None
         self._tail_key: OffloadKey | None = None
         self._admit_all = _admit_all if mode == "adaptive" else mode == "open"
-        self._tail_first = _tail_first
+        self._tail_first = _tail_first if mode == "adaptive" else True
+        self._counts = _counts if mode == "adaptive" else True
+        self._mode = 0
         self._models: tuple[KVAwarePolicy, ...] | None = None
         self._owns_sketch = _shared is None
         if _shared is not None:
@@ -160,8 +172,10 @@ class KVAwarePolicy(CachePolicy):
         self._sample_shift = 64 - shift if shift else 0
         mcap = max(1, capacity >> shift)
         self._models = tuple(
-            KVAwarePolicy(mcap, window, _shared=self._sketch, _admit_all=a, _tail_first=t)
-            for a, t in _MODES
+            KVAwarePolicy(
+                mcap, window, _shared=self._sketch, _admit_all=a, _tail_first=t, _counts=f
+            )
+            for a, t, f in _MODES
         )
         self._model_hits = [0.0] * len(_MODES)
         self._keep = 1.0 - 1.0 / (8 * mcap)
@@ -203,7 +217,10 @@ class KVAwarePolicy(CachePolicy):
             for i, model in enumerate(models):
                 hits[i] = hits[i] * keep + model._replay(key, ctx)
             best = max(range(len(hits)), key=hits.__getitem__)
-            self._admit_all, self._tail_first = _MODES[best]
+            # Only a strictly better shadow moves the policy: ties keep the current mode.
+            if hits[best] > hits[self._mode]:
+                self._mode = best
+                self._admit_all, self._tail_first, self._counts = _MODES[best]
         return count
 
     def _replay(self, key: OffloadKey, ctx: ReqContext | None) -> int:
@@ -217,7 +234,9 @@ class KVAwarePolicy(CachePolicy):
         return 0
 
     def _place(self, key: OffloadKey, count: int, tail: bool) -> None:
-        credit = self._floor if tail else self._floor + max(count, 1)
+        # Without counts every use earns the same credit: the main area is then plain LRU.
+        gain = 0 if tail else max(count, 1) if self._counts else 1
+        credit = self._floor + gain
         self._credit[key] = credit
         bucket = self._buckets.get(credit)
         if bucket is None:
@@ -348,7 +367,7 @@ class KVAwarePolicy(CachePolicy):
             for model in self._models:
                 model.clear()
             self._model_hits = [0.0] * len(_MODES)
-            self._admit_all, self._tail_first = _MODES[0]
+            self._admit_all, self._tail_first, self._counts = _MODES[0]
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         if ctx.req_id == self._tail_req:
@@ -358,8 +377,8 @@ class KVAwarePolicy(CachePolicy):
                 model.on_request_finished(ctx)
 
     def table_sizes(self) -> dict[str, int]:
-        """Per-key tables (window, credits, pinned, the two shadows' keys), the credit
-        buckets (at most 16), and the fixed-size sketch's counters (`sketch_counters`)."""
+        """Per-key tables (window, credits, pinned, each shadow's keys), the credit buckets
+        (at most 16), and the fixed-size sketch's counters (`sketch_counters`)."""
         sizes = {
             "window": len(self._win),
             "credits": len(self._credit),
@@ -367,8 +386,8 @@ class KVAwarePolicy(CachePolicy):
             "pinned": len(self._pinned),
         }
         if self._models is not None:
-            sizes["shadow_filter"] = len(self._models[0])
-            sizes["shadow_open"] = len(self._models[1])
+            for i, model in enumerate(self._models):
+                sizes[f"shadow{i}"] = len(model)
             sizes["sketch_counters"] = len(self._sketch)
         return sizes
 
