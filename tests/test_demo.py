@@ -64,3 +64,17 @@ def test_help_states_the_exit_status(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit):
         main(["demo", "--help"])
     assert "exit status: 0 when" in capsys.readouterr().out.replace("\n", " ")
+
+
+def test_local_checkpoint_with_model_path(tmp_path: Path) -> None:
+    from kvtier.integrations.hf.models import make_demo_model
+
+    model, _ = make_demo_model("qwen2", seed=3, num_hidden_layers=2)
+    model.save_pretrained(tmp_path / "ckpt")
+    out = tmp_path / "demo.json"
+    args = [*TINY, "--model", str(tmp_path / "ckpt"), "--json", str(out), "--quiet"]
+    assert main(["demo", *args]) == 0
+    report = json.loads(out.read_text())
+    assert report["model"] == str(tmp_path / "ckpt")
+    assert report["identical_outputs"] is True
+    assert report["prefix_hit_ratio"] > 0
