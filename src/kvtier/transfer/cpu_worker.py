@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -57,6 +58,9 @@ class CPUTransferWorker(TransferWorker):
         self._stopping = False
         self._thread = threading.Thread(target=self._serve, name="kvtier-transfer", daemon=True)
         self._thread.start()
+        # A copy still running while the interpreter tears torch down aborts the process
+        # ("terminate called without an active exception"): stop the thread first.
+        atexit.register(self.shutdown)
 
     def _submit(self, job: Job) -> None:
         (self._urgent if job.urgent else self._queue).append(job)
@@ -80,6 +84,7 @@ class CPUTransferWorker(TransferWorker):
 
     def shutdown(self) -> None:
         """Cancel queued jobs (reported failed), let the running one finish, stop the thread."""
+        atexit.unregister(self.shutdown)
         with self._cv:
             if self._closed:
                 return

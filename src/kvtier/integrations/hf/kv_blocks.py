@@ -208,10 +208,10 @@ def extract_blocks(
     dev_ids = ids.to(out_pages[0].device)
     for page, (keys, values, held_from) in zip(out_pages, sources, strict=True):
         lo, hi = token_start - held_from, token_end - held_from
-        # (H, T, D) -> (H, n, bs, D) -> (n, bs, H, D); stacking K and V gives (n, 2, bs, H, D).
-        kv = torch.stack((keys[batch_index, :, lo:hi], values[batch_index, :, lo:hi]), dim=0)
-        kv = kv.reshape(2, kv.shape[1], num_blocks, page_block_size, -1).permute(2, 0, 3, 1, 4)
-        page.index_copy_(0, dev_ids, kv.to(page.device))
+        for kv_index, t in enumerate((keys, values)):
+            # (H, T, D) -> (H, n, bs, D) -> (n, bs, H, D) as a view: one copy into the pages.
+            src = t[batch_index, :, lo:hi].reshape(t.shape[1], num_blocks, page_block_size, -1)
+            page[:, kv_index].index_copy_(0, dev_ids, src.permute(1, 2, 0, 3).to(page.device))
 
 
 def build_cache_from_blocks(
