@@ -178,7 +178,8 @@ class KVAwarePolicy(CachePolicy):
             for a, t, f in _MODES
         )
         self._model_hits = [0.0] * len(_MODES)
-        self._keep = 1.0 - 1.0 / (8 * mcap)
+        self._admit_all, self._tail_first, self._counts = _MODES[0]
+        self._keep = 1.0 - 1.0 / (8 * mcap)  # hits fade over 8 shadow capacities
 
     @property
     def filtering(self) -> bool:
