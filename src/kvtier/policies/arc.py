@@ -52,6 +52,7 @@ class ARCPolicy(CachePolicy):
         # where a key enters T1 (the only place they can be exceeded), so no helper call.
         t1, t2, b1, b2, pinned = self._t1, self._t2, self._b1, self._b2, self._pinned
         c = self.capacity
+        c2 = 2 * c
         n_t1 = len(t1) + self._pinned_t1
         n_b1, n_b2 = len(b1), len(b2)
         n_rest = len(pinned) - self._pinned_t1 + len(t2)  # keys held outside T1
@@ -78,7 +79,7 @@ class ARCPolicy(CachePolicy):
                 while n_b1 and n_t1 + n_b1 > c:
                     b1.popitem(last=False)
                     n_b1 -= 1
-                while n_b2 and n_rest + n_t1 + n_b1 + n_b2 > 2 * c:
+                while n_b2 and n_rest + n_t1 + n_b1 + n_b2 > c2:
                     b2.popitem(last=False)
                     n_b2 -= 1
 
@@ -137,14 +138,17 @@ class ARCPolicy(CachePolicy):
         victims: list[OffloadKey] = []
         append = victims.append
         p, pinned_t1 = self._p, self._pinned_t1
+        n_t1, n_t2 = len(t1), len(t2)
         for _ in range(n):
             # REPLACE: take from T1 when it exceeds its target (or T2 has nothing to give).
-            if t1 and (len(t1) + pinned_t1 > p or not t2):
+            if n_t1 and (n_t1 + pinned_t1 > p or not n_t2):
                 key = t1.popitem(last=False)[0]
                 b1[key] = None
+                n_t1 -= 1
             else:
                 key = t2.popitem(last=False)[0]
                 b2[key] = None
+                n_t2 -= 1
             append(key)
         return victims
 
