@@ -96,7 +96,7 @@ class FrequencySketch:
 
 @register_policy(
     "kvaware",
-    "prefix-aware: a frequency filter (switched by two shadow simulations) before "
+    "prefix-aware: a frequency filter (switched by shadow simulations) before "
     "GreedyDual-Frequency; a request's deepest block goes first, heads outlive their tails",
 )
 class KVAwarePolicy(CachePolicy):
