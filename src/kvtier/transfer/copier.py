@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -172,16 +173,49 @@ class BlockCopier:
 
 
 _memmove = ctypes.memmove
+# Below this a job is one thread's work: handing half to another thread costs tens of µs.
+_PARALLEL_BYTES = 2 << 20
+_pool: ThreadPoolExecutor | None = None
+
+
+# As many copy threads as torch uses for its own parallel copies.
+_THREADS = max(1, torch.get_num_threads())
+
+
+def _helpers() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(_THREADS - 1, thread_name_prefix="kvtier-memmove")
+    return _pool
+
+
+def _memmove_all(dst: list[int], src: list[int], width: int) -> None:
+    for d, s in zip(dst, src, strict=True):
+        _memmove(d, s, width)
 
 
 def _memmove_rows(
     g: _GroupCopy, store: bool, dev_rows: npt.NDArray[np.int64], host_rows: npt.NDArray[np.int64]
 ) -> None:
-    """Copy each (row, segment) with one libc memmove; ctypes releases the GIL inside each."""
+    """Copy each (row, segment) with one libc memmove; ctypes releases the GIL inside each, so
+    large jobs are split across threads to reach the bandwidth of torch's own parallel copy."""
+    by_width: dict[int, tuple[list[int], list[int]]] = {}
     for s in g.segments:
         width = s.dev.shape[1] * s.dev.element_size()
         dev = (s.dev.data_ptr() + dev_rows * (s.dev.stride(0) * s.dev.element_size())).tolist()
         host = (s.host.data_ptr() + host_rows * (s.host.stride(0) * s.host.element_size())).tolist()
-        pairs = zip(host, dev, strict=True) if store else zip(dev, host, strict=True)
-        for dst, src in pairs:
-            _memmove(dst, src, width)
+        dsts, srcs = by_width.setdefault(width, ([], []))
+        dsts += host if store else dev
+        srcs += dev if store else host
+    for width, (dsts, srcs) in by_width.items():
+        if len(dsts) * width < _PARALLEL_BYTES or _THREADS == 1:
+            _memmove_all(dsts, srcs, width)
+            continue
+        step = -(-len(dsts) // _THREADS)
+        futures = [
+            _helpers().submit(_memmove_all, dsts[i : i + step], srcs[i : i + step], width)
+            for i in range(step, len(dsts), step)
+        ]
+        _memmove_all(dsts[:step], srcs[:step], width)
+        for f in futures:
+            f.result()
