@@ -186,9 +186,10 @@ class KVTierGenerator:
                 out.cache, 0, hit_blocks * self.block_size, full - hit_blocks, self.block_size,
                 self.pages, blocks[hit_blocks:full],
             )  # fmt: skip
-            hashes.extend(
-                self.hasher.hash_blocks(seq[: full * self.block_size].numpy())[len(hashes) :]
-            )
+            # Continue the chain from the prompt's last full block: only the new blocks hash.
+            done = len(hashes) * self.block_size
+            tail = seq[done : full * self.block_size].numpy()
+            hashes.extend(self.hasher.hash_blocks(tail, parent=hashes[-1] if hashes else None))
         meta = scheduler.build_step_metadata([StepProgress(req_id, [blocks], held_tokens)])
         self.worker.start_step(meta)
         self.worker.finish_step(meta)
