@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import pytest
 
 from engine_sim import TOKENS_PER_BLOCK, Engine, Request, block_hashes
-from kvtier.base import TransferResult
-from kvtier.connector import OffloadingScheduler
+from kvtier.base import OffloadKey, ReqContext, TransferResult, make_offload_key
+from kvtier.connector import OffloadingScheduler, StepProgress
 from kvtier.cpu import CPUOffloadingManager
+from kvtier.policies import LRUPolicy
 
 SYSTEM = block_hashes("system", 4)
 
@@ -242,7 +243,6 @@ def test_job_completes_only_when_every_worker_reported() -> None:
     s = OffloadingScheduler(m, tokens_per_block=4, num_workers=2)
     s.add_request("a", block_hashes("a", 2), 9)
     s.get_num_new_matched_tokens("a", 0)
-    from kvtier.connector import StepProgress
 
     meta = s.build_step_metadata([StepProgress("a", [[0, 1, 2]], 8)])
     (job,) = meta.stores
@@ -272,3 +272,41 @@ def test_bad_arguments_get_clear_errors() -> None:
     assert not s.request_finished("a")
     with pytest.raises(ValueError, match="not tracked"):
         s.request_finished("a")
+
+
+class _TouchLog(LRUPolicy):
+    """LRU that records every touch, to see what the connector reports as a use."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.touched: list[list[bytes]] = []
+
+    def touch(self, keys: Iterable[OffloadKey], ctx: ReqContext | None) -> None:
+        keys = list(keys)
+        self.touched.append(keys)
+        super().touch(keys, ctx)
+
+
+def test_only_reused_chunks_count_as_uses() -> None:
+    m = CPUOffloadingManager(16, _TouchLog)
+    policy = m.policy
+    assert isinstance(policy, _TouchLog)
+    s = OffloadingScheduler(m, tokens_per_block=4)
+    hashes = block_hashes("a", 3)
+    s.add_request("a", hashes, 13)
+    assert s.get_num_new_matched_tokens("a", 0) == 0
+    (job,) = s.build_step_metadata([StepProgress("a", [[0, 1, 2, 3]], 12)]).stores
+    s.on_worker_results([TransferResult(job.job_id, True)])
+    s.request_finished("a")
+    # Storing is not using: a frequency-aware policy must not see new chunks as reused.
+    assert policy.touched == []
+
+    s.add_request("b", hashes, 13)
+    # The device holds block 0; kvtier serves blocks 1 and 2.
+    assert s.get_num_new_matched_tokens("b", 4) == 8
+    s.update_state_after_alloc("b", [[5, 6, 7, 8]], 8)
+    (load,) = s.build_step_metadata().loads
+    s.on_worker_results([TransferResult(load.job_id, True)])
+    s.request_finished("b")
+    assert policy.touched[0] == [make_offload_key(hashes[0], 0)]  # the device hit, at admission
+    assert policy.touched[-1] == [make_offload_key(h, 0) for h in hashes]  # all of b's prefix

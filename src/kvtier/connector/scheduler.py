@@ -55,6 +55,7 @@ class _Request:
     num_prompt_tokens: int
     keys: list[list[OffloadKey]]  # per group, per chunk; grown lazily
     next_store_chunk: int = 0
+    reused_chunks: int = 0  # leading chunks this request used: device hits, then loads
     touched_device_hits: bool = False
     # (first token, number of tokens) of a load planned by get_num_new_matched_tokens
     planned_load: tuple[int, int] | None = None
@@ -147,10 +148,11 @@ class OffloadingScheduler:
             raise ValueError(f"request {req_id!r} already finished")
         req.finished = True
         self._cancel_unsent(req)
-        # The whole prefix was used by this request: commit that use now, so a chunk's
-        # recency reflects the request's end (the tail is applied before the head).
+        # Commit the request's use of the prefix it reused at its end (tail before head, so the
+        # head is the most recent). Chunks it only stored are not uses: a frequency-aware
+        # policy such as ARC would otherwise count every new chunk as reused.
         for g in range(len(self.groups)):
-            used = self._chunk_keys(req, 0, min(req.next_store_chunk, self._num_chunks(req)), g)
+            used = self._chunk_keys(req, 0, min(req.reused_chunks, self._num_chunks(req)), g)
             if used:
                 self.manager.touch(used, req.ctx)
         self.manager.on_request_finished(req.ctx)
@@ -183,6 +185,7 @@ class OffloadingScheduler:
             return 0  # the engine recomputes; offering the same chunks again could loop
         tpc = self.tokens_per_chunk
         first_chunk = num_computed_tokens // tpc
+        req.reused_chunks = max(req.reused_chunks, min(first_chunk, self._num_chunks(req)))
         if not req.touched_device_hits and first_chunk > 0:
             # The device prefix hit is a use of those chunks too: keep the policy informed.
             req.touched_device_hits = True
@@ -254,6 +257,7 @@ class OffloadingScheduler:
             )
             self._track(req, job, keys)
         req.next_store_chunk = max(req.next_store_chunk, end_chunk)
+        req.reused_chunks = max(req.reused_chunks, end_chunk)
 
     # -- stores and steps ---------------------------------------------------------------------
 
