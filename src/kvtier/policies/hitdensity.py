@@ -62,7 +62,7 @@ class HitDensityPolicy(CachePolicy):
         self,
         capacity: int,
         sample: int = 32,
-        interval: int | None = None,
+        interval: int = 4096,
         decay: float = 0.98,
         reach: float = 4.0,
         quantile: float = 0.5,
@@ -72,7 +72,7 @@ class HitDensityPolicy(CachePolicy):
         super().__init__(capacity)
         if sample < 1:
             raise ValueError(f"sample={sample} is invalid; expected >= 1")
-        if interval is not None and interval < 1:
+        if interval < 1:
             raise ValueError(f"interval={interval} is invalid; expected >= 1")
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay={decay} is invalid; expected 0 <= decay < 1")
@@ -85,7 +85,7 @@ class HitDensityPolicy(CachePolicy):
         if block_tokens < 1:
             raise ValueError(f"block_tokens={block_tokens} is invalid; expected >= 1")
         self._sample = sample
-        self._interval = interval if interval is not None else max(1024, capacity)
+        self._interval = interval
         self._decay = decay
         self._reach = reach
         self._quantile = quantile
