@@ -101,7 +101,7 @@ class HitDensityPolicy(CachePolicy):
         self._stamp: list[int] = []
         self._cls: list[int] = []
         self._index: dict[OffloadKey, int] = {}
-        self._pinned: dict[OffloadKey, tuple[int, int]] = {}
+        self._pinned: set[OffloadKey] = set()  # an unpin is a use: class and age restart
         # Tracked keys -> (class, last use), least recently used first.
         self._track: OrderedDict[OffloadKey, tuple[int, int]] = OrderedDict()
         self._tail_req: str | None = None
@@ -258,17 +258,18 @@ class HitDensityPolicy(CachePolicy):
         for key in keys:
             i = index.get(key)
             if i is not None:
-                self._pinned[key] = (self._cls[i], self._stamp[i])
+                self._pinned.add(key)
                 self._drop(i)
 
     def unpin(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
         for key in keys:
-            if self._pinned.pop(key, None) is not None:
+            if key in self._pinned:
+                self._pinned.discard(key)
                 self._add(key, self._access(key, ctx))
 
     def remove(self, keys: Iterable[OffloadKey]) -> None:
         for key in keys:
-            self._pinned.pop(key, None)
+            self._pinned.discard(key)
             i = self._index.get(key)
             if i is not None:
                 self._drop(i)
