@@ -8,7 +8,6 @@ from kvtier.policies.base import (
     register_policy,
     registered_policies,
 )
-from kvtier.policies.hitdensity import HitDensityPolicy
 from kvtier.policies.kvaware import KVAwarePolicy
 from kvtier.policies.lru import LRUPolicy
 from kvtier.policies.s3fifo import S3FIFOPolicy
@@ -17,7 +16,6 @@ from kvtier.policies.sieve import SIEVEPolicy
 __all__ = [
     "ARCPolicy",
     "CachePolicy",
-    "HitDensityPolicy",
     "KVAwarePolicy",
     "LRUPolicy",
     "S3FIFOPolicy",
