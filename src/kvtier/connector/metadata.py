@@ -48,9 +48,6 @@ class StepMetadata:
     stores: list[TransferJob] = field(default_factory=list)
     wait_for: list[int] = field(default_factory=list)
 
-    def __bool__(self) -> bool:
-        return bool(self.loads or self.stores or self.wait_for)
-
 
 @dataclass(slots=True)
 class FinishedRequests:

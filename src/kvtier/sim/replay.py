@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Final
 
-from kvtier.base import LookupResult, OffloadKey
+from kvtier.base import LookupResult, OffloadKey, ReqContext
 from kvtier.cpu.manager import CPUOffloadingManager
 from kvtier.sim.result import RunResult
 from kvtier.sim.trace import Request, Trace
@@ -173,6 +173,39 @@ def _result(
     )
 
 
+def _hit_recorder(
+    mgr: CPUOffloadingManager, load: bool
+) -> Callable[[OffloadKey, ReqContext], None]:
+    """How a replay records a CPU hit: a pinned load and its completion, or a touch."""
+    if load:
+        prepare_load, complete_load = mgr.prepare_load, mgr.complete_load
+
+        def record_load(key: OffloadKey, ctx: ReqContext) -> None:
+            one = (key,)
+            prepare_load(one, ctx)
+            complete_load(one, ctx)
+
+        return record_load
+    touch = mgr.touch
+
+    def record_touch(key: OffloadKey, ctx: ReqContext) -> None:
+        touch((key,), ctx)
+
+    return record_touch
+
+
+def _store_one(mgr: CPUOffloadingManager) -> Callable[[OffloadKey, ReqContext], None]:
+    """Offer one key for storing and complete the store at once (a replay moves no bytes)."""
+    prepare_store, complete_store = mgr.prepare_store, mgr.complete_store
+
+    def store(key: OffloadKey, ctx: ReqContext) -> None:
+        out = prepare_store((key,), ctx)
+        if out is not None and out.keys_to_store:
+            complete_store(out.keys_to_store, ctx)
+
+    return store
+
+
 def replay_flat(
     trace: Trace | Iterable[Request],
     mgr: CPUOffloadingManager,
@@ -187,11 +220,10 @@ def replay_flat(
     `trace` may be a `Trace` or any iterable of requests, such as `iter_trace(path)`, which is
     then streamed.
     """
-    load = _check_hits_as(hits_as)
-    touch = mgr.touch
+    record_hit = _hit_recorder(mgr, _check_hits_as(hits_as))
+    store_one = _store_one(mgr)
     hit_result = LookupResult.HIT
-    lookup, prepare_load, complete_load = mgr.lookup, mgr.prepare_load, mgr.complete_load
-    prepare_store, complete_store = mgr.prepare_store, mgr.complete_store
+    lookup = mgr.lookup
     hits = 0
     prefix_tokens = 0
     tally = _Tally(trace)
@@ -203,19 +235,12 @@ def replay_flat(
         prefix = -1  # blocks before the first miss; -1 while none missed
         for i, key in enumerate(req.keys):
             if lookup(key, ctx) is hit_result:
-                one = (key,)
-                if load:
-                    prepare_load(one, ctx)
-                    complete_load(one, ctx)
-                else:
-                    touch(one, ctx)
+                record_hit(key, ctx)
                 hits += 1
             else:
                 if prefix < 0:
                     prefix = i
-                out = prepare_store((key,), ctx)
-                if out is not None and out.keys_to_store:
-                    complete_store(out.keys_to_store, ctx)
+                store_one(key, ctx)
         mgr.on_request_finished(ctx)
         prefix_tokens += req.prefix_tokens(len(req.keys) if prefix < 0 else prefix)
         if progress is not None and n % _PROGRESS_EVERY == 0:
@@ -255,13 +280,12 @@ def replay_engine(
     """
     if store_on not in STORE_ON:
         raise ValueError(f"store_on={store_on!r} is invalid; expected one of: {STORE_ON}")
-    load = _check_hits_as(hits_as)
-    touch = mgr.touch
+    record_hit = _hit_recorder(mgr, _check_hits_as(hits_as))
+    store_one = _store_one(mgr)
     eager = store_on == "eager"
     device = DevicePrefixCache(device_blocks)
     hit_result = LookupResult.HIT
-    lookup, prepare_load, complete_load = mgr.lookup, mgr.prepare_load, mgr.complete_load
-    prepare_store, complete_store = mgr.prepare_store, mgr.complete_store
+    lookup = mgr.lookup
     hits = device_hits = cpu_lookups = prefix_tokens = saved = 0
     tally = _Tally(trace)
     n = 0
@@ -278,25 +302,16 @@ def replay_engine(
             if i >= d:
                 cpu_lookups += 1
                 if lookup(key, ctx) is hit_result:
-                    one = (key,)
-                    if load:
-                        prepare_load(one, ctx)
-                        complete_load(one, ctx)
-                    else:
-                        touch(one, ctx)
+                    record_hit(key, ctx)
                     hits += 1
                 else:
                     if prefix < 0:
                         prefix = i
                     if eager:
-                        out = prepare_store((key,), ctx)
-                        if out is not None and out.keys_to_store:
-                            complete_store(out.keys_to_store, ctx)
+                        store_one(key, ctx)
             evicted = device.add(key)
             if evicted is not None and not eager:
-                out = prepare_store((evicted,), ctx)
-                if out is not None and out.keys_to_store:
-                    complete_store(out.keys_to_store, ctx)
+                store_one(evicted, ctx)
         mgr.on_request_finished(ctx)
         device_hits += d
         served = req.prefix_tokens(len(keys) if prefix < 0 else prefix)
