@@ -8,6 +8,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 
@@ -22,6 +23,12 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_STAGE_BYTES = 1 << 20
 """Scratch for copies whose both sides are scattered: small enough to stay in a core's L2."""
+
+
+class RowCopier(Protocol):
+    """Copies one job's rows; indices come as CPU int64 tensors."""
+
+    def run(self, job: Job, dev_idx: torch.Tensor, host_idx: torch.Tensor) -> None: ...
 
 
 class CPUTransferWorker(TransferWorker):
@@ -39,13 +46,9 @@ class CPUTransferWorker(TransferWorker):
         stage_bytes: int = DEFAULT_STAGE_BYTES,
         fault_injector: FaultInjector | None = None,
     ) -> None:
-        if registration.device.type != "cpu":
-            raise ValueError(
-                f"the CPU backend needs KV tensors on the CPU, got {registration.device}"
-            )
+        self._check_device(registration)
         super().__init__(registration, pool, fault_injector)
-        stage = torch.empty(max(stage_bytes, pool.row_bytes), dtype=torch.uint8)
-        self._copier = BlockCopier(registration, pool.rows, stage)
+        self._copier: RowCopier = self._make_copier(stage_bytes)
         # Two conditions on one lock: new work wakes only the copy thread, and a finished job
         # wakes waiters only if one waits for it (waking them per job costs GIL hand-offs).
         self._cv = threading.Condition(self._lock)
@@ -61,6 +64,21 @@ class CPUTransferWorker(TransferWorker):
         # A copy still running while the interpreter tears torch down aborts the process
         # ("terminate called without an active exception"): stop the thread first.
         atexit.register(self.shutdown)
+
+    _DEVICE = ("cpu", "the CPU")
+    """(device type the KV tensors must be on, its name in errors)"""
+
+    @classmethod
+    def _check_device(cls, registration: KVCacheRegistration) -> None:
+        kind, name = cls._DEVICE
+        if registration.device.type != kind:
+            raise ValueError(
+                f"the {kind.upper()} backend needs KV tensors on {name}, got {registration.device}"
+            )
+
+    def _make_copier(self, stage_bytes: int) -> RowCopier:
+        stage = torch.empty(max(stage_bytes, self.pool.row_bytes), dtype=torch.uint8)
+        return BlockCopier(self.registration, self.pool.rows, stage)
 
     def _submit(self, job: Job) -> None:
         (self._urgent if job.urgent else self._queue).append(job)

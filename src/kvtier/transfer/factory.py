@@ -17,7 +17,11 @@ def make_transfer_worker(
 ) -> TransferWorker:
     """Build a worker: "cpu", "cuda", or "auto" (the one matching the KV tensors' device).
 
-    Extra keyword arguments (`stage_bytes`, `fault_injector`) go to the backend.
+    On CUDA with a pool that is not pinned (pinning failed or `pin=False`), the worker falls
+    back to bounce buffers on a background thread and logs a warning.
+
+    Extra keyword arguments (`stage_bytes`, `fault_injector`, and for CUDA `copy_mode`) go to
+    the backend.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is unknown; expected one of {BACKENDS}")
@@ -26,6 +30,10 @@ def make_transfer_worker(
     if backend == "cuda":
         # Imported here only so that a CPU-only install never touches torch.cuda set-up.
         from kvtier.transfer.cuda_worker import CUDATransferWorker
+        from kvtier.transfer.pageable import PageableCUDATransferWorker
 
+        if not pool.pinned:
+            kwargs.pop("copy_mode", None)  # one way to copy without a pinned pool
+            return PageableCUDATransferWorker(registration, pool, **kwargs)
         return CUDATransferWorker(registration, pool, **kwargs)
     return CPUTransferWorker(registration, pool, **kwargs)

@@ -8,9 +8,11 @@ page (its segments back to back). Groups with smaller pages leave the row's tail
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import warnings
+import weakref
 
 import torch
 
@@ -67,6 +69,10 @@ class HostPool:
         """The pool as a uint8 `(num_slots, slot_bytes)` tensor."""
         want_pin = torch.cuda.is_available() if pin is None else bool(pin)
         self.pinned = want_pin and self._pin()
+        # A pool dropped without close() must still be unregistered before its memory is
+        # unmapped: CUDA would otherwise keep the range registered, and the next pool mapped at
+        # the same address could not be pinned.
+        self._finalizer = weakref.finalize(self, _unregister, self.address) if self.pinned else None
 
     @staticmethod
     def slots_for_budget(
@@ -104,6 +110,7 @@ class HostPool:
                 )
             )
             if err != 0:
+                _clear_cuda_error()
                 raise RuntimeError(f"cudaHostRegister returned error {err}")
         except Exception as exc:
             warnings.warn(
@@ -119,10 +126,8 @@ class HostPool:
         """Unpin the pool. The memory itself goes when the last view of it is dropped."""
         if self.pinned:
             self.pinned = False
-            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-            err = int(cudart.cudaHostUnregister(self.address))
-            if err != 0:
-                logger.warning("cudaHostUnregister failed with error %d", err)
+            if self._finalizer is not None:
+                self._finalizer()
         self._mmap = None
 
     def __repr__(self) -> str:
@@ -130,6 +135,25 @@ class HostPool:
             f"HostPool(num_slots={self.num_slots}, slot_bytes={self.slot_bytes}, "
             f"blocks_per_chunk={self.blocks_per_chunk}, pinned={self.pinned})"
         )
+
+
+def _unregister(address: int) -> None:
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    err = int(cudart.cudaHostUnregister(address))
+    if err != 0:
+        _clear_cuda_error()
+        logger.warning("cudaHostUnregister failed with error %d", err)
+
+
+def _clear_cuda_error() -> None:
+    """Reset CUDA's last-error slot: a failed register call leaves its error there, and torch
+    would report it at its next kernel launch as if that launch had failed."""
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            ctypes.CDLL(name).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
 
 
 def _check_positive_int(name: str, value: object) -> None:
