@@ -6,11 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor, make_transfer_worker
+from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor, cuda_dma, make_transfer_worker
+from kvtier.transfer.cuda_worker import CUDATransferWorker
+from kvtier.transfer.pageable import PageableCUDATransferWorker
 from kvtier.transfer.testing import (
     DTYPES,
     NUM_BLOCKS,
     assert_block_equals,
+    fill_random_bytes,
     make_layout,
     snapshot,
 )
@@ -21,17 +24,25 @@ pytestmark = [
 ]
 
 
-def _round_trip(kvs: list[KVTensor], bpc: int, seed: int, stage_bytes: int = 32 << 20) -> None:
+def _round_trip(
+    kvs: list[KVTensor],
+    bpc: int,
+    seed: int,
+    stage_bytes: int = 32 << 20,
+    pin: bool = True,
+    copy_mode: str = "kernel",
+) -> None:
     rng = np.random.default_rng(seed)
     reg = KVCacheRegistration(kvs)
-    pool = HostPool(reg, bpc, num_slots=9)
-    assert pool.pinned
+    pool = HostPool(reg, bpc, num_slots=9, pin=pin)
+    assert pool.pinned == pin
     before = snapshot(kvs)
     half = NUM_BLOCKS // 2
     src_space, dst_space = rng.permutation(half), half + rng.permutation(NUM_BLOCKS - half)
     slots = rng.permutation(pool.num_slots)
     per_job = 2 * bpc
-    with make_transfer_worker(reg, pool, "cuda", stage_bytes=stage_bytes) as w:
+    kwargs = {"copy_mode": copy_mode} if pin else {}
+    with make_transfer_worker(reg, pool, "cuda", stage_bytes=stage_bytes, **kwargs) as w:
         for j in range(3):
             w.submit_store(j, src_space[j * per_job : (j + 1) * per_job], slots[2 * j : 2 * j + 2])
         w.wait(range(3))
@@ -67,12 +78,60 @@ def test_round_trip_through_many_stage_pieces() -> None:
     _round_trip(make_layout("cross_layer", torch.bfloat16, "cuda", seed=2), 2, 9, stage_bytes=1)
 
 
-def test_store_waits_for_the_compute_that_wrote_the_block() -> None:
+@pytest.mark.skipif(not cuda_dma.available(), reason="driver has no cuMemcpyBatchAsync")
+@pytest.mark.parametrize("bpc", [1, 4])
+def test_round_trip_on_the_copy_engines(layout: str, bpc: int) -> None:
+    _round_trip(make_layout(layout, torch.bfloat16, "cuda", seed=bpc), bpc, bpc, copy_mode="dma")
+
+
+@pytest.mark.parametrize("mode", ["auto", "kernel", "dma"])
+def test_large_and_small_jobs_round_trip_in_every_copy_mode(mode: str) -> None:
+    if mode == "dma" and not cuda_dma.available():
+        pytest.skip("driver has no cuMemcpyBatchAsync")
+    # 1 MiB pages in two segments: a 17-block job is over DMA_MIN_JOB_BYTES, a 2-block one under.
+    kvs = [KVTensor(torch.empty(2, 40, 256, 8, 256, dtype=torch.uint8, device="cuda"), "flash")]
+    fill_random_bytes(kvs[0].tensor, 7)
+    reg = KVCacheRegistration(kvs)
+    pool = HostPool(reg, 1, num_slots=19)
+    before = snapshot(kvs, 40)
+    big, small = list(range(3, 20)), [30, 1]
+    with make_transfer_worker(reg, pool, "cuda", copy_mode=mode) as w:
+        w.submit_store(1, big, list(range(17))[::-1])
+        w.submit_store(2, small, [17, 18])
+        w.wait([1, 2])
+        w.submit_load(3, list(range(17))[::-1], list(range(21, 38)))
+        w.submit_load(4, [17, 18], [20, 38])
+        w.wait([3, 4])
+        assert all(r.success for r in w.get_finished())
+    for s, d in [*zip(big, range(21, 38), strict=True), (30, 20), (1, 38)]:
+        assert_block_equals(kvs, d, before[s])
+    pool.close()
+
+
+@pytest.mark.parametrize("bpc", [1, 4])
+def test_round_trip_with_a_pageable_pool(layout: str, bpc: int) -> None:
+    _round_trip(make_layout(layout, torch.float16, "cuda", seed=bpc), bpc, bpc, pin=False)
+
+
+def test_pageable_pool_gets_the_bounce_buffer_worker() -> None:
+    reg = KVCacheRegistration(make_layout("flash", torch.float16, "cuda"))
+    pool = HostPool(reg, 1, num_slots=4, pin=False)
+    with make_transfer_worker(reg, pool, "cuda") as w:
+        assert isinstance(w, PageableCUDATransferWorker)
+    with pytest.raises(ValueError, match="pinned host pool"):
+        CUDATransferWorker(reg, pool)
+
+
+@pytest.mark.parametrize("mode", ["kernel", "dma", "pageable"])
+def test_store_waits_for_the_compute_that_wrote_the_block(mode: str) -> None:
+    if mode == "dma" and not cuda_dma.available():
+        pytest.skip("driver has no cuMemcpyBatchAsync")
     kv = torch.zeros(16, 256, 1024, dtype=torch.float32, device="cuda")
     reg = KVCacheRegistration([KVTensor(kv, "mla")])
-    pool = HostPool(reg, 1, num_slots=4)
+    pool = HostPool(reg, 1, num_slots=4, pin=mode != "pageable")
+    kwargs = {"copy_mode": mode} if mode != "pageable" else {}
     a = torch.randn(2048, 2048, device="cuda")
-    with make_transfer_worker(reg, pool, "cuda") as w:
+    with make_transfer_worker(reg, pool, "cuda", **kwargs) as w:
         for _ in range(20):  # keep the compute stream busy for a while
             a = torch.tanh(a @ a)
         kv[3].fill_(7.0)  # the "attention output" the store must see
@@ -84,10 +143,11 @@ def test_store_waits_for_the_compute_that_wrote_the_block() -> None:
     pool.close()
 
 
-def test_failed_job_on_cuda_is_reported_failed() -> None:
+@pytest.mark.parametrize("pin", [True, False], ids=["pinned", "pageable"])
+def test_failed_job_on_cuda_is_reported_failed(pin: bool) -> None:
     kvs = make_layout("mla", torch.float16, "cuda")
     reg = KVCacheRegistration(kvs)
-    pool = HostPool(reg, 1, num_slots=4)
+    pool = HostPool(reg, 1, num_slots=4, pin=pin)
     before = snapshot(kvs)
 
     def fail_two(job_id: int, direction: str) -> None:
