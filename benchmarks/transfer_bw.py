@@ -50,17 +50,20 @@ def bench_page(
     moved: int,
     repeats: int,
     rng: np.random.Generator,
+    pageable: bool = False,
+    copy_mode: str = "auto",
 ) -> list[dict[str, object]]:
     """Rows for one page size: store and load for every batch size."""
     num_blocks = max(region // page, 2 * max(batches))
     dev = torch.empty(num_blocks, page, dtype=torch.uint8, device=device)
     dev.fill_(7)  # touch every page before timing
     reg = KVCacheRegistration([KVTensor(dev, 0)])
-    pool = HostPool(reg, 1, num_slots=num_blocks)
+    pool = HostPool(reg, 1, num_slots=num_blocks, pin=False if pageable else None)
     pool.tensor.fill_(3)
     dev_flat, host_flat = dev.view(-1), pool.tensor.view(-1)
     rows = []
-    with make_transfer_worker(reg, pool, backend) as worker:
+    kwargs = {"copy_mode": copy_mode} if backend == "cuda" and not pageable else {}
+    with make_transfer_worker(reg, pool, backend, **kwargs) as worker:
         next_id = 0
         for blocks in batches:
             jobs = max(1, min(moved // (blocks * page), num_blocks // blocks))
@@ -110,7 +113,9 @@ def bench_page(
                     times[direction].append(run(direction))
                 rows.append(
                     {
-                        "backend": backend,
+                        "backend": backend
+                        + ("-pageable" if pageable else "")
+                        + (f"-{copy_mode}" if backend == "cuda" else ""),
                         "direction": direction,
                         "page_bytes": page,
                         "blocks_per_job": blocks,
@@ -133,6 +138,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
+    ap.add_argument("--copy-mode", choices=["auto", "kernel", "dma"], default="auto",
+                    help="CUDA: index kernels through mapped memory, or batched DMA")  # fmt: skip
+    ap.add_argument(
+        "--pageable", action="store_true", help="leave the host pool unpinned (CUDA fallback)"
+    )
     args = ap.parse_args(argv)
     backend = args.backend
     if backend == "auto":
@@ -143,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     for page_kib in args.pages_kib:
         rows += bench_page(
             backend, device, page_kib * KiB, args.batches, args.region_mib * MiB,
-            args.moved_mib * MiB, args.repeats, rng,
+            args.moved_mib * MiB, args.repeats, rng, args.pageable, args.copy_mode,
         )  # fmt: skip
     table = Table(title=f"kvtier transfer throughput ({backend}, torch threads "
                   f"{torch.get_num_threads()})")  # fmt: skip
