@@ -51,8 +51,10 @@ def make_vllm_config(
     module_path: str | None = None,
     max_num_batched_tokens: int = 512,
     load_failure_policy: str = "fail",
+    kv_events_config: Any | None = None,
 ) -> Any:
-    """A VllmConfig for the tiny model on CPU with the given KV connector."""
+    """A VllmConfig for the tiny model on CPU with the given KV connector (and vLLM's
+    `KVEventsConfig`, when given)."""
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -86,6 +88,7 @@ def make_vllm_config(
         scheduler_config=sched,
         kv_transfer_config=transfer,
         device_config=DeviceConfig("cpu"),
+        kv_events_config=kv_events_config,
     )
 
 
@@ -250,6 +253,7 @@ def make_engine(
     with_worker: bool = True,
     max_num_batched_tokens: int = 512,
     load_failure_policy: str = "fail",
+    kv_events_config: Any | None = None,
 ) -> Engine:
     """Build the scheduler (which builds the scheduler-side connector) and a worker-side
     connector with registered CPU KV tensors."""
@@ -259,7 +263,13 @@ def make_engine(
     from vllm.v1.structured_output import StructuredOutputManager
 
     vllm_config = make_vllm_config(
-        connector, extra, num_gpu_blocks, module_path, max_num_batched_tokens, load_failure_policy
+        connector,
+        extra,
+        num_gpu_blocks,
+        module_path,
+        max_num_batched_tokens,
+        load_failure_policy,
+        kv_events_config,
     )
     kv_cache_config = make_kv_cache_config(num_gpu_blocks, num_groups)
     scheduler = Scheduler(

@@ -28,8 +28,11 @@ from kvtier.integrations.vllm.setup import resolve_setup
 from kvtier.integrations.vllm.worker_side import KVTierWorkerSide
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.attention.backends.abstract import AttentionMetadata
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -190,6 +193,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         """As request_finished, for every KV-cache group at once (hybrid models)."""
         return self._scheduler().request_finished(request), None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """BlockStored / BlockRemoved events (medium "CPU") of the host tier since the last
+        step; vLLM publishes them when its KV events are enabled."""
+        if self.scheduler_side is None:
+            return ()
+        return self.scheduler_side.take_events()
 
     def has_pending_block_frees(self) -> bool:
         """Stores in flight will hand blocks back, so vLLM may wait instead of preempting."""

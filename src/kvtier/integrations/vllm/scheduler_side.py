@@ -14,10 +14,12 @@ from typing import TYPE_CHECKING, Any, overload
 from kvtier.base import TransferResult
 from kvtier.connector import OffloadingScheduler, StepProgress
 from kvtier.cpu import CPUOffloadingManager
+from kvtier.integrations.vllm.events import to_vllm_events
 from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.setup import VllmSetup
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
@@ -66,6 +68,8 @@ class KVTierSchedulerSide:
             cfg.cache_policy,
             store_threshold=cfg.store_threshold,
             max_tracker_size=cfg.max_tracker_size,
+            enable_events=setup.events,
+            max_pending_events=cfg.max_pending_events,
         )
         self.scheduler = OffloadingScheduler(
             self.manager,
@@ -87,7 +91,7 @@ class KVTierSchedulerSide:
         self._load_failed: set[str] = set()
         logger.info(
             "kvtier: scheduler side ready: %d host slots of %d blocks x %d tokens "
-            "(%.2f GiB), cache policy %s, %d KV-cache group(s), %d worker(s)",
+            "(%.2f GiB), cache policy %s, %d KV-cache group(s), %d worker(s), KV events %s",
             setup.num_slots,
             setup.blocks_per_chunk,
             setup.tokens_per_block,
@@ -95,6 +99,7 @@ class KVTierSchedulerSide:
             cfg.cache_policy,
             len(setup.groups),
             setup.num_workers,
+            "on" if setup.events else "off",
         )
 
     def bind_block_ids(self, get_block_ids: Callable[[str], tuple[list[int], ...]]) -> None:
@@ -200,6 +205,11 @@ class KVTierSchedulerSide:
         """Whether finished requests still hold blocks until their stores finish."""
         # The scheduler tracks running requests plus finished ones with jobs in flight.
         return self.scheduler.num_requests() > len(self._requests)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """KV events for chunks stored in or removed from the host tier since the last call
+        (empty unless vLLM's KV events are enabled)."""
+        return to_vllm_events(self.manager.take_events())
 
     def reset_cache(self) -> None:
         """Empty the host tier; transfers in flight finish without touching the new contents."""

@@ -37,7 +37,7 @@ class VllmSetup:
 
     `groups` are vLLM's KV-cache group indices (all of them are offloaded), `num_slots` the
     host slots of `blocks_per_chunk` device blocks each, `num_workers` the workers that must
-    report every job.
+    report every job, `events` whether KV events go to vLLM's publisher.
     """
 
     config: KVTierConfig
@@ -48,6 +48,7 @@ class VllmSetup:
     num_slots: int
     num_workers: int
     num_device_blocks: int
+    events: bool = False
 
     @property
     def slot_bytes(self) -> int:
@@ -63,12 +64,7 @@ def resolve_setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Vl
     transfer = vllm_config.kv_transfer_config
     extra: dict[str, Any] = dict(transfer.kv_connector_extra_config or {}) if transfer else {}
     config = KVTierConfig.from_vllm_extra_config(extra)
-    if config.enable_events:
-        raise ConfigError(
-            "enable_events=True (from vLLM kv_connector_extra_config): kvtier does not publish "
-            "KV events through vLLM yet; expected false (vLLM's own prefix-cache events are "
-            "unaffected)"
-        )
+    events = _resolve_events(vllm_config, config, "enable_events" in extra)
 
     groups = kv_cache_config.kv_cache_groups
     if not groups:
@@ -133,4 +129,23 @@ def resolve_setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Vl
         num_slots=num_slots,
         num_workers=vllm_config.parallel_config.world_size,
         num_device_blocks=int(kv_cache_config.num_blocks),
+        events=events,
     )
+
+
+def _resolve_events(vllm_config: VllmConfig, config: KVTierConfig, explicit: bool) -> bool:
+    """Whether kvtier emits KV events: it follows vLLM's `--kv-events-config`
+    (`enable_kv_cache_events`), and `enable_events` in the extra config can only turn it off,
+    since vLLM publishes connector events only when its own events are on."""
+    events_config = vllm_config.kv_events_config
+    vllm_events = bool(events_config is not None and events_config.enable_kv_cache_events)
+    if not explicit:
+        return vllm_events
+    if config.enable_events and not vllm_events:
+        raise ConfigError(
+            "enable_events=True (from vLLM kv_connector_extra_config) while vLLM's KV events "
+            "are off, so nothing would publish them; expected --kv-events-config "
+            '\'{"enable_kv_cache_events": true, "publisher": "zmq"}\' (kvtier then emits '
+            "events without this key), or enable_events=false"
+        )
+    return config.enable_events
