@@ -1,40 +1,38 @@
 """`KVTierGenerator`: greedy generation for transformers models with kvtier as the prefix cache.
 
 Call it instead of `model.generate`. Per prompt: hash its tokens into blocks, ask kvtier's
-scheduler half how much of the prefix it holds, load those chunks from the host pool into the
-generator's paged KV buffer (the "device" KV), build a transformers cache from them, prefill
-only the rest, generate, then hand the request's new full blocks to kvtier to store. The stores
-run in the background while the next prompt is processed; a prompt that needs a chunk still
-being written waits for it.
+scheduler half how much of the prefix it holds, load those chunks from the host pool into
+consecutive blocks of the generator's paged KV buffer (the "device" KV), prefill only the rest
+and generate on a transformers cache that reads and writes those blocks in place
+(`paged_cache`), then hand the request's new full blocks to kvtier to store. The stores run in
+the background while the next prompt is processed; a prompt that needs a chunk still being
+written waits for it.
 
-The paged buffer is one `(num_blocks, 2, block_size, kv_heads, head_dim)` tensor per layer,
+The paged buffer is one `(2, num_blocks, block_size, kv_heads, head_dim)` tensor per layer,
 registered with kvtier's transfer engine; the manager, the connector halves and the transfer
-engine are the same objects an engine integration uses.
+engine are the same objects an engine integration uses. KV is never copied between the buffer
+and a separate transformers cache: a store copies from where the model wrote it.
 """
 
 from __future__ import annotations
 
 import itertools
+import mmap
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvtier.config import KVTierConfig
 from kvtier.connector import OffloadingScheduler, OffloadingWorker, StepProgress
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.hashing import BlockHasher
-from kvtier.integrations.hf.kv_blocks import allocate_pages, build_cache_from_blocks, extract_blocks
+from kvtier.integrations.hf.paged_cache import PagedKVBuffer
 from kvtier.integrations.hf.prefix import generate_greedy
-from kvtier.transfer import (
-    FaultInjector,
-    HostPool,
-    KVCacheRegistration,
-    KVTensor,
-    make_transfer_worker,
-)
+from kvtier.transfer import FaultInjector, HostPool, make_transfer_worker
 
 __all__ = ["GenerationResult", "GeneratorStats", "KVTierGenerator"]
 
@@ -73,6 +71,18 @@ class GeneratorStats:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+def _prefault(pool: torch.Tensor) -> None:
+    """Write one byte of every page of the (zero-filled) host pool, leaving it zero.
+
+    The pool is a fresh anonymous mapping, so the first write to each page takes a page fault
+    and a zero-fill in the kernel: a store into never-used slots took 9-50 ms for 4 MiB on the
+    benchmark machine, against 0.4 ms into slots already written once. Faulting the pool in
+    here moves that one-time cost to construction (pinning does the same on a GPU machine)
+    instead of charging it to the first requests whose stores reach each page.
+    """
+    pool.view(-1)[:: mmap.PAGESIZE].zero_()
+
+
 class KVTierGenerator:
     """Greedy generation for a transformers causal LM that reuses offloaded prefix blocks.
 
@@ -100,17 +110,23 @@ class KVTierGenerator:
         self.block_size = block_size
         self.hasher = BlockHasher(block_size, algorithm=config.hash_algorithm, namespace=namespace)
         device = next(model.parameters()).device
-        self.pages = allocate_pages(
+        self.kv = PagedKVBuffer(
             model.config, max_blocks, block_size, dtype=model.dtype, device=device
         )
+        self.pages = self.kv.tensors
+        """Per layer, `(2, max_blocks, block_size, kv_heads, head_dim)`: the device KV."""
         self.max_blocks = max_blocks
-        registration = KVCacheRegistration([KVTensor(p, "flashinfer") for p in self.pages])
+        registration = self.kv.registration()
         bpc = config.resolve_blocks_per_chunk(block_size)
         if config.cpu_bytes is not None:
-            self.pool = HostPool(registration, bpc, byte_budget=config.cpu_bytes)
+            self.pool = HostPool(
+                registration, bpc, byte_budget=config.cpu_bytes, pin=config.pin_memory
+            )
         else:
             slots = config.num_slots or _DEFAULT_SLOTS_PER_BLOCK * max_blocks // bpc
             self.pool = HostPool(registration, bpc, num_slots=slots, pin=config.pin_memory)
+        if not self.pool.pinned:
+            _prefault(self.pool.tensor)
         self.manager = CPUOffloadingManager(
             self.pool.num_slots,
             config.cache_policy,
@@ -130,8 +146,8 @@ class KVTierGenerator:
         )
         self.worker = OffloadingWorker(self.transfer)
         self.stats = GeneratorStats()
-        self._free_blocks = list(range(max_blocks))
-        self._held: dict[str, list[int]] = {}
+        self._free = np.ones(max_blocks, dtype=bool)
+        self._held: dict[str, range] = {}
         self._req_ids = itertools.count()
 
     # -- public API ---------------------------------------------------------------------------
@@ -171,24 +187,20 @@ class KVTierGenerator:
             if req_id in self._last_failed_loads:
                 hit = 0  # never use the blocks of a failed load: recompute them
                 self.stats.failed_loads += 1
+        # The model reads the loaded blocks and writes every new token's KV in place, so the
+        # request's blocks hold its whole KV when generation ends: nothing to copy out.
+        cache = self.kv.cache(blocks.start, need, hit)
         device = self.pages[0].device
-        cache = build_cache_from_blocks(self.pages, [blocks], hit, self.model.config, device=device)
         out = generate_greedy(self.model, ids.unsqueeze(0).to(device), max_new_tokens, cache)
         ttft = out.first_token_time - start
 
-        # Offer the request's full blocks (prompt and reply) to kvtier.
-        seq = torch.cat([ids, out.tokens[0].cpu()])
+        # Offer the request's full blocks to kvtier (reply blocks only if they may be stored).
         held_tokens = int(out.cache.get_seq_length())
-        hit_blocks = hit // self.block_size
         full = held_tokens // self.block_size
-        if full > hit_blocks:
-            extract_blocks(
-                out.cache, 0, hit_blocks * self.block_size, full - hit_blocks, self.block_size,
-                self.pages, blocks[hit_blocks:full],
-            )  # fmt: skip
+        if full > len(hashes) and not self.config.offload_prompt_only:
             # Continue the chain from the prompt's last full block: only the new blocks hash.
-            done = len(hashes) * self.block_size
-            tail = seq[done : full * self.block_size].numpy()
+            seq = torch.cat([ids, out.tokens[0].cpu()])
+            tail = seq[len(hashes) * self.block_size : full * self.block_size].numpy()
             hashes.extend(self.hasher.hash_blocks(tail, parent=hashes[-1] if hashes else None))
         meta = scheduler.build_step_metadata([StepProgress(req_id, [blocks], held_tokens)])
         self.worker.start_step(meta)
@@ -196,7 +208,7 @@ class KVTierGenerator:
         if scheduler.request_finished(req_id):
             self._held[req_id] = blocks
         else:
-            self._free_blocks.extend(blocks)
+            self._free[blocks.start : blocks.stop] = True
         self._collect()
 
         s = self.stats
@@ -232,16 +244,26 @@ class KVTierGenerator:
 
     _last_failed_loads: frozenset[str] = frozenset()
 
-    def _allocate(self, n: int) -> list[int]:
-        if len(self._free_blocks) < n and self._held:
+    def _allocate(self, n: int) -> range:
+        """`n` consecutive free device blocks (the cache views them as one tensor), the
+        lowest run that fits; waits for stores in flight when no run is free."""
+        start = self._first_fit(n)
+        if start is None and self._held:
             self._drain()  # blocks of finished requests come back when their stores end
-        if len(self._free_blocks) < n:
+            start = self._first_fit(n)
+        if start is None:
             raise RuntimeError(
-                f"{n} device blocks needed, {len(self._free_blocks)} free of {self.max_blocks}"
+                f"{n} consecutive device blocks needed, {int(self._free.sum())} free of "
+                f"{self.max_blocks}"
             )
-        blocks = self._free_blocks[-n:]
-        del self._free_blocks[-n:]
-        return blocks
+        self._free[start : start + n] = False
+        return range(start, start + n)
+
+    def _first_fit(self, n: int) -> int | None:
+        edges = np.diff(np.concatenate(([0], self._free.view(np.int8), [0])))
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        fits = np.flatnonzero(ends - starts >= n)
+        return int(starts[fits[0]]) if fits.size else None
 
     def _collect(self) -> None:
         self.scheduler.on_worker_results(self.worker.get_finished())
@@ -250,7 +272,8 @@ class KVTierGenerator:
         done = self.scheduler.take_finished()
         self._last_failed_loads = frozenset(done.failed_loads)
         for req_id in done.sending:
-            self._free_blocks.extend(self._held.pop(req_id))
+            blocks = self._held.pop(req_id)
+            self._free[blocks.start : blocks.stop] = True
 
     def _drain(self) -> None:
         self.transfer.wait(self.scheduler.job_ids_in_flight())

@@ -1,0 +1,160 @@
+"""A transformers cache whose K and V live in kvtier's registered paged buffer.
+
+`KVTierGenerator` needs a request's KV in the "device" blocks that kvtier's transfer engine
+copies to and from the host pool. A transformers `DynamicCache` keeps KV in tensors of its
+own (and reallocates them with `torch.cat` on every step), so going through it costs a copy
+out of the paged buffer before a prompt (loaded blocks into the cache) and a copy back after it
+(new blocks out of the cache, before kvtier can store them). `PagedKVBuffer` removes both:
+its per-layer tensors are laid out so that a run of consecutive blocks *is* a transformers
+`(batch=1, kv_heads, tokens, head_dim)` tensor, as a strided view, so the cache layers it hands
+out (`PagedKVLayer`) read and write the registered memory directly. Loads land where attention
+reads them, prefill and decode write each new token's KV once, in place, and a store copies
+straight from there into the host pool.
+
+Layout: one `(2, num_blocks, block_size, kv_heads, head_dim)` tensor per layer (K at 0, V at 1:
+the "flash" layout of `kvtier.transfer`). Blocks `b..b+n-1` of K are then one
+`(n * block_size, kv_heads, head_dim)` row-major run; transposed to `(kv_heads, tokens,
+head_dim)` it is exactly how a model's attention produces K before caching it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from kvtier.integrations.hf.kv_blocks import kv_layout
+from kvtier.transfer import KVCacheRegistration, KVTensor
+
+__all__ = ["PagedKVBuffer", "PagedKVLayer"]
+
+
+class PagedKVLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # untyped upstream
+    """One layer of a batch-1 cache whose `keys`/`values` are views of a paged buffer.
+
+    `key_space`/`value_space` are `(1, kv_heads, capacity, head_dim)` views of the blocks the
+    request owns; the first `held` tokens already hold KV (loaded from kvtier). `update`
+    writes the new tokens' KV after them and returns views of everything written so far, so
+    attention sees the same tensors a `DynamicLayer` would build, without any reallocation.
+    `crop` (inherited) shortens the views; the next `update` writes from the new end.
+    """
+
+    def __init__(self, key_space: torch.Tensor, value_space: torch.Tensor, held: int) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        if key_space.shape != value_space.shape or key_space.ndim != 4 or key_space.shape[0] != 1:
+            raise ValueError(
+                f"key_space {tuple(key_space.shape)} and value_space {tuple(value_space.shape)} "
+                "must both be (1, kv_heads, capacity, head_dim)"
+            )
+        if not 0 <= held <= key_space.shape[2]:
+            raise ValueError(f"held={held} is invalid; expected 0..{key_space.shape[2]}")
+        self._key_space = key_space
+        self._value_space = value_space
+        self.dtype, self.device = key_space.dtype, key_space.device
+        self.keys = key_space[:, :, :held]
+        self.values = value_space[:, :, :held]
+        self.is_initialized = True
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the layer's blocks can hold."""
+        return int(self._key_space.shape[2])
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to allocate: the memory is the paged buffer's."""
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new tokens' KV after the held ones; return K and V of all of them."""
+        assert self.keys is not None and self.values is not None  # set in __init__
+        start = self.keys.shape[2]
+        end = start + key_states.shape[2]
+        if key_states.shape[0] != 1 or end > self.capacity:
+            raise ValueError(
+                f"cannot cache {tuple(key_states.shape)} after {start} tokens: the layer holds "
+                f"one sequence of at most {self.capacity} tokens"
+            )
+        self._key_space[:, :, start:end].copy_(key_states)
+        self._value_space[:, :, start:end].copy_(value_states)
+        self.keys = self._key_space[:, :, :end]
+        self.values = self._value_space[:, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        """Tokens cached so far."""
+        assert self.keys is not None
+        return int(self.keys.shape[2])
+
+    def reset(self) -> None:
+        """Forget every token (the memory stays the request's)."""
+        self.keys = self._key_space[:, :, :0]
+        self.values = self._value_space[:, :, :0]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Refused: the layer holds one sequence in fixed memory."""
+        raise NotImplementedError("a PagedKVLayer holds one sequence; it cannot grow a batch")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Refused: the layer holds one sequence in fixed memory."""
+        raise NotImplementedError("a PagedKVLayer holds one sequence; it cannot select rows")
+
+
+class PagedKVBuffer:
+    """`num_blocks` blocks of `block_size` tokens of KV for every layer of `config`'s model.
+
+    `tensors[layer]` is `(2, num_blocks, block_size, kv_heads, head_dim)`, zero-filled;
+    `registration()` describes them to kvtier's transfer engine, and `cache(first, n, held)`
+    gives a transformers cache over blocks `first..first+n-1` that already holds `held` tokens.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        num_blocks: int,
+        block_size: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"num_blocks={num_blocks}, block_size={block_size} are invalid; "
+                "expected positive ints"
+            )
+        layout = kv_layout(config)
+        shape = (2, num_blocks, block_size, layout.kv_heads, layout.head_dim)
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.tensors: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)
+        ]
+
+    def registration(self) -> KVCacheRegistration:
+        """The buffer as kvtier's transfer engine sees it: one "flash" tensor per layer."""
+        return KVCacheRegistration([KVTensor(t, "flash") for t in self.tensors])
+
+    def cache(self, first_block: int, num_blocks: int, held_tokens: int) -> Cache:
+        """A batch-1 cache over blocks `first_block..+num_blocks-1`, holding `held_tokens`.
+
+        The blocks must be consecutive: only then are they one strided tensor that attention
+        can read without a copy.
+        """
+        if first_block < 0 or num_blocks < 1 or first_block + num_blocks > self.num_blocks:
+            raise ValueError(
+                f"blocks {first_block}..{first_block + num_blocks - 1} are out of range; "
+                f"expected within 0..{self.num_blocks - 1}"
+            )
+        tokens = num_blocks * self.block_size
+        if not 0 <= held_tokens <= tokens:
+            raise ValueError(f"held_tokens={held_tokens} is invalid; expected 0..{tokens}")
+        layers: list[Any] = []
+        for t in self.tensors:
+            run = t[:, first_block : first_block + num_blocks]
+            # (2, n, bs, H, D) -> (2, n*bs, H, D) is free (the run is contiguous per K and V);
+            # the transpose to (2, H, tokens, D) is a view.
+            kv = run.reshape(2, tokens, *t.shape[3:]).transpose(1, 2)
+            layers.append(PagedKVLayer(kv[0:1], kv[1:2], held_tokens))
+        return Cache(layers=layers)
