@@ -52,11 +52,16 @@ def test_sketch_counts_saturate_and_halve_with_age() -> None:
     assert sketch.estimate(h) == 15
     assert sketch.estimate(key_hash(key(2))) <= 1  # only a collision could count it
     aged = FrequencySketch(width=64, period=8)
-    for _ in range(8):
-        aged.add(h)
-    assert aged.estimate(h) == 4  # 8 counted, then halved
+    counts = [aged.add(h) for _ in range(8)]
+    assert counts[-1] == aged.estimate(h) == 4  # 8 counted, then halved, and add says so
     aged.clear()
     assert aged.estimate(h) == 0 and len(aged) == 4 * 64
+
+
+@pytest.mark.parametrize(("width", "period"), [(0, 8), (8, 0)])
+def test_sketch_rejects_an_empty_shape(width: int, period: int) -> None:
+    with pytest.raises(ValueError, match=f"width={width}, period={period}"):
+        FrequencySketch(width, period)
 
 
 def test_key_hash_is_the_same_in_every_process() -> None:
@@ -81,7 +86,7 @@ def test_key_hash_is_the_same_in_every_process() -> None:
 
 
 def test_request_tail_is_evicted_before_its_head() -> None:
-    policy = KVAwarePolicy(8)
+    policy = KVAwarePolicy(8, mode="open")
     keys, ctx = request("r", [1, 2, 3])
     policy.insert(keys, ctx)
     assert policy.evict(1, set()) == [key(3)]
@@ -96,7 +101,7 @@ def test_head_of_a_call_outlives_its_tail() -> None:
 
 
 def test_frequently_used_block_outlives_newer_ones() -> None:
-    policy = KVAwarePolicy(4)
+    policy = KVAwarePolicy(4, mode="open")
     for r in range(3):
         keys, ctx = request(f"r{r}", [0, 100 + r])  # block 0: a shared system prompt
         policy.insert(keys, ctx)
@@ -155,6 +160,24 @@ def test_shadows_switch_the_filter_by_workload() -> None:
         for i in range(60):
             access(loop, key(i))
     assert not loop.filtering
+
+
+def test_adaptive_policy_evicts_like_lru_until_a_shadow_wins() -> None:
+    # Block 0-9 are used often, then 54 new blocks arrive. Nothing was evicted yet, so every
+    # shadow has the same hits and none has earned a switch: the policy is still plain LRU and
+    # evicts the least recent blocks, the frequent ones (a frequency mode would keep them).
+    lru, policy = make_policy("lru", 64), KVAwarePolicy(64)
+    for p in (lru, policy):
+        for _ in range(5):
+            for i in range(10):
+                if key(i) in p:
+                    p.touch([key(i)], None)
+                else:
+                    p.insert([key(i)], None)
+        for i in range(10, 64):
+            p.insert([key(i)], None)
+    assert not policy.filtering
+    assert policy.evict(10, set()) == lru.evict(10, set()) == [key(i) for i in range(10)]
 
 
 # -- bookkeeping --------------------------------------------------------------------------

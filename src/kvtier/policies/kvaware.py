@@ -1,5 +1,6 @@
-"""Prefix-aware eviction for KV-cache blocks: a frequency filter, switched on and off by two
-miniature simulations, in front of GreedyDual-Frequency.
+"""Prefix-aware eviction for KV-cache blocks: a frequency filter and a deepest-block rule,
+switched on and off by six miniature simulations, in front of GreedyDual-Frequency; plain LRU
+until a simulation shows something better.
 
 The design and its measurements are in docs/policies.md ("The KV-aware policy").
 """
@@ -11,17 +12,16 @@ from collections.abc import Collection, Iterable, Sequence
 
 from kvtier.base import OffloadKey, ReqContext
 from kvtier.policies.base import CachePolicy, register_policy
+from kvtier.policies.kvaware_sketch import M64, MAX_COUNT, FrequencySketch, key_hash
 
-_M64 = (1 << 64) - 1
-# Odd 64-bit multipliers: one per sketch row, one to pick the keys the shadow models see.
-_ROWS = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93)
+__all__ = ["FrequencySketch", "KVAwarePolicy", "key_hash"]
+
+# Picks the keys the shadow models see (an odd 64-bit multiplier).
 _SAMPLE = 0xA24BAED4963EE407
-_HALVE = bytes(v >> 1 for v in range(256))
-_MAX_COUNT = 15
 # Where a pinned key returns at unpin.
 _MAIN, _WINDOW, _WINDOW_TAIL = 0, 1, 2
 # (admit every block leaving the window, apply the deepest-block rule, credit by count), one
-# shadow each. The first is the starting mode; the last two are LRU with and without the rule.
+# shadow each. The last two are LRU without and with the rule.
 _MODES = (
     (True, True, True),
     (False, True, True),
@@ -30,68 +30,10 @@ _MODES = (
     (True, False, False),
     (True, True, False),
 )
+# The mode the policy runs in until a shadow has earned more hits: plain LRU, so that a trace
+# whose evidence never arrives (or arrives late) is served no worse than by LRU.
+_START = 4
 _MODE_NAMES = ("adaptive", "filter", "open")
-
-
-def key_hash(key: object) -> int:
-    """A hash of `key` that is the same in every process (`hash()` of bytes is salted)."""
-    if type(key) is bytes:
-        return hash(int.from_bytes(key, "big"))
-    return hash(key)
-
-
-class FrequencySketch:
-    """Count-min sketch of recent access counts: 4 rows of `width` one-byte counters capped at
-    15, all halved every `period` accesses so that old popularity fades. Fixed size."""
-
-    def __init__(self, width: int, period: int) -> None:
-        bits = max(4, (width - 1).bit_length())
-        self.width = 1 << bits
-        self._shift = 64 - bits
-        self._table = bytearray(4 * self.width)
-        self._period = max(1, period)
-        self._added = 0
-
-    def _cells(self, h: int) -> tuple[int, int, int, int]:
-        s, w = self._shift, self.width
-        r0, r1, r2, r3 = _ROWS
-        return (
-            ((h * r0) & _M64) >> s,
-            w + (((h * r1) & _M64) >> s),
-            2 * w + (((h * r2) & _M64) >> s),
-            3 * w + (((h * r3) & _M64) >> s),
-        )
-
-    def estimate(self, h: int) -> int:
-        """Recent access count of hash `h` (an over-estimate only through collisions)."""
-        t = self._table
-        a, b, c, d = self._cells(h)
-        return min(t[a], t[b], t[c], t[d])
-
-    def add(self, h: int) -> int:
-        """Count one access of hash `h` and return its new estimate."""
-        t = self._table
-        a, b, c, d = self._cells(h)
-        low = min(t[a], t[b], t[c], t[d])
-        if low < _MAX_COUNT:
-            # Conservative update: only the counters at the minimum rise.
-            low += 1
-            for i in (a, b, c, d):
-                if t[i] < low:
-                    t[i] = low
-        self._added += 1
-        if self._added >= self._period:
-            self._table = self._table.translate(_HALVE)
-            self._added //= 2
-        return low
-
-    def clear(self) -> None:
-        """Forget every count."""
-        self._table = bytearray(len(self._table))
-        self._added = 0
-
-    def __len__(self) -> int:
-        return len(self._table)
 
 
 @register_policy(
@@ -115,7 +57,9 @@ class KVAwarePolicy(CachePolicy):
     the floor; a call's keys are applied tail first so a prefix's head outlives its tail.
     Whether the filter, the deepest-block rule and the use counts pay is left to six shadows
     (the four filter/rule combinations with counts, and two without counts, which make the
-    main area plain LRU): the policy follows whichever has the most recent hits.
+    main area plain LRU): the policy follows whichever has the most recent hits. It starts
+    as plain LRU and leaves it only when a shadow has earned strictly more hits, so a trace
+    that never shows the other modes' worth is served as LRU serves it.
 
     `mode="filter"` or `"open"` fixes the filter (rule on, no shadows), for comparisons.
     Every per-key table is bounded by the capacity (the shadows by their own, smaller one);
@@ -178,7 +122,8 @@ class KVAwarePolicy(CachePolicy):
             for a, t, f in _MODES
         )
         self._model_hits = [0.0] * len(_MODES)
-        self._admit_all, self._tail_first, self._counts = _MODES[0]
+        self._mode = _START
+        self._admit_all, self._tail_first, self._counts = _MODES[_START]
         self._keep = 1.0 - 1.0 / (8 * mcap)  # hits fade over 8 shadow capacities
 
     @property
@@ -194,44 +139,56 @@ class KVAwarePolicy(CachePolicy):
 
     # -- per-access bookkeeping ------------------------------------------------------------
 
-    def _is_tail(self, key: OffloadKey, ctx: ReqContext | None) -> bool:
-        if ctx is None or not ctx.key_positions or not self._tail_first:
-            return False
+    def _tail_of(self, ctx: ReqContext | None) -> OffloadKey | None:
+        """The deepest key of `ctx`'s request, or None without positions."""
+        if ctx is None or not ctx.key_positions:
+            return None
         if ctx.req_id != self._tail_req:
             # Once per request: O(request length).
             positions = ctx.key_positions
             self._tail_req = ctx.req_id
             self._tail_key = max(positions, key=positions.__getitem__)
-        return key == self._tail_key
+        return self._tail_key
+
+    def _is_tail(self, key: OffloadKey, ctx: ReqContext | None) -> bool:
+        return self._tail_first and key == self._tail_of(ctx)
 
     def _seen(self, key: OffloadKey, ctx: ReqContext | None) -> int:
         """Count an access of `key`, feed the shadows if it is sampled; its recent count."""
-        h = key_hash(key)
-        if not self._owns_sketch:
-            return self._sketch.estimate(h)
+        h = hash(int.from_bytes(key, "big")) if type(key) is bytes else hash(key)
         count = self._sketch.add(h)
         models = self._models
         if models is not None and (
-            not self._sample_shift or not ((h * _SAMPLE) & _M64) >> self._sample_shift
+            not self._sample_shift or not ((h * _SAMPLE) & M64) >> self._sample_shift
         ):
+            tail_key = self._tail_of(ctx)
             keep, hits = self._keep, self._model_hits
             for i, model in enumerate(models):
-                hits[i] = hits[i] * keep + model._replay(key, ctx)
-            best = max(range(len(hits)), key=hits.__getitem__)
+                hits[i] = hits[i] * keep + model._replay(key, count, tail_key)
+            best = hits.index(max(hits))
             # Only a strictly better shadow moves the policy: ties keep the current mode.
             if hits[best] > hits[self._mode]:
                 self._mode = best
                 self._admit_all, self._tail_first, self._counts = _MODES[best]
         return count
 
-    def _replay(self, key: OffloadKey, ctx: ReqContext | None) -> int:
-        """Shadow use: one access as a cache of `capacity` slots sees it; 1 on a hit."""
-        if key in self:
-            self.touch((key,), ctx)
+    def _replay(self, key: OffloadKey, count: int, tail_key: OffloadKey | None) -> int:
+        """Shadow use: one access as a cache of `capacity` slots in this mode sees it, given the
+        key's recent count and its request's deepest key; 1 on a hit. (A shadow's sketch is
+        its owner's, which has already counted the access.)"""
+        win = self._win
+        if key in win:
+            win.move_to_end(key)
             return 1
-        if len(self) >= self.capacity:
-            self.evict(1, ())
-        self.insert((key,), ctx)
+        tail = self._tail_first and key == tail_key
+        if self._unplace(key):
+            self._place(key, count, tail)
+            return 1
+        if len(win) + len(self._credit) >= self.capacity:
+            self._evict_one()
+        win[key] = tail
+        if tail:
+            win.move_to_end(key, last=False)
         return 0
 
     def _place(self, key: OffloadKey, count: int, tail: bool) -> None:
@@ -307,10 +264,13 @@ class KVAwarePolicy(CachePolicy):
         # floor may pass only credits with no key at all, or protected keys would be stranded.
         buckets = self._buckets
         raise_floor = True
-        for credit in range(self._floor, self._floor + _MAX_COUNT + 1):
+        for credit in range(self._floor, self._floor + MAX_COUNT + 1):
             bucket = buckets.get(credit)
             if bucket is None:
                 continue
+            if not protected:
+                self._floor = credit
+                return next(iter(bucket))
             for key in bucket:
                 if key not in protected:
                     if raise_floor:
@@ -319,23 +279,48 @@ class KVAwarePolicy(CachePolicy):
             raise_floor = False
         return None
 
+    def _evict_one(self) -> None:
+        """`evict(1, ())` for a full shadow, which pins nothing: the same choice, less work."""
+        win, sketch = self._win, self._sketch
+        while len(win) > self._win_target:
+            moved, tail = win.popitem(last=False)
+            self._place(moved, sketch.estimate(key_hash(moved)), tail)
+        victim = self._main_victim(()) if self._credit else None
+        if victim is None:
+            win.popitem(last=False)
+        elif len(win) < self._win_target:
+            self._unplace(victim)
+        else:
+            cand, tail = win.popitem(last=False)
+            count = sketch.estimate(key_hash(cand))
+            if (self._admit_all and not tail) or count > sketch.estimate(key_hash(victim)):
+                self._unplace(victim)
+                self._place(cand, count, tail)
+
     def evict(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
         if n <= 0:
             return []
-        if protected and not isinstance(protected, (set, frozenset, dict)):
-            protected = set(protected)  # O(1) membership, and a repeated key counts once
-        blocked = sum(1 for k in protected if k in self) if protected else 0
-        if len(self) - blocked < n:
+        win, credit = self._win, self._credit
+        if protected:
+            if not isinstance(protected, (set, frozenset, dict)):
+                protected = set(protected)  # O(1) membership, and a repeated key counts once
+            blocked = sum(1 for k in protected if k in win or k in credit)
+        else:
+            blocked = 0
+        if len(win) + len(credit) - blocked < n:
             return None
         victims: list[OffloadKey] = []
-        win, target, sketch = self._win, self._win_target, self._sketch
+        target, sketch = self._win_target, self._sketch
         while len(victims) < n:
             # A window over its size (the tier was filling) hands its surplus to main.
             while len(win) > target:
                 moved, tail = win.popitem(last=False)
                 self._place(moved, sketch.estimate(key_hash(moved)), tail)
-            cand = _first(win, protected) if len(win) == target else None
-            victim = self._main_victim(protected) if self._credit else None
+            if len(win) == target:
+                cand = _first(win, protected) if protected else next(iter(win))
+            else:
+                cand = None
+            victim = self._main_victim(protected) if credit else None
             if cand is not None and victim is not None:
                 tail = win.pop(cand)
                 count = sketch.estimate(key_hash(cand))
@@ -368,14 +353,12 @@ class KVAwarePolicy(CachePolicy):
             for model in self._models:
                 model.clear()
             self._model_hits = [0.0] * len(_MODES)
-            self._admit_all, self._tail_first, self._counts = _MODES[0]
+            self._mode = _START
+            self._admit_all, self._tail_first, self._counts = _MODES[_START]
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         if ctx.req_id == self._tail_req:
             self._tail_req = self._tail_key = None
-        if self._models is not None:
-            for model in self._models:
-                model.on_request_finished(ctx)
 
     def table_sizes(self) -> dict[str, int]:
         """Per-key tables (window, credits, pinned, each shadow's keys), the credit buckets

@@ -1,0 +1,84 @@
+"""The fixed-size memory of `kvaware`: a count-min sketch of recent access counts that outlives
+eviction, and the process-independent key hash it is indexed by."""
+
+from __future__ import annotations
+
+from typing import Final
+
+M64: Final = (1 << 64) - 1
+MAX_COUNT: Final = 15
+# Odd 64-bit multipliers, one per sketch row.
+_R0, _R1, _R2, _R3 = (
+    0x9E3779B97F4A7C15,
+    0xC2B2AE3D27D4EB4F,
+    0x165667B19E3779F9,
+    0xD6E8FEB86659FD93,
+)
+_HALVE = bytes(v >> 1 for v in range(256))
+
+
+def key_hash(key: object) -> int:
+    """A hash of `key` that is the same in every process (`hash()` of bytes is salted)."""
+    if type(key) is bytes:
+        return hash(int.from_bytes(key, "big"))
+    return hash(key)
+
+
+class FrequencySketch:
+    """Count-min sketch of recent access counts: 4 rows of `width` one-byte counters capped at
+    15, all halved every `period` accesses so that old popularity fades. Fixed size."""
+
+    def __init__(self, width: int, period: int) -> None:
+        if width < 1 or period < 1:
+            raise ValueError(f"width={width}, period={period} are invalid; expected both >= 1")
+        bits = max(4, (width - 1).bit_length())
+        self.width = 1 << bits
+        self._shift = 64 - bits
+        self._table = bytearray(4 * self.width)
+        self._period = period
+        self._added = 0
+
+    def estimate(self, h: int) -> int:
+        """Recent access count of hash `h` (an over-estimate only through collisions)."""
+        # The four cells are computed inline: this runs several times per access.
+        t, s, w = self._table, self._shift, self.width
+        return min(
+            t[((h * _R0) & M64) >> s],
+            t[w + (((h * _R1) & M64) >> s)],
+            t[2 * w + (((h * _R2) & M64) >> s)],
+            t[3 * w + (((h * _R3) & M64) >> s)],
+        )
+
+    def add(self, h: int) -> int:
+        """Count one access of hash `h` and return its new estimate."""
+        t, s, w = self._table, self._shift, self.width
+        a = ((h * _R0) & M64) >> s
+        b = w + (((h * _R1) & M64) >> s)
+        c = 2 * w + (((h * _R2) & M64) >> s)
+        d = 3 * w + (((h * _R3) & M64) >> s)
+        low = min(t[a], t[b], t[c], t[d])
+        if low < MAX_COUNT:
+            # Conservative update: only the counters at the minimum rise.
+            low += 1
+            if t[a] < low:
+                t[a] = low
+            if t[b] < low:
+                t[b] = low
+            if t[c] < low:
+                t[c] = low
+            if t[d] < low:
+                t[d] = low
+        self._added += 1
+        if self._added >= self._period:
+            self._table = t.translate(_HALVE)
+            self._added //= 2
+            low >>= 1  # halving is monotone: the minimum halves with its cells
+        return low
+
+    def clear(self) -> None:
+        """Forget every count."""
+        self._table = bytearray(len(self._table))
+        self._added = 0
+
+    def __len__(self) -> int:
+        return len(self._table)
