@@ -2,11 +2,15 @@
 
 (a)/(b): the Mooncake conversation trace replayed through vLLM's `CPUOffloadingManager` and
 kvtier's, with the same engine call sequence (benchmarks/manager_ops.py), policy and capacity.
-(c)/(d): the trace scaled to 16-token blocks (each hash id becomes 16 token ids) as requests
-through vLLM's real `Scheduler` with (c) vLLM's `OffloadingConnector` and (d) kvtier's
-`KVTierConnector`, same capacity and policy, workers stubbed to complete every job at once.
+(c)/(d): five windows of the trace (2,000 requests from offsets 0, 2000, ..., 8000), in 16-token
+blocks (each hash id becomes 16 token ids), as requests through vLLM's real `Scheduler` with
+(c) vLLM's `OffloadingConnector` and (d) kvtier's `KVTierConnector`, same capacity and
+policy, workers stubbed to complete every job at once.
 
     python benchmarks/vs_vllm.py --json out/vs_vllm.json
+
+Each scheduler run is a child process with a fixed PYTHONHASHSEED (vLLM's figure depends on
+it; see `compare_schedulers`), so the whole comparison is deterministic for given seeds.
 
 Needs vLLM 0.33.0 installed next to kvtier (see docs/vllm.md for the CPU-only recipe).
 """
@@ -14,9 +18,11 @@ Needs vLLM 0.33.0 installed next to kvtier (see docs/vllm.md for the CPU-only re
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -250,48 +256,142 @@ def _run_scheduler(
     return steps, time.perf_counter() - start, hits / max(queries, 1)
 
 
-def compare_schedulers(
-    trace: Path, num_requests: int, policy: str, capacity: float, repeats: int
-) -> dict[str, float]:
-    """Scheduler steps/s and external hit ratio, OffloadingConnector vs KVTierConnector."""
+def _scheduler_prompts(trace: Path, offset: int, num_requests: int) -> list[list[int]]:
+    """Trace requests `offset` .. `offset + num_requests - 1`, each hash id as 16 token ids,
+    plus one token so that every full block of the prompt can be offloaded."""
     with trace.open() as f:
-        chains = [
-            json.loads(line)["hash_ids"] for _, line in zip(range(num_requests), f, strict=False)
-        ]
-    prompts = [[*(h * SCHED_BLOCK + j for h in c for j in range(SCHED_BLOCK)), 1] for c in chains]
-    unique = len({h for c in chains for h in c})
+        lines = itertools.islice(f, offset, offset + num_requests)
+        chains = [json.loads(line)["hash_ids"] for line in lines]
+    return [[*(h * SCHED_BLOCK + j for h in c for j in range(SCHED_BLOCK)), 1] for c in chains]
+
+
+def scheduler_run(
+    trace: Path, offset: int, num_requests: int, policy: str, capacity: float
+) -> dict[str, Any]:
+    """One run of (c) then (d) in this process on one trace window: steps/s and external hit
+    ratios (tokens the connector served / tokens it was asked for)."""
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+    prompts = _scheduler_prompts(trace, offset, num_requests)
+    unique = len({t // SCHED_BLOCK for p in prompts for t in p[:-1]})
     slot_bytes = 2 * 2 * 2 * SCHED_BLOCK * 32 * 4  # layers x K/V x heads x tokens x dim x fp32
     # vLLM aligns each chunk to its shared-region alignment; give both the same slot count.
     num_slots = max(16, int(capacity * unique))
     device_blocks = 256  # small, so reuse beyond the device prefix cache needs the host tier
-    v_rates, k_rates = [], []
-    v_hit = k_hit = 0.0
-    for _ in range(repeats):
-        from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
-
-        align = CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT
-        v_slot = -(-slot_bytes // align) * align
-        vs = _vllm_engine_with_chunks(policy, num_slots, v_slot, align, device_blocks)
-        steps, secs, v_hit = _run_scheduler(vs, prompts)
-        v_rates.append(steps / secs)
-        ks = _scheduler_engine(
-            "KVTierConnector",
-            {"num_slots": num_slots, "cache_policy": policy},
-            "kvtier.integrations.vllm",
-            device_blocks,
-        )
-        steps, secs, k_hit = _run_scheduler(ks, prompts)
-        k_rates.append(steps / secs)
-    v, k = statistics.median(v_rates), statistics.median(k_rates)
+    align = CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT
+    v_slot = -(-slot_bytes // align) * align
+    vs = _vllm_engine_with_chunks(policy, num_slots, v_slot, align, device_blocks)
+    v_steps, v_secs, v_hit = _run_scheduler(vs, prompts)
+    ks = _scheduler_engine(
+        "KVTierConnector",
+        {"num_slots": num_slots, "cache_policy": policy},
+        "kvtier.integrations.vllm",
+        device_blocks,
+    )
+    k_steps, k_secs, k_hit = _run_scheduler(ks, prompts)
     return {
-        "vllm_steps_per_s": v,
-        "kvtier_steps_per_s": k,
-        "speedup": k / v,
+        "offset": offset,
+        "vllm_steps_per_s": v_steps / v_secs,
+        "kvtier_steps_per_s": k_steps / k_secs,
         "vllm_hit_ratio": v_hit,
         "kvtier_hit_ratio": k_hit,
         "num_slots": num_slots,
         "num_requests": len(prompts),
     }
+
+
+def compare_schedulers(
+    trace: Path,
+    offsets: Sequence[int],
+    num_requests: int,
+    policy: str,
+    capacity: float,
+    hash_seeds: Sequence[int],
+) -> dict[str, Any]:
+    """Steps/s and external hit ratio, OffloadingConnector vs KVTierConnector, per trace
+    window (`num_requests` requests from each offset), one child process per hash seed.
+
+    vLLM's scheduler hands its connector the finished requests as a set of request ids, and
+    vLLM's LRU refreshes their chunks in that order: among requests finishing in the same
+    step, which one's chunks are evicted first follows Python's string hashing, so vLLM's
+    hit ratio changes with PYTHONHASHSEED (kvtier's does not). Each child gets a fixed seed;
+    per window, the seeds' median is compared, and the summary averages over windows (one
+    window's LRU figure moves by about 0.05 points with any change of tie order).
+    """
+    runs: list[dict[str, Any]] = []
+    for seed in hash_seeds:
+        env = {**os.environ, "PYTHONHASHSEED": str(seed)}
+        cmd = [
+            sys.executable,
+            __file__,
+            "--scheduler-child",
+            f"--trace={trace}",
+            f"--sched-offsets={','.join(map(str, offsets))}",
+            f"--sched-requests={num_requests}",
+            f"--sched-policy={policy}",
+            f"--capacity={capacity}",
+        ]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"scheduler run with PYTHONHASHSEED={seed} failed:\n{done.stderr}")
+        for run in json.loads(done.stdout.strip().splitlines()[-1]):
+            runs.append({"hash_seed": seed, **run})
+    windows = []
+    for offset in offsets:
+        rs = [r for r in runs if r["offset"] == offset]
+        v_hits = [r["vllm_hit_ratio"] for r in rs]
+        windows.append(
+            {
+                "offset": offset,
+                "num_slots": rs[0]["num_slots"],
+                "vllm_hit_ratio": statistics.median(v_hits),
+                "vllm_hit_ratio_min": min(v_hits),
+                "vllm_hit_ratio_max": max(v_hits),
+                "kvtier_hit_ratio": statistics.median(r["kvtier_hit_ratio"] for r in rs),
+                "kvtier_hit_ratio_spread": max(r["kvtier_hit_ratio"] for r in rs)
+                - min(r["kvtier_hit_ratio"] for r in rs),
+            }
+        )
+    return {
+        "vllm_steps_per_s": statistics.median(r["vllm_steps_per_s"] for r in runs),
+        "kvtier_steps_per_s": statistics.median(r["kvtier_steps_per_s"] for r in runs),
+        "speedup": statistics.median(r["kvtier_steps_per_s"] / r["vllm_steps_per_s"] for r in runs),
+        "vllm_hit_ratio": statistics.fmean(w["vllm_hit_ratio"] for w in windows),
+        "kvtier_hit_ratio": statistics.fmean(w["kvtier_hit_ratio"] for w in windows),
+        "windows": windows,
+        "hash_seeds": list(hash_seeds),
+        "num_requests": num_requests,
+        "runs": runs,
+    }
+
+
+def _print_scheduler(policy: str, sched: dict[str, Any]) -> None:
+    print(
+        f"\nscheduler, policy {policy}: {sched['num_requests']} trace requests per window in "
+        f"16-token blocks, workers stubbed, PYTHONHASHSEED "
+        f"{','.join(map(str, sched['hash_seeds']))}"
+    )
+    print(
+        f"{'window':>7} {'slots':>6} {'vLLM hit % median':>18} {'(min-max)':>15} "
+        f"{'kvtier hit %':>13} {'diff':>7}"
+    )
+    for w in sched["windows"]:
+        print(
+            f"{w['offset']:>7} {w['num_slots']:>6} {100 * w['vllm_hit_ratio']:>18.3f}"
+            f" ({100 * w['vllm_hit_ratio_min']:.3f}-{100 * w['vllm_hit_ratio_max']:.3f})"
+            f" {100 * w['kvtier_hit_ratio']:>13.3f}"
+            f" {100 * (w['kvtier_hit_ratio'] - w['vllm_hit_ratio']):>+7.3f}"
+        )
+    print(
+        f"{'mean':>7} {'':>6} {100 * sched['vllm_hit_ratio']:>18.3f} {'':>15}"
+        f" {100 * sched['kvtier_hit_ratio']:>13.3f}"
+        f" {100 * (sched['kvtier_hit_ratio'] - sched['vllm_hit_ratio']):>+7.3f}"
+    )
+    print(
+        f"steps/s (median of runs): vLLM {sched['vllm_steps_per_s']:,.0f}, kvtier "
+        f"{sched['kvtier_steps_per_s']:,.0f}, ratio {sched['speedup']:.2f}x (median of the "
+        "runs' side-by-side ratios)"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -308,45 +408,64 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=2000,
         help="trace requests replayed through vLLM's Scheduler (c)/(d)",
     )
-    parser.add_argument("--sched-policy", default="lru")
+    parser.add_argument("--sched-policy", default="lru,arc", help="policies for (c)/(d)")
+    parser.add_argument(
+        "--sched-offsets",
+        default="0,2000,4000,6000,8000",
+        help="first trace request of each window replayed through the Scheduler",
+    )
+    parser.add_argument(
+        "--hash-seeds",
+        help="PYTHONHASHSEED of each scheduler run (default: 0 .. repeats-1)",
+    )
     parser.add_argument("--skip-scheduler", action="store_true")
+    parser.add_argument("--skip-manager", action="store_true")
+    parser.add_argument("--scheduler-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help="write the results as JSON to this file")
     args = parser.parse_args(argv)
 
-    workload = mooncake_workload(args.trace)
-    unique = len({k for chain in workload for k in chain})
-    num_slots = max(1, int(args.capacity * unique))
-    manager = compare_managers(workload, args.policies.split(","), num_slots, args.repeats)
-    print(f"manager, Mooncake trace, {num_slots} slots ({args.capacity:.0%} of unique blocks)")
-    print(
-        f"{'policy':<7} {'vLLM calls/s':>13} {'kvtier calls/s':>15} {'ratio':>6} "
-        f"{'vLLM hit %':>10} {'kvtier hit %':>12}"
-    )
-    for policy, r in manager.items():
+    offsets = [int(x) for x in args.sched_offsets.split(",")]
+    if args.scheduler_child:
+        runs = [
+            scheduler_run(args.trace, o, args.sched_requests, args.sched_policy, args.capacity)
+            for o in offsets
+        ]
+        print(json.dumps(runs))
+        return 0
+
+    result: dict[str, Any] = {}
+    if not args.skip_manager:
+        workload = mooncake_workload(args.trace)
+        unique = len({k for chain in workload for k in chain})
+        num_slots = max(1, int(args.capacity * unique))
+        manager = compare_managers(workload, args.policies.split(","), num_slots, args.repeats)
+        result["manager"] = manager
+        print(f"manager, Mooncake trace, {num_slots} slots ({args.capacity:.0%} of unique blocks)")
         print(
-            f"{policy:<7} {r['vllm_calls_per_s']:>13,.0f} {r['kvtier_calls_per_s']:>15,.0f}"
-            f" {r['speedup']:>5.2f}x {100 * r['vllm_hit_ratio']:>10.2f}"
-            f" {100 * r['kvtier_hit_ratio']:>12.2f}"
+            f"{'policy':<7} {'vLLM calls/s':>13} {'kvtier calls/s':>15} {'ratio':>6} "
+            f"{'vLLM hit %':>10} {'kvtier hit %':>12}"
         )
-    result: dict[str, Any] = {"manager": manager}
+        for policy, r in manager.items():
+            print(
+                f"{policy:<7} {r['vllm_calls_per_s']:>13,.0f} {r['kvtier_calls_per_s']:>15,.0f}"
+                f" {r['speedup']:>5.2f}x {100 * r['vllm_hit_ratio']:>10.2f}"
+                f" {100 * r['kvtier_hit_ratio']:>12.2f}"
+            )
     if not args.skip_scheduler:
-        sched = compare_schedulers(
-            args.trace, args.sched_requests, args.sched_policy, args.capacity, args.repeats
+        seeds = (
+            [int(x) for x in args.hash_seeds.split(",")]
+            if args.hash_seeds
+            else list(range(args.repeats))
         )
-        result["scheduler"] = sched
-        print(
-            f"\nscheduler, {sched['num_requests']} trace requests in 16-token blocks, "
-            f"{sched['num_slots']} host slots, policy {args.sched_policy}, workers stubbed"
-        )
-        print(f"{'connector':<22} {'steps/s':>9} {'hit %':>7}")
-        print(
-            f"{'vLLM Offloading':<22} {sched['vllm_steps_per_s']:>9,.0f}"
-            f" {100 * sched['vllm_hit_ratio']:>7.2f}"
-        )
-        print(
-            f"{'kvtier KVTier':<22} {sched['kvtier_steps_per_s']:>9,.0f}"
-            f" {100 * sched['kvtier_hit_ratio']:>7.2f}   ratio {sched['speedup']:.2f}x"
-        )
+        by_policy = {}
+        for policy in args.sched_policy.split(","):
+            by_policy[policy] = compare_schedulers(
+                args.trace, offsets, args.sched_requests, policy, args.capacity, seeds
+            )
+            _print_scheduler(policy, by_policy[policy])
+        # The first policy's figures at the top level, as the issue's JSON layout has them.
+        result["scheduler"] = {"policy": next(iter(by_policy)), **next(iter(by_policy.values()))}
+        result["scheduler_by_policy"] = by_policy
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
