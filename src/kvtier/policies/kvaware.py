@@ -284,7 +284,7 @@ class KVAwarePolicy(CachePolicy):
         win, sketch = self._win, self._sketch
         while len(win) > self._win_target:
             moved, tail = win.popitem(last=False)
-            self._place(moved, sketch.estimate(key_hash(moved)), tail)
+            self._place(moved, sketch.estimate_key(moved) if self._counts else 1, tail)
         victim = self._main_victim(()) if self._credit else None
         if victim is None:
             win.popitem(last=False)
@@ -292,8 +292,13 @@ class KVAwarePolicy(CachePolicy):
             self._unplace(victim)
         else:
             cand, tail = win.popitem(last=False)
-            count = sketch.estimate(key_hash(cand))
-            if (self._admit_all and not tail) or count > sketch.estimate(key_hash(victim)):
+            if self._admit_all and not tail:
+                # Admitted whatever its count, which only the credit may need.
+                admit, count = True, sketch.estimate_key(cand) if self._counts else 1
+            else:
+                count = sketch.estimate_key(cand)
+                admit = count > sketch.estimate_key(victim)
+            if admit:
                 self._unplace(victim)
                 self._place(cand, count, tail)
 
@@ -315,7 +320,7 @@ class KVAwarePolicy(CachePolicy):
             # A window over its size (the tier was filling) hands its surplus to main.
             while len(win) > target:
                 moved, tail = win.popitem(last=False)
-                self._place(moved, sketch.estimate(key_hash(moved)), tail)
+                self._place(moved, sketch.estimate_key(moved) if self._counts else 1, tail)
             if len(win) == target:
                 cand = _first(win, protected) if protected else next(iter(win))
             else:
@@ -323,8 +328,12 @@ class KVAwarePolicy(CachePolicy):
             victim = self._main_victim(protected) if credit else None
             if cand is not None and victim is not None:
                 tail = win.pop(cand)
-                count = sketch.estimate(key_hash(cand))
-                if (self._admit_all and not tail) or count > sketch.estimate(key_hash(victim)):
+                if self._admit_all and not tail:
+                    admit, count = True, sketch.estimate_key(cand) if self._counts else 1
+                else:
+                    count = sketch.estimate_key(cand)
+                    admit = count > sketch.estimate_key(victim)
+                if admit:
                     self._unplace(victim)
                     self._place(cand, count, tail)
                     victims.append(victim)

@@ -49,6 +49,17 @@ class FrequencySketch:
             t[3 * w + (((h * _R3) & M64) >> s)],
         )
 
+    def estimate_key(self, key: object) -> int:
+        """`estimate(key_hash(key))` in one call (this is on every eviction's path)."""
+        h = hash(int.from_bytes(key, "big")) if type(key) is bytes else hash(key)
+        t, s, w = self._table, self._shift, self.width
+        return min(
+            t[((h * _R0) & M64) >> s],
+            t[w + (((h * _R1) & M64) >> s)],
+            t[2 * w + (((h * _R2) & M64) >> s)],
+            t[3 * w + (((h * _R3) & M64) >> s)],
+        )
+
     def add(self, h: int) -> int:
         """Count one access of hash `h` and return its new estimate."""
         t, s, w = self._table, self._shift, self.width
