@@ -265,8 +265,27 @@ def _scheduler_prompts(trace: Path, offset: int, num_requests: int) -> list[list
     return [[*(h * SCHED_BLOCK + j for h in c for j in range(SCHED_BLOCK)), 1] for c in chains]
 
 
+def _finishes_in_arrival_order(scheduler: Any) -> None:
+    """Hand vLLM's OffloadingConnector the step's finished requests in arrival order instead
+    of a set's hash order (a diagnostic: it makes (c) independent of PYTHONHASHSEED)."""
+    connector = scheduler.connector
+    build = connector.build_connector_meta
+
+    def ordered(scheduler_output: Any) -> Any:
+        if scheduler_output.finished_req_ids:
+            scheduler_output.finished_req_ids = sorted(scheduler_output.finished_req_ids, key=int)
+        return build(scheduler_output)
+
+    connector.build_connector_meta = ordered
+
+
 def scheduler_run(
-    trace: Path, offset: int, num_requests: int, policy: str, capacity: float
+    trace: Path,
+    offset: int,
+    num_requests: int,
+    policy: str,
+    capacity: float,
+    arrival_order: bool = False,
 ) -> dict[str, Any]:
     """One run of (c) then (d) in this process on one trace window: steps/s and external hit
     ratios (tokens the connector served / tokens it was asked for)."""
@@ -281,6 +300,8 @@ def scheduler_run(
     align = CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT
     v_slot = -(-slot_bytes // align) * align
     vs = _vllm_engine_with_chunks(policy, num_slots, v_slot, align, device_blocks)
+    if arrival_order:
+        _finishes_in_arrival_order(vs)
     v_steps, v_secs, v_hit = _run_scheduler(vs, prompts)
     ks = _scheduler_engine(
         "KVTierConnector",
@@ -307,6 +328,7 @@ def compare_schedulers(
     policy: str,
     capacity: float,
     hash_seeds: Sequence[int],
+    arrival_order: bool = False,
 ) -> dict[str, Any]:
     """Steps/s and external hit ratio, OffloadingConnector vs KVTierConnector, per trace
     window (`num_requests` requests from each offset), one child process per hash seed.
@@ -330,6 +352,7 @@ def compare_schedulers(
             f"--sched-requests={num_requests}",
             f"--sched-policy={policy}",
             f"--capacity={capacity}",
+            *(["--vllm-finishes-in-arrival-order"] if arrival_order else []),
         ]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if done.returncode != 0:
@@ -360,16 +383,19 @@ def compare_schedulers(
         "kvtier_hit_ratio": statistics.fmean(w["kvtier_hit_ratio"] for w in windows),
         "windows": windows,
         "hash_seeds": list(hash_seeds),
+        "vllm_finishes_in_arrival_order": arrival_order,
         "num_requests": num_requests,
         "runs": runs,
     }
 
 
 def _print_scheduler(policy: str, sched: dict[str, Any]) -> None:
+    ordered = sched["vllm_finishes_in_arrival_order"]
     print(
         f"\nscheduler, policy {policy}: {sched['num_requests']} trace requests per window in "
         f"16-token blocks, workers stubbed, PYTHONHASHSEED "
         f"{','.join(map(str, sched['hash_seeds']))}"
+        + (", vLLM fed finishes in arrival order" if ordered else "")
     )
     print(
         f"{'window':>7} {'slots':>6} {'vLLM hit % median':>18} {'(min-max)':>15} "
@@ -418,6 +444,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--hash-seeds",
         help="PYTHONHASHSEED of each scheduler run (default: 0 .. repeats-1)",
     )
+    parser.add_argument(
+        "--vllm-finishes-in-arrival-order",
+        action="store_true",
+        help="diagnostic: give (c) the finished requests in arrival order, not hash order",
+    )
     parser.add_argument("--skip-scheduler", action="store_true")
     parser.add_argument("--skip-manager", action="store_true")
     parser.add_argument("--scheduler-child", action="store_true", help=argparse.SUPPRESS)
@@ -427,7 +458,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     offsets = [int(x) for x in args.sched_offsets.split(",")]
     if args.scheduler_child:
         runs = [
-            scheduler_run(args.trace, o, args.sched_requests, args.sched_policy, args.capacity)
+            scheduler_run(
+                args.trace,
+                o,
+                args.sched_requests,
+                args.sched_policy,
+                args.capacity,
+                args.vllm_finishes_in_arrival_order,
+            )
             for o in offsets
         ]
         print(json.dumps(runs))
@@ -460,7 +498,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         by_policy = {}
         for policy in args.sched_policy.split(","):
             by_policy[policy] = compare_schedulers(
-                args.trace, offsets, args.sched_requests, policy, args.capacity, seeds
+                args.trace,
+                offsets,
+                args.sched_requests,
+                policy,
+                args.capacity,
+                seeds,
+                args.vllm_finishes_in_arrival_order,
             )
             _print_scheduler(policy, by_policy[policy])
         # The first policy's figures at the top level, as the issue's JSON layout has them.
