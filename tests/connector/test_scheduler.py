@@ -279,7 +279,7 @@ class _TouchLog(LRUPolicy):
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        self.touched: list[list[bytes]] = []
+        self.touched: list[list[OffloadKey]] = []
 
     def touch(self, keys: Iterable[OffloadKey], ctx: ReqContext | None) -> None:
         keys = list(keys)

@@ -12,7 +12,7 @@ import os
 import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -50,7 +50,7 @@ def make_vllm_config(
     num_gpu_blocks: int,
     module_path: str | None = None,
     max_num_batched_tokens: int = 512,
-    load_failure_policy: str = "fail",
+    load_failure_policy: Literal["recompute", "fail"] = "fail",
     kv_events_config: Any | None = None,
 ) -> Any:
     """A VllmConfig for the tiny model on CPU with the given KV connector (and vLLM's
@@ -141,7 +141,7 @@ class Engine:
     """The real vLLM Scheduler plus a CPU worker loop around a worker-side connector."""
 
     scheduler: Any
-    worker: Any | None
+    worker: Any  # the worker-side connector, or None when built without one
     kv_caches: dict[str, torch.Tensor]
     group_of_layer: dict[str, int]
     finished: set[str] = field(default_factory=set)
@@ -252,7 +252,7 @@ def make_engine(
     module_path: str | None = "kvtier.integrations.vllm",
     with_worker: bool = True,
     max_num_batched_tokens: int = 512,
-    load_failure_policy: str = "fail",
+    load_failure_policy: Literal["recompute", "fail"] = "fail",
     kv_events_config: Any | None = None,
 ) -> Engine:
     """Build the scheduler (which builds the scheduler-side connector) and a worker-side

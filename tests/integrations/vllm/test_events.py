@@ -60,7 +60,7 @@ def published(engine: Engine) -> list[Any]:
     publisher = engine.scheduler.kv_event_publisher
     publisher._event_queue.join()  # the publisher thread has sent every batch queued so far
     endpoint = publisher.get_publisher_config().replay_endpoint
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(endpoint)
     decode = msgspec.msgpack.Decoder(KVEventBatch).decode
     events: list[Any] = []

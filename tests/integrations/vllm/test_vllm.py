@@ -9,7 +9,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -48,7 +48,11 @@ def _swap_transfer(engine: Engine, inject: Callable[[int, str], None]) -> None:
 def gate(engine: Engine) -> threading.Event:
     """Hold every transfer of `engine` until the returned event is set."""
     opened = threading.Event()
-    _swap_transfer(engine, lambda job_id, kind: opened.wait(60) and None)
+
+    def hold(job_id: int, kind: str) -> None:
+        opened.wait(60)
+
+    _swap_transfer(engine, hold)
     return opened
 
 
@@ -191,7 +195,9 @@ def test_reset_mid_flight_ignores_old_jobs(vllm_loaded: None) -> None:
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_failed_load_follows_vllm_policy(vllm_loaded: None, policy: str) -> None:
+def test_failed_load_follows_vllm_policy(
+    vllm_loaded: None, policy: Literal["recompute", "fail"]
+) -> None:
     engine = make_engine("KVTierConnector", EXTRA, load_failure_policy=policy)
     store_a_then_forget_on_device(engine)
 
