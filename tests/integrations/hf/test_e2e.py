@@ -78,8 +78,8 @@ class ByteAudit:
 
     def _block_bytes(self, block: int) -> Any:
         """One device block of every layer, as raw bytes (so -0.0 and 0.0 differ)."""
-        # Each layer's buffer is (2, blocks, ...): a block is its K part, then its V part.
-        return torch.cat([p[:, block].reshape(-1).view(torch.uint8) for p in self.gen.pages])
+        # Each layer's buffer is (2, kv_heads, blocks, ...): a block is K per head, V per head.
+        return torch.cat([p[:, :, block].reshape(-1).view(torch.uint8) for p in self.gen.pages])
 
     def _on_add(self, req_id: str, hashes: Sequence[bytes], *_: Any) -> None:
         self.hashes[req_id] = hashes  # the generator extends this list with reply blocks
@@ -166,7 +166,7 @@ def test_multi_turn_chat_loads_the_stored_bytes_and_matches_recompute(arch: str)
     assert stats.failed_loads == 0
     assert stats.hit_tokens == sum(hits)
     # The byte totals agree with the audited blocks (each block is one page of every layer).
-    page_bytes = sum(p[:, 0].numel() * p.element_size() for p in gen.pages)
+    page_bytes = sum(p[:, :, 0].numel() * p.element_size() for p in gen.pages)
     assert stats.bytes_loaded == audit.blocks_loaded * page_bytes
     assert stats.bytes_stored == audit.blocks_stored * page_bytes
 

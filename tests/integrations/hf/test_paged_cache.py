@@ -38,10 +38,10 @@ def _blocks_hold(buf: PagedKVBuffer, first: int, cache: Any, tokens: int) -> boo
     """Whether blocks `first..` hold `cache`'s first `tokens` tokens of K and V, bit for bit."""
     for t, layer in zip(buf.tensors, cache.layers, strict=True):
         n = -(-tokens // BS)
-        run = t[:, first : first + n].reshape(2, n * BS, *t.shape[3:])[:, :tokens]
+        run = t[:, :, first : first + n].reshape(2, t.shape[1], n * BS, -1)[:, :, :tokens]
         if not (
-            torch.equal(run[0], layer.keys[0, :, :tokens].transpose(0, 1))
-            and torch.equal(run[1], layer.values[0, :, :tokens].transpose(0, 1))
+            torch.equal(run[0], layer.keys[0, :, :tokens])
+            and torch.equal(run[1], layer.values[0, :, :tokens])
         ):
             return False
     return True
@@ -58,7 +58,7 @@ def test_generation_on_the_buffer_equals_dynamic_cache(model: Any) -> None:
     assert out.cache.get_seq_length() == held == 70 + 12 - 1
     # The model wrote its KV into blocks 5.. in place; the other blocks are untouched.
     assert _blocks_hold(buf, 5, ref.cache, held)
-    assert all(t[:, :5].count_nonzero() == 0 and t[:, 11:].count_nonzero() == 0
+    assert all(t[:, :, :5].count_nonzero() == 0 and t[:, :, 11:].count_nonzero() == 0
                for t in buf.tensors)  # fmt: skip
 
 
@@ -90,17 +90,17 @@ def test_crop_then_update_rewrites_the_dropped_position(model: Any) -> None:
     # close, not bit-identical).
     assert _blocks_hold(buf, 0, ref.cache, 47)
     for t, layer in zip(buf.tensors, ref.cache.layers, strict=True):
-        k = t[0, :4].reshape(64, *t.shape[3:])[47:50].transpose(0, 1)
+        k = t[0, :, :4].reshape(t.shape[1], 64, -1)[:, 47:50]
         assert (k - layer.keys[0, :, 47:50]).abs().max().item() <= 1e-4
 
 
-def test_host_rows_are_each_layers_k_block_then_v_block(model: Any) -> None:
+def test_host_rows_are_each_layers_k_then_v_block_head_by_head(model: Any) -> None:
     buf = PagedKVBuffer(model.config, 4, BS)
     for i, t in enumerate(buf.tensors):
         t.copy_(torch.arange(t.numel(), dtype=t.dtype).reshape(t.shape) + 1000 * i)
     reg = buf.registration()
     block = 2
-    expected = torch.cat([t[:, block].reshape(-1).view(torch.uint8) for t in buf.tensors])
+    expected = torch.cat([t[:, :, block].reshape(-1).view(torch.uint8) for t in buf.tensors])
     got = torch.cat([seg.rows[block] for seg in reg.segments(0)])
     assert torch.equal(got, expected)
     assert reg.page_bytes() == expected.numel()

@@ -8,7 +8,7 @@ and generate on a transformers cache that reads and writes those blocks in place
 the background while the next prompt is processed; a prompt that needs a chunk still being
 written waits for it.
 
-The paged buffer is one `(2, num_blocks, block_size, kv_heads, head_dim)` tensor per layer,
+The paged buffer is one `(2, kv_heads, num_blocks, block_size, head_dim)` tensor per layer,
 registered with kvtier's transfer engine; the manager, the connector halves and the transfer
 engine are the same objects an engine integration uses. KV is never copied between the buffer
 and a separate transformers cache: a store copies from where the model wrote it.
@@ -88,10 +88,11 @@ class KVTierGenerator:
 
     `config` sets the host pool (`cpu_bytes` or `num_slots`; default: 8 slots per device
     block), the cache and admission policies, the hash and the transfer backend. `max_blocks`
-    device blocks must hold the longest prompt plus its reply. `namespace` identifies the
-    model (name, revision, dtype) so two models never share blocks. Prompts run one at a time,
-    each on its own transformers cache. `fault_injector` goes to the transfer worker (tests make
-    transfers fail with it). Use as a context manager, or call `close()`.
+    device blocks must hold the longest prompt plus its reply; twice that lets a prompt start
+    while the previous one's stores still read its blocks. `namespace` identifies the model
+    (name, revision, dtype) so two models never share blocks. Prompts run one at a time, each
+    on a cache over its own run of consecutive blocks. `fault_injector` goes to the transfer
+    worker (tests make transfers fail with it). Use as a context manager, or call `close()`.
     """
 
     def __init__(
@@ -114,7 +115,7 @@ class KVTierGenerator:
             model.config, max_blocks, block_size, dtype=model.dtype, device=device
         )
         self.pages = self.kv.tensors
-        """Per layer, `(2, max_blocks, block_size, kv_heads, head_dim)`: the device KV."""
+        """Per layer, `(2, kv_heads, max_blocks, block_size, head_dim)`: the device KV."""
         self.max_blocks = max_blocks
         registration = self.kv.registration()
         bpc = config.resolve_blocks_per_chunk(block_size)
