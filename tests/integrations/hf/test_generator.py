@@ -152,3 +152,18 @@ def test_close_stops_the_transfer_worker(model: Any) -> None:
     assert gen.scheduler.num_jobs_in_flight() == 0
     with pytest.raises(RuntimeError):
         gen.transfer.submit_store(10_000, [0], [0])
+
+
+def test_a_failed_generation_frees_its_blocks_and_request(model: Any) -> None:
+    with KVTierGenerator(model, block_size=BS, max_blocks=4) as gen:
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("model failed")
+
+        with pytest.raises(RuntimeError, match="model failed"), pytest.MonkeyPatch.context() as mp:
+            mp.setattr("kvtier.integrations.hf.generator.generate_greedy", broken)
+            gen.generate_one(_ids(40, 30), 3)
+        assert gen.scheduler.num_requests() == 0
+        # All 4 blocks came back: a prompt that needs every one of them still runs.
+        prompt = _ids(60, 31)
+        _assert_matches_recompute(model, prompt, gen.generate_one(prompt, 5))

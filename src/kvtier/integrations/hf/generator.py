@@ -192,7 +192,11 @@ class KVTierGenerator:
         # request's blocks hold its whole KV when generation ends: nothing to copy out.
         cache = self.kv.cache(blocks.start, need, hit)
         device = self.pages[0].device
-        out = generate_greedy(self.model, ids.unsqueeze(0).to(device), max_new_tokens, cache)
+        try:
+            out = generate_greedy(self.model, ids.unsqueeze(0).to(device), max_new_tokens, cache)
+        except BaseException:
+            self._release(req_id, blocks)  # nothing is stored from a failed generation
+            raise
         ttft = out.first_token_time - start
 
         # Offer the request's full blocks to kvtier (reply blocks only if they may be stored).
@@ -206,11 +210,7 @@ class KVTierGenerator:
         meta = scheduler.build_step_metadata([StepProgress(req_id, [blocks], held_tokens)])
         self.worker.start_step(meta)
         self.worker.finish_step(meta)
-        if scheduler.request_finished(req_id):
-            self._held[req_id] = blocks
-        else:
-            self._free[blocks.start : blocks.stop] = True
-        self._collect()
+        self._release(req_id, blocks)
 
         s = self.stats
         s.requests += 1
@@ -259,6 +259,14 @@ class KVTierGenerator:
             )
         self._free[start : start + n] = False
         return range(start, start + n)
+
+    def _release(self, req_id: str, blocks: range) -> None:
+        """End the request: its blocks are free now, or when its stores end."""
+        if self.scheduler.request_finished(req_id):
+            self._held[req_id] = blocks
+        else:
+            self._free[blocks.start : blocks.stop] = True
+        self._collect()
 
     def _first_fit(self, n: int) -> int | None:
         edges = np.diff(np.concatenate(([0], self._free.view(np.int8), [0])))
