@@ -4,10 +4,11 @@ Per segment, a job is one gather (`index_select` into a strided `out=` view) whe
 destination rows form one run, one scatter (`index_copy_`) when the source rows do, one plain
 copy per run of consecutive rows when runs are long (`plan.RUN_BYTES`), and otherwise a gather
 into a small staging buffer followed by one scatter of whole pages. On the CPU, a job scattered
-on both sides is instead one `memmove` per row and segment, from addresses computed with numpy:
-torch and numpy have no single-pass gather-scatter, and a call into libc costs well under a
-microsecond, while the two-pass detour through the staging buffer reached only about half of
-the contiguous-copy bandwidth here (see docs/bench/transfer.md). The staging buffer is sized
+on both sides is instead one call of the compiled row copier (`native`, streaming stores) over
+addresses computed with numpy, or one libc `memmove` per row and segment where it is not built:
+torch and numpy have no single-pass gather-scatter, and the two-pass detour through the staging
+buffer reached only about half of the contiguous-copy bandwidth here (see
+docs/bench/transfer.md). The staging buffer is sized
 to stay in cache (CPU) so the detour costs cache traffic, not memory traffic. Bytes are
 viewed as the widest integer-like dtype their alignment allows, because the scatter kernel copies
 one element per iteration.
@@ -24,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvtier.transfer.native import RowCopy, row_copier
 from kvtier.transfer.plan import Direction, Job
 from kvtier.transfer.registration import KVCacheRegistration
 
@@ -194,28 +196,46 @@ def _memmove_all(dst: list[int], src: list[int], width: int) -> None:
         _memmove(d, s, width)
 
 
+def _native_all(
+    copy: RowCopy, dst: npt.NDArray[np.uint64], src: npt.NDArray[np.uint64], width: int
+) -> None:
+    copy(dst.ctypes.data, src.ctypes.data, int(dst.shape[0]), width)
+
+
 def _memmove_rows(
     g: _GroupCopy, store: bool, dev_rows: npt.NDArray[np.int64], host_rows: npt.NDArray[np.int64]
 ) -> None:
-    """Copy each (row, segment) with one libc memmove; ctypes releases the GIL inside each, so
-    large jobs are split across threads to reach the bandwidth of torch's own parallel copy."""
-    by_width: dict[int, tuple[list[int], list[int]]] = {}
+    """Copy each (row, segment) with the compiled row copier, or one libc memmove each where it
+    is unavailable; both release the GIL, so large jobs are split across threads to reach the
+    bandwidth of torch's own parallel copy."""
+    by_width: dict[int, tuple[list[npt.NDArray[np.int64]], list[npt.NDArray[np.int64]]]] = {}
     for s in g.segments:
         width = s.dev.shape[1] * s.dev.element_size()
-        dev = (s.dev.data_ptr() + dev_rows * (s.dev.stride(0) * s.dev.element_size())).tolist()
-        host = (s.host.data_ptr() + host_rows * (s.host.stride(0) * s.host.element_size())).tolist()
+        dev = s.dev.data_ptr() + dev_rows * (s.dev.stride(0) * s.dev.element_size())
+        host = s.host.data_ptr() + host_rows * (s.host.stride(0) * s.host.element_size())
         dsts, srcs = by_width.setdefault(width, ([], []))
-        dsts += host if store else dev
-        srcs += dev if store else host
-    for width, (dsts, srcs) in by_width.items():
-        if len(dsts) * width < _PARALLEL_BYTES or _THREADS == 1:
-            _memmove_all(dsts, srcs, width)
-            continue
-        step = -(-len(dsts) // _THREADS)
-        futures = [
-            _helpers().submit(_memmove_all, dsts[i : i + step], srcs[i : i + step], width)
-            for i in range(step, len(dsts), step)
-        ]
-        _memmove_all(dsts[:step], srcs[:step], width)
+        dsts.append(host if store else dev)
+        srcs.append(dev if store else host)
+    native = row_copier()
+    for width, (dst_parts, src_parts) in by_width.items():
+        dst = np.concatenate(dst_parts).astype(np.uint64)
+        src = np.concatenate(src_parts).astype(np.uint64)
+        n = int(dst.shape[0])
+        threads = 1 if n * width < _PARALLEL_BYTES else min(_THREADS, n)
+        step = -(-n // threads)
+        starts = range(0, n, step)
+        if native is not None:
+            futures = [
+                _helpers().submit(_native_all, native, dst[i : i + step], src[i : i + step], width)
+                for i in starts[1:]
+            ]
+            _native_all(native, dst[:step], src[:step], width)
+        else:
+            dl, sl = dst.tolist(), src.tolist()
+            futures = [
+                _helpers().submit(_memmove_all, dl[i : i + step], sl[i : i + step], width)
+                for i in starts[1:]
+            ]
+            _memmove_all(dl[:step], sl[:step], width)
         for f in futures:
             f.result()
