@@ -17,7 +17,6 @@ and a separate transformers cache: a store copies from where the model wrote it.
 from __future__ import annotations
 
 import itertools
-import mmap
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -71,18 +70,6 @@ class GeneratorStats:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def _prefault(pool: torch.Tensor) -> None:
-    """Write one byte of every page of the (zero-filled) host pool, leaving it zero.
-
-    The pool is a fresh anonymous mapping, so the first write to each page takes a page fault
-    and a zero-fill in the kernel: a store into never-used slots took 9-50 ms for 4 MiB on the
-    benchmark machine, against 0.4 ms into slots already written once. Faulting the pool in
-    here moves that one-time cost to construction (pinning does the same on a GPU machine)
-    instead of charging it to the first requests whose stores reach each page.
-    """
-    pool.view(-1)[:: mmap.PAGESIZE].zero_()
-
-
 class KVTierGenerator:
     """Greedy generation for a transformers causal LM that reuses offloaded prefix blocks.
 
@@ -126,8 +113,6 @@ class KVTierGenerator:
         else:
             slots = config.num_slots or _DEFAULT_SLOTS_PER_BLOCK * max_blocks // bpc
             self.pool = HostPool(registration, bpc, num_slots=slots, pin=config.pin_memory)
-        if not self.pool.pinned:
-            _prefault(self.pool.tensor)
         self.manager = CPUOffloadingManager(
             self.pool.num_slots,
             config.cache_policy,
