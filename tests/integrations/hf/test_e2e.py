@@ -79,7 +79,9 @@ class ByteAudit:
     def _block_bytes(self, block: int) -> Any:
         """One device block of every layer, as raw bytes (so -0.0 and 0.0 differ)."""
         # Each layer's buffer is (2, kv_heads, blocks, ...): a block is K per head, V per head.
-        return torch.cat([p[:, :, block].reshape(-1).view(torch.uint8) for p in self.gen.pages])
+        return torch.cat(
+            [p[:, :, block].reshape(-1).view(torch.uint8).cpu() for p in self.gen.pages]
+        )
 
     def _on_add(self, req_id: str, hashes: Sequence[bytes], *_: Any) -> None:
         self.hashes[req_id] = hashes  # the generator extends this list with reply blocks
@@ -137,17 +139,31 @@ def _interleaved_chat(
             user = torch.randint(0, vocab, (user_tokens,), generator=rng)
             prompt = torch.cat([history[c], user])
             result = gen.generate_one(prompt, new_tokens)
-            ref = generate_greedy(model, prompt.unsqueeze(0), new_tokens)
-            assert torch.equal(result.tokens, ref.tokens[0]), f"turn {_turn} conv {c}"
-            worst = max(worst, (result.logits - ref.logits[0]).abs().max().item())
+            ref = generate_greedy(model, prompt.unsqueeze(0).to(model.device), new_tokens)
+            tokens = result.tokens.cpu()
+            assert torch.equal(tokens, ref.tokens[0].cpu()), f"turn {_turn} conv {c}"
+            worst = max(worst, (result.logits.cpu() - ref.logits[0].cpu()).abs().max().item())
             hits.append(result.hit_tokens)
-            history[c] = torch.cat([prompt, result.tokens])
+            history[c] = torch.cat([prompt, tokens])
     return hits, worst
 
 
+CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_multi_turn_chat_loads_the_stored_bytes_and_matches_recompute(arch: str) -> None:
+def test_multi_turn_chat_loads_the_stored_bytes_and_matches_recompute(
+    arch: str, device: str
+) -> None:
     model, _ = make_demo_model(arch, seed=1)
+    model = model.to(device)
     # Replies stored too, so a later turn reuses KV that one-token decode steps produced.
     config = KVTierConfig(offload_prompt_only=False)
     with KVTierGenerator(model, config, block_size=BS, max_blocks=64, namespace=arch) as gen:
