@@ -15,6 +15,7 @@ import torch
 from kvtier.base import TransferResult
 from kvtier.transfer.copier import BlockCopier
 from kvtier.transfer.host_pool import HostPool
+from kvtier.transfer.native import row_copier
 from kvtier.transfer.plan import Job
 from kvtier.transfer.registration import KVCacheRegistration
 from kvtier.transfer.worker import FaultInjector, TransferWorker
@@ -77,6 +78,7 @@ class CPUTransferWorker(TransferWorker):
             )
 
     def _make_copier(self, stage_bytes: int) -> RowCopier:
+        row_copier()  # build (or load) the compiled copier now, not inside the first job
         stage = torch.empty(max(stage_bytes, self.pool.row_bytes), dtype=torch.uint8)
         return BlockCopier(self.registration, self.pool.rows, stage)
 
