@@ -77,6 +77,8 @@ class HostPool:
         # unmapped: CUDA would otherwise keep the range registered, and the next pool mapped at
         # the same address could not be pinned.
         self._finalizer = weakref.finalize(self, _unregister, self.address) if self.pinned else None
+        if self._finalizer is not None:
+            self._finalizer.atexit = False  # process exit frees it; CUDA may be torn down by then
 
     @staticmethod
     def slots_for_budget(
