@@ -292,15 +292,22 @@ class KVAwarePolicy(CachePolicy):
             self._unplace(victim)
         else:
             cand, tail = win.popitem(last=False)
-            if self._admit_all and not tail:
-                # Admitted whatever its count, which only the credit may need.
-                admit, count = True, sketch.estimate_key(cand) if self._counts else 1
-            else:
-                count = sketch.estimate_key(cand)
-                admit = count > sketch.estimate_key(victim)
-            if admit:
-                self._unplace(victim)
-                self._place(cand, count, tail)
+            self._duel(cand, tail, victim)
+
+    def _duel(self, cand: OffloadKey, tail: bool, victim: OffloadKey) -> bool:
+        """The window's candidate against main's victim: True when the candidate is admitted
+        (it takes the victim's place in main and the victim leaves)."""
+        sketch = self._sketch
+        if self._admit_all and not tail:
+            # Admitted whatever its count, which only the credit may need.
+            admit, count = True, sketch.estimate_key(cand) if self._counts else 1
+        else:
+            count = sketch.estimate_key(cand)
+            admit = count > sketch.estimate_key(victim)
+        if admit:
+            self._unplace(victim)
+            self._place(cand, count, tail)
+        return admit
 
     def evict(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
         if n <= 0:
@@ -328,17 +335,7 @@ class KVAwarePolicy(CachePolicy):
             victim = self._main_victim(protected) if credit else None
             if cand is not None and victim is not None:
                 tail = win.pop(cand)
-                if self._admit_all and not tail:
-                    admit, count = True, sketch.estimate_key(cand) if self._counts else 1
-                else:
-                    count = sketch.estimate_key(cand)
-                    admit = count > sketch.estimate_key(victim)
-                if admit:
-                    self._unplace(victim)
-                    self._place(cand, count, tail)
-                    victims.append(victim)
-                else:
-                    victims.append(cand)
+                victims.append(victim if self._duel(cand, tail, victim) else cand)
             elif victim is not None:
                 self._unplace(victim)
                 victims.append(victim)
