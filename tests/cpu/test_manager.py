@@ -259,3 +259,23 @@ def test_bad_calls_leave_the_manager_unchanged(policy_name: str) -> None:
     m.prepare_load(keys(1), CTX)
     with pytest.raises(ValueError, match="no load pinned"):
         m.complete_load(keys(1, 1), CTX)
+
+
+def test_from_config_carries_policy_admission_and_events() -> None:
+    from kvtier.config import KVTierConfig
+
+    cfg = KVTierConfig(cache_policy="arc", store_threshold=2, enable_events=True)
+    m = CPUOffloadingManager.from_config(4, cfg)
+    ctx = ReqContext("r")
+    # Admission on second sighting: the first offer stores nothing, the second stores the key.
+    first = m.prepare_store(keys(1), ctx)
+    assert first is not None and first.keys_to_store == []
+    second = m.prepare_store(keys(1), ReqContext("s"))
+    assert second is not None and second.keys_to_store == keys(1)
+    m.complete_store(keys(1), ReqContext("s"))
+    assert [e.keys for e in m.take_events()] == [keys(1)]
+    quiet = CPUOffloadingManager.from_config(4, cfg, enable_events=False)
+    quiet.prepare_store(keys(1), ctx)
+    assert list(quiet.take_events()) == []
+    assert type(m.policy) is type(CPUOffloadingManager(4, "arc").policy)
+    assert type(m.policy) is not type(CPUOffloadingManager(4, "lru").policy)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections import Counter, deque
 from collections.abc import Collection, Iterable
+from typing import TYPE_CHECKING
 
 from kvtier.admission import AdmissionPolicy, AlwaysAdmit, make_admission_policy
 from kvtier.base import (
@@ -18,6 +19,9 @@ from kvtier.base import (
 )
 from kvtier.cpu.spec import CPULoadStoreSpec
 from kvtier.policies import CachePolicy, make_policy
+
+if TYPE_CHECKING:
+    from kvtier.config import KVTierConfig
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +83,21 @@ class CPUOffloadingManager(OffloadingManager):
         self._failed_stores = 0
         self._stores_skipped = 0
         self._evictions = 0
+
+    @classmethod
+    def from_config(
+        cls, num_slots: int, config: KVTierConfig, *, enable_events: bool | None = None
+    ) -> CPUOffloadingManager:
+        """A manager with `config`'s policy, admission and event settings; `enable_events`
+        overrides the config's (an engine integration may decide it from the engine's own)."""
+        return cls(
+            num_slots,
+            config.cache_policy,
+            store_threshold=config.store_threshold,
+            max_tracker_size=config.max_tracker_size,
+            enable_events=config.enable_events if enable_events is None else enable_events,
+            max_pending_events=config.max_pending_events,
+        )
 
     @property
     def policy(self) -> CachePolicy:

@@ -113,14 +113,7 @@ class KVTierGenerator:
         else:
             slots = config.num_slots or _DEFAULT_SLOTS_PER_BLOCK * max_blocks // bpc
             self.pool = HostPool(registration, bpc, num_slots=slots, pin=config.pin_memory)
-        self.manager = CPUOffloadingManager(
-            self.pool.num_slots,
-            config.cache_policy,
-            store_threshold=config.store_threshold,
-            max_tracker_size=config.max_tracker_size,
-            enable_events=config.enable_events,
-            max_pending_events=config.max_pending_events,
-        )
+        self.manager = CPUOffloadingManager.from_config(self.pool.num_slots, config)
         self.scheduler = OffloadingScheduler(
             self.manager,
             tokens_per_block=block_size,

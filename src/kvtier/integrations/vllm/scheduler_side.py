@@ -63,13 +63,8 @@ class KVTierSchedulerSide:
     def __init__(self, setup: VllmSetup) -> None:
         cfg = setup.config
         self.setup = setup
-        self.manager = CPUOffloadingManager(
-            setup.num_slots,
-            cfg.cache_policy,
-            store_threshold=cfg.store_threshold,
-            max_tracker_size=cfg.max_tracker_size,
-            enable_events=setup.events,
-            max_pending_events=cfg.max_pending_events,
+        self.manager = CPUOffloadingManager.from_config(
+            setup.num_slots, cfg, enable_events=setup.events
         )
         self.scheduler = OffloadingScheduler(
             self.manager,
