@@ -41,7 +41,7 @@ EXIT_HELP = "exit status: 0 when kvtier's tokens equal recomputation's, 1 when t
 
 @dataclass(frozen=True)
 class DemoOptions:
-    """The workload and model of one demo run (defaults: about a minute on 2 CPU cores)."""
+    """The workload and model of one demo run (defaults: a few seconds on 2 CPU cores)."""
 
     conversations: int = 8
     turns: int = 4
