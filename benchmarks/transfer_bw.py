@@ -8,6 +8,7 @@ two so both see the same machine noise. Figures are medians.
 
     python benchmarks/transfer_bw.py                    # CPU here, CUDA where present
     python benchmarks/transfer_bw.py --backend cpu --json out/transfer_bw.json
+    python benchmarks/transfer_bw.py --backend cpu --cpu-worker python   # the Python copy thread
 """
 
 from __future__ import annotations
@@ -23,7 +24,14 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor, make_transfer_worker
+from kvtier.transfer import (
+    CPUTransferWorker,
+    HostPool,
+    KVCacheRegistration,
+    KVTensor,
+    TransferWorker,
+    make_transfer_worker,
+)
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -52,6 +60,7 @@ def bench_page(
     rng: np.random.Generator,
     pageable: bool = False,
     copy_mode: str = "auto",
+    cpu_worker: str = "auto",
 ) -> list[dict[str, object]]:
     """Rows for one page size: store and load for every batch size."""
     num_blocks = max(region // page, 2 * max(batches))
@@ -61,9 +70,15 @@ def bench_page(
     pool = HostPool(reg, 1, num_slots=num_blocks, pin=False if pageable else None)
     pool.tensor.fill_(3)
     dev_flat, host_flat = dev.view(-1), pool.tensor.view(-1)
-    rows = []
+    rows: list[dict[str, object]] = []
     kwargs = {"copy_mode": copy_mode} if backend == "cuda" and not pageable else {}
-    with make_transfer_worker(reg, pool, backend, **kwargs) as worker:
+    worker: TransferWorker
+    if backend == "cpu" and cpu_worker == "python":
+        worker = CPUTransferWorker(reg, pool)
+    else:
+        worker = make_transfer_worker(reg, pool, backend, **kwargs)
+    name = type(worker).__name__
+    with worker:
         next_id = 0
         for blocks in batches:
             jobs = max(1, min(moved // (blocks * page), num_blocks // blocks))
@@ -114,6 +129,7 @@ def bench_page(
                 rows.append(
                     {
                         "backend": backend
+                        + ("-python" if name == "CPUTransferWorker" else "")
                         + ("-pageable" if pageable else "")
                         + (f"-{copy_mode}" if backend == "cuda" else ""),
                         "direction": direction,
@@ -140,6 +156,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
     ap.add_argument("--copy-mode", choices=["auto", "kernel", "dma"], default="auto",
                     help="CUDA: index kernels through mapped memory, or batched DMA")  # fmt: skip
+    ap.add_argument("--cpu-worker", choices=["auto", "python"], default="auto",
+                    help="CPU: the factory's worker (compiled copy thread where it builds), or "
+                    "CPUTransferWorker (Python copy thread)")  # fmt: skip
     ap.add_argument(
         "--pageable", action="store_true", help="leave the host pool unpinned (CUDA fallback)"
     )
@@ -154,8 +173,10 @@ def main(argv: list[str] | None = None) -> None:
         rows += bench_page(
             backend, device, page_kib * KiB, args.batches, args.region_mib * MiB,
             args.moved_mib * MiB, args.repeats, rng, args.pageable, args.copy_mode,
+            args.cpu_worker,
         )  # fmt: skip
-    table = Table(title=f"kvtier transfer throughput ({backend}, torch threads "
+    label = str(rows[0]["backend"]) if rows else backend
+    table = Table(title=f"kvtier transfer throughput ({label}, torch threads "
                   f"{torch.get_num_threads()})")  # fmt: skip
     for col in ("direction", "page", "blocks/job", "GB/s", "ceiling GB/s", "ratio"):
         table.add_column(col, justify="right")

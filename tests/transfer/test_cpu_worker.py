@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from kvtier.base import TransferResult
-from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor, make_transfer_worker
+from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor
 from kvtier.transfer.cpu_worker import CPUTransferWorker
+from kvtier.transfer.native import library
+from kvtier.transfer.native_worker import NativeCPUTransferWorker
 from kvtier.transfer.testing import (
     DTYPES,
     NUM_BLOCKS,
@@ -20,14 +22,28 @@ from kvtier.transfer.testing import (
     make_layout,
     snapshot,
 )
+from kvtier.transfer.worker import TransferWorker
+
+CPUWorker = type[CPUTransferWorker] | type[NativeCPUTransferWorker]
 
 
-def _drain(worker: CPUTransferWorker, ids: list[int]) -> list[TransferResult]:
+@pytest.fixture(params=["python", "native"])
+def worker_cls(request: pytest.FixtureRequest) -> CPUWorker:
+    """Both CPU backends: the copy thread in Python, and in compiled code."""
+    if request.param == "python":
+        return CPUTransferWorker
+    if library() is None:
+        pytest.skip("the compiled copy engine cannot be built here")
+    return NativeCPUTransferWorker
+
+
+def _drain(worker: TransferWorker, ids: list[int]) -> list[TransferResult]:
     worker.wait(ids)
     return worker.get_finished()
 
 
 def round_trip(
+    worker_cls: CPUWorker,
     kvs: list[KVTensor],
     bpc: int,
     rng: np.random.Generator,
@@ -43,7 +59,7 @@ def round_trip(
     half = NUM_BLOCKS // 2
     src_space, dst_space = rng.permutation(half), half + rng.permutation(NUM_BLOCKS - half)
     slots = rng.permutation(pool.num_slots)
-    with make_transfer_worker(reg, pool, "cpu", stage_bytes=stage_bytes) as w:
+    with worker_cls(reg, pool, stage_bytes=stage_bytes) as w:
         per_job = chunks_per_job * bpc
         plan = []
         for j in range(jobs):  # many stores in flight
@@ -73,24 +89,26 @@ def round_trip(
 
 
 @pytest.mark.parametrize("bpc", [1, 2, 4])
-def test_round_trip_every_layout(layout: str, bpc: int) -> None:
-    round_trip(make_layout(layout, torch.float16, seed=bpc), bpc, np.random.default_rng(bpc))
+def test_round_trip_every_layout(worker_cls: CPUWorker, layout: str, bpc: int) -> None:
+    round_trip(
+        worker_cls, make_layout(layout, torch.float16, seed=bpc), bpc, np.random.default_rng(bpc)
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", ["flash", "cross_layer", "mla", "aliased"])
-def test_round_trip_every_dtype(name: str, dtype: torch.dtype) -> None:
-    round_trip(make_layout(name, dtype, seed=3), 2, np.random.default_rng(7))
+def test_round_trip_every_dtype(worker_cls: CPUWorker, name: str, dtype: torch.dtype) -> None:
+    round_trip(worker_cls, make_layout(name, dtype, seed=3), 2, np.random.default_rng(7))
 
 
 @pytest.mark.parametrize("bpc", [1, 4])
-def test_round_trip_with_tiny_stage_takes_many_pieces(bpc: int) -> None:
+def test_round_trip_with_tiny_stage_takes_many_pieces(worker_cls: CPUWorker, bpc: int) -> None:
     kvs = make_layout("flash", torch.bfloat16, seed=5)
-    round_trip(kvs, bpc, np.random.default_rng(11), stage_bytes=1)
+    round_trip(worker_cls, kvs, bpc, np.random.default_rng(11), stage_bytes=1)
 
 
 @pytest.mark.parametrize("direction", ["host_run", "device_run"])
-def test_one_pass_paths_round_trip(direction: str) -> None:
+def test_one_pass_paths_round_trip(worker_cls: CPUWorker, direction: str) -> None:
     """Consecutive slots or consecutive device blocks take the single-pass copy paths."""
     kvs = make_layout("flashinfer", torch.float32, seed=9)
     reg = KVCacheRegistration(kvs)
@@ -100,7 +118,7 @@ def test_one_pass_paths_round_trip(direction: str) -> None:
         src, slots, dst = [9, 2, 17, 4, 30, 1], [3, 4, 5], [40, 33, 35, 47, 41, 25]
     else:
         src, slots, dst = [10, 11, 12, 13, 14, 15], [7, 0, 5], [30, 31, 32, 33, 34]
-    with make_transfer_worker(reg, pool) as w:
+    with worker_cls(reg, pool) as w:
         w.submit_store(1, src, slots)
         w.submit_load(2, slots, dst, skip_blocks=1 if len(dst) == 5 else 0)
         results = _drain(w, [1, 2])
@@ -110,14 +128,14 @@ def test_one_pass_paths_round_trip(direction: str) -> None:
         assert_block_equals(kvs, d, before[src[i + offset]])
 
 
-def test_multiple_groups_use_their_own_pages() -> None:
+def test_multiple_groups_use_their_own_pages(worker_cls: CPUWorker) -> None:
     a = make_layout("flash", torch.float16, seed=1)
     b = [KVTensor(t.tensor, "mla", group=1) for t in make_layout("mla", torch.float16, seed=2)]
     reg = KVCacheRegistration(a + b)
     pool = HostPool(reg, 2, num_slots=6)
     assert pool.slot_bytes == 2 * max(reg.page_bytes(0), reg.page_bytes(1))
     before_a, before_b = snapshot(a), snapshot(b)
-    with make_transfer_worker(reg, pool) as w:
+    with worker_cls(reg, pool) as w:
         w.submit_store(1, [5, 6, 7, 8], [0, 1], group=0)
         w.submit_store(2, [20, 3], [2], group=1)
         w.submit_load(3, [0, 1], [40, 41, 42], group=0, skip_blocks=1)
@@ -128,7 +146,7 @@ def test_multiple_groups_use_their_own_pages() -> None:
     assert_block_equals(b, 44, before_b[3])
 
 
-def test_results_of_each_lane_come_in_submission_order() -> None:
+def test_results_of_each_lane_come_in_submission_order(worker_cls: CPUWorker) -> None:
     kvs = make_layout("mla", torch.float16)
     reg = KVCacheRegistration(kvs)
     pool = HostPool(reg, 1, num_slots=NUM_BLOCKS)
@@ -138,7 +156,7 @@ def test_results_of_each_lane_come_in_submission_order() -> None:
         time.sleep(float(rng.random()) * 1e-3)
 
     seen: list[int] = []
-    with CPUTransferWorker(reg, pool, fault_injector=jitter) as w:
+    with worker_cls(reg, pool, fault_injector=jitter) as w:
         for j in range(40):
             if j % 2:
                 w.submit_load(j, [j], [j])
@@ -153,7 +171,7 @@ def test_results_of_each_lane_come_in_submission_order() -> None:
     assert stores == sorted(stores) and loads == sorted(loads)
 
 
-def test_failed_job_is_reported_failed_and_later_jobs_are_correct() -> None:
+def test_failed_job_is_reported_failed_and_later_jobs_are_correct(worker_cls: CPUWorker) -> None:
     kvs = make_layout("flash", torch.float16, seed=4)
     reg = KVCacheRegistration(kvs)
     pool = HostPool(reg, 2, num_slots=8)
@@ -163,7 +181,7 @@ def test_failed_job_is_reported_failed_and_later_jobs_are_correct() -> None:
         if job_id in (2, 5):
             raise RuntimeError("injected copy failure")
 
-    with CPUTransferWorker(reg, pool, fault_injector=fail_some) as w:
+    with worker_cls(reg, pool, fault_injector=fail_some) as w:
         w.submit_store(1, [0, 1], [0])
         w.submit_store(2, [2, 3], [1])  # fails
         w.submit_store(3, [4, 5], [2])
@@ -205,7 +223,7 @@ def test_failure_inside_the_copy_marks_only_that_job(monkeypatch: pytest.MonkeyP
     assert_block_equals(kvs, 21, before[4])
 
 
-def test_shutdown_with_jobs_in_flight_reports_each_job_once() -> None:
+def test_shutdown_with_jobs_in_flight_reports_each_job_once(worker_cls: CPUWorker) -> None:
     kvs = make_layout("cross_layer", torch.bfloat16, seed=8)
     reg = KVCacheRegistration(kvs)
     pool = HostPool(reg, 1, num_slots=NUM_BLOCKS)
@@ -217,7 +235,7 @@ def test_shutdown_with_jobs_in_flight_reports_each_job_once() -> None:
             started.set()
             gate.wait(5)
 
-    w = CPUTransferWorker(reg, pool, fault_injector=slow_first)
+    w = worker_cls(reg, pool, fault_injector=slow_first)
     for j in range(20):
         w.submit_store(j, [j], [j])
     started.wait(5)  # job 0 is running, 1..19 are queued
@@ -234,7 +252,7 @@ def test_shutdown_with_jobs_in_flight_reports_each_job_once() -> None:
     assert torch.equal(pool.rows[0, : reg.page_bytes()], torch.cat(before[0]))
 
 
-def test_urgent_load_overtakes_queued_loads() -> None:
+def test_urgent_load_overtakes_queued_loads(worker_cls: CPUWorker) -> None:
     kvs = make_layout("mla", torch.float16, seed=2)
     reg = KVCacheRegistration(kvs)
     pool = HostPool(reg, 1, num_slots=8)
@@ -245,7 +263,7 @@ def test_urgent_load_overtakes_queued_loads() -> None:
             started.set()
             gate.wait(5)
 
-    with CPUTransferWorker(reg, pool, fault_injector=hold) as w:
+    with worker_cls(reg, pool, fault_injector=hold) as w:
         w.submit_store(0, [1], [0])
         started.wait(5)  # job 0 is running; the next two queue behind it
         w.submit_load(1, [0], [10])
@@ -255,12 +273,12 @@ def test_urgent_load_overtakes_queued_loads() -> None:
     assert order == [0, 2, 1]
 
 
-def test_submit_does_not_wait_for_copies() -> None:
+def test_submit_does_not_wait_for_copies(worker_cls: CPUWorker) -> None:
     kvs = make_layout("mla", torch.float16)
     reg = KVCacheRegistration(kvs)
     pool = HostPool(reg, 1, num_slots=8)
     gate = threading.Event()
-    with CPUTransferWorker(reg, pool, fault_injector=lambda j, d: gate.wait(5)) as w:
+    with worker_cls(reg, pool, fault_injector=lambda j, d: gate.wait(5)) as w:
         for j in range(5):
             w.submit_store(j, [j], [j])  # would hang here if submit waited for the copy
         assert w.get_finished() == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import platform
 import shutil
 from pathlib import Path
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.transfer import HostPool, KVCacheRegistration, make_transfer_worker, native
+from kvtier.transfer import CPUTransferWorker, HostPool, KVCacheRegistration, native
 from kvtier.transfer.testing import NUM_BLOCKS, assert_block_equals, make_layout, snapshot
 
 can_build = platform.machine().lower() in ("x86_64", "amd64") and (
@@ -19,7 +20,7 @@ can_build = platform.machine().lower() in ("x86_64", "amd64") and (
 needs_compiler = pytest.mark.skipif(not can_build, reason="needs x86-64 and a C compiler")
 
 
-def _fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, **env: str) -> native.RowCopy | None:
+def _fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, **env: str) -> ctypes.CDLL | None:
     monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -32,21 +33,31 @@ def _fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, **env: str) -> nativ
 def test_compiled_copy_is_byte_exact(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, width: int, offset: int
 ) -> None:
-    copy = _fresh(monkeypatch, tmp_path)
-    assert copy is not None
-    assert list((tmp_path / "cache").glob("rowcopy-*.so")), "library not written to the cache"
+    lib = _fresh(monkeypatch, tmp_path)
+    assert lib is not None
+    assert list((tmp_path / "cache").glob("kvtier-native-*.so")), "library not in the cache"
+    copy = lib.kvtier_copy_indexed
     rng = np.random.default_rng(width + offset)
     rows = 12
-    src = torch.from_numpy(rng.integers(0, 256, (rows, width + 64), dtype=np.uint8))
-    dst = torch.zeros(rows, width + 64, dtype=torch.uint8)
-    perm = rng.permutation(rows)
-    # Rows of `src` (possibly misaligned by `offset`) to permuted rows of `dst`.
-    s = (src.data_ptr() + offset + np.arange(rows) * src.stride(0)).astype(np.uint64)
-    d = (dst.data_ptr() + perm * dst.stride(0)).astype(np.uint64)
-    copy(d.ctypes.data, s.ctypes.data, rows, width)
+    src = torch.from_numpy(rng.integers(0, 256, (rows, 2 * width + 64), dtype=np.uint8))
+    dst = torch.zeros(rows, 2 * width + 128, dtype=torch.uint8)
+    perm = rng.permutation(rows).astype(np.int64)
+    order = np.arange(rows, dtype=np.int64)
+    # Two segments (column ranges) per row: src columns [offset, offset + width) go to dst
+    # columns [0, width), and src [offset + width, offset + 2 * width) to dst [width + 64, ...).
+    sp, ss, dp, ds = src.data_ptr(), src.stride(0), dst.data_ptr(), dst.stride(0)
+    table = np.array(
+        [(dp, ds, sp + offset, ss, width), (dp + width + 64, ds, sp + offset + width, ss, width)],
+        dtype=np.uint64,
+    )
+    copy(table.ctypes.data, 2, perm.ctypes.data, order.ctypes.data, rows)
     for i, j in enumerate(perm):
         assert torch.equal(dst[j, :width], src[i, offset : offset + width])
-        assert bool(torch.all(dst[j, width:] == 0)), "wrote past the row"
+        assert torch.equal(
+            dst[j, width + 64 : 2 * width + 64], src[i, offset + width : offset + 2 * width]
+        )
+        assert bool(torch.all(dst[j, width : width + 64] == 0)), "wrote between the segments"
+        assert bool(torch.all(dst[j, 2 * width + 64 :] == 0)), "wrote past the row"
 
 
 def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -88,7 +99,7 @@ def test_scattered_jobs_round_trip_on_both_paths(
     src = rng.permutation(half)[:16]
     dst = half + rng.permutation(NUM_BLOCKS - half)[:15]
     slots = rng.permutation(10)[:8]
-    with make_transfer_worker(reg, pool, "cpu") as w:
+    with CPUTransferWorker(reg, pool) as w:  # the Python copy thread, with either row copier
         w.submit_store(1, src, slots)
         w.wait([1])
         w.submit_load(2, slots, dst, skip_blocks=1)

@@ -11,6 +11,7 @@ See docs/transfer.md. Typical use::
 from kvtier.transfer.cpu_worker import CPUTransferWorker
 from kvtier.transfer.factory import make_transfer_worker
 from kvtier.transfer.host_pool import HostPool
+from kvtier.transfer.native_worker import NativeCPUTransferWorker
 from kvtier.transfer.plan import Direction
 from kvtier.transfer.registration import KVCacheRegistration, KVTensor
 from kvtier.transfer.worker import FaultInjector, TransferWorker
@@ -22,6 +23,7 @@ __all__ = [
     "HostPool",
     "KVCacheRegistration",
     "KVTensor",
+    "NativeCPUTransferWorker",
     "TransferWorker",
     "make_transfer_worker",
 ]

@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvtier.transfer.native import RowCopy, row_copier
+from kvtier.transfer.native import row_copier
 from kvtier.transfer.plan import Direction, Job
 from kvtier.transfer.registration import KVCacheRegistration
 
@@ -70,6 +70,29 @@ class _GroupCopy:
     host_page: torch.Tensor
     stage_page: torch.Tensor
     stage_rows: int
+    store_table: npt.NDArray[np.uint64]
+    """Segment table of the compiled copier for stores (`native.RowCopy`); loads swap sides."""
+    load_table: npt.NDArray[np.uint64]
+
+
+def _segment_tables(
+    segments: list[_SegmentCopy],
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+    store = np.array(
+        [
+            (
+                s.host.data_ptr(),
+                s.host.stride(0) * s.host.element_size(),
+                s.dev.data_ptr(),
+                s.dev.stride(0) * s.dev.element_size(),
+                s.dev.shape[1] * s.dev.element_size(),
+            )
+            for s in segments
+        ],
+        dtype=np.uint64,
+    ).reshape(-1, 5)
+    load = np.ascontiguousarray(store[:, [2, 3, 0, 1, 4]])
+    return store, load
 
 
 class BlockCopier:
@@ -109,7 +132,11 @@ class BlockCopier:
             stage_page = _rows(stage, stage_rows, page, page, 0)
             align = math.gcd(row_bytes, page)
             self._groups[g] = _GroupCopy(
-                segments, _wide(host_page, align), _wide(stage_page, align), stage_rows
+                segments,
+                _wide(host_page, align),
+                _wide(stage_page, align),
+                stage_rows,
+                *_segment_tables(segments),
             )
 
     def run(self, job: Job, dev_idx: torch.Tensor, host_idx: torch.Tensor) -> None:
@@ -119,7 +146,7 @@ class BlockCopier:
             return
         group = self._groups[job.group]
         if self._on_cpu and job.host_run is None and job.dev_run is None:
-            _memmove_rows(group, job.direction is Direction.STORE, job.dev_rows, job.host_rows)
+            _copy_rows(group, job.direction is Direction.STORE, job.dev_rows, job.host_rows)
         elif job.direction is Direction.STORE:
             self._store(group, job, n, dev_idx, host_idx)
         else:
@@ -196,18 +223,42 @@ def _memmove_all(dst: list[int], src: list[int], width: int) -> None:
         _memmove(d, s, width)
 
 
-def _native_all(
-    copy: RowCopy, dst: npt.NDArray[np.uint64], src: npt.NDArray[np.uint64], width: int
+def _split(n: int, nbytes: int) -> range:
+    """Row offsets of the pieces a job of `n` rows and `nbytes` bytes is split into."""
+    threads = 1 if nbytes < _PARALLEL_BYTES else min(_THREADS, n)
+    return range(0, n, -(-n // threads)) if n else range(0)
+
+
+def _copy_rows(
+    g: _GroupCopy, store: bool, dev_rows: npt.NDArray[np.int64], host_rows: npt.NDArray[np.int64]
 ) -> None:
-    copy(dst.ctypes.data, src.ctypes.data, int(dst.shape[0]), width)
+    """Copy a job scattered on both sides: one call of the compiled row copier over the row
+    indices, or one libc memmove per row and segment where it is unavailable. Both release
+    the GIL, so large jobs are split across threads."""
+    native = row_copier()
+    if native is None:
+        _memmove_rows(g, store, dev_rows, host_rows)
+        return
+    table = g.store_table if store else g.load_table
+    dst = np.ascontiguousarray(host_rows if store else dev_rows, dtype=np.int64)
+    src = np.ascontiguousarray(dev_rows if store else host_rows, dtype=np.int64)
+    n = int(dst.shape[0])
+    starts = _split(n, n * int(table[:, 4].sum()))
+    step = starts.step if len(starts) > 1 else n
+    tab, nseg, d0, s0 = table.ctypes.data, int(table.shape[0]), dst.ctypes.data, src.ctypes.data
+    futures = [
+        _helpers().submit(native, tab, nseg, d0 + 8 * i, s0 + 8 * i, min(step, n - i))
+        for i in starts[1:]
+    ]
+    native(tab, nseg, d0, s0, min(step, n))
+    for f in futures:
+        f.result()
 
 
 def _memmove_rows(
     g: _GroupCopy, store: bool, dev_rows: npt.NDArray[np.int64], host_rows: npt.NDArray[np.int64]
 ) -> None:
-    """Copy each (row, segment) with the compiled row copier, or one libc memmove each where it
-    is unavailable; both release the GIL, so large jobs are split across threads to reach the
-    bandwidth of torch's own parallel copy."""
+    """The fallback of `_copy_rows`: one libc memmove per (row, segment)."""
     by_width: dict[int, tuple[list[npt.NDArray[np.int64]], list[npt.NDArray[np.int64]]]] = {}
     for s in g.segments:
         width = s.dev.shape[1] * s.dev.element_size()
@@ -216,26 +267,16 @@ def _memmove_rows(
         dsts, srcs = by_width.setdefault(width, ([], []))
         dsts.append(host if store else dev)
         srcs.append(dev if store else host)
-    native = row_copier()
     for width, (dst_parts, src_parts) in by_width.items():
-        dst = np.concatenate(dst_parts).astype(np.uint64)
-        src = np.concatenate(src_parts).astype(np.uint64)
-        n = int(dst.shape[0])
-        threads = 1 if n * width < _PARALLEL_BYTES else min(_THREADS, n)
-        step = -(-n // threads)
-        starts = range(0, n, step)
-        if native is not None:
-            futures = [
-                _helpers().submit(_native_all, native, dst[i : i + step], src[i : i + step], width)
-                for i in starts[1:]
-            ]
-            _native_all(native, dst[:step], src[:step], width)
-        else:
-            dl, sl = dst.tolist(), src.tolist()
-            futures = [
-                _helpers().submit(_memmove_all, dl[i : i + step], sl[i : i + step], width)
-                for i in starts[1:]
-            ]
-            _memmove_all(dl[:step], sl[:step], width)
+        dl = np.concatenate(dst_parts).tolist()
+        sl = np.concatenate(src_parts).tolist()
+        n = len(dl)
+        starts = _split(n, n * width)
+        step = starts.step if len(starts) > 1 else n
+        futures = [
+            _helpers().submit(_memmove_all, dl[i : i + step], sl[i : i + step], width)
+            for i in starts[1:]
+        ]
+        _memmove_all(dl[:step], sl[:step], width)
         for f in futures:
             f.result()

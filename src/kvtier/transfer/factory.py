@@ -6,6 +6,8 @@ from typing import Any
 
 from kvtier.transfer.cpu_worker import CPUTransferWorker
 from kvtier.transfer.host_pool import HostPool
+from kvtier.transfer.native import library
+from kvtier.transfer.native_worker import NativeCPUTransferWorker
 from kvtier.transfer.registration import KVCacheRegistration
 from kvtier.transfer.worker import TransferWorker
 
@@ -16,6 +18,9 @@ def make_transfer_worker(
     registration: KVCacheRegistration, pool: HostPool, backend: str = "auto", **kwargs: Any
 ) -> TransferWorker:
     """Build a worker: "cpu", "cuda", or "auto" (the one matching the KV tensors' device).
+
+    On the CPU the copy thread is compiled code (`NativeCPUTransferWorker`) where the native
+    library can be built, and a Python thread (`CPUTransferWorker`) elsewhere.
 
     On CUDA with a pool that is not pinned (pinning failed or `pin=False`), the worker falls
     back to bounce buffers on a background thread and logs a warning.
@@ -36,4 +41,6 @@ def make_transfer_worker(
             kwargs.pop("copy_mode", None)  # one way to copy without a pinned pool
             return PageableCUDATransferWorker(registration, pool, **kwargs)
         return CUDATransferWorker(registration, pool, **kwargs)
+    if library() is not None:
+        return NativeCPUTransferWorker(registration, pool, **kwargs)
     return CPUTransferWorker(registration, pool, **kwargs)

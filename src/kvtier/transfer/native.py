@@ -1,11 +1,15 @@
-"""The CPU backend's compiled row copier, built on first use with the system C compiler.
+"""The CPU backend's compiled code, built on first use with the system C compiler.
 
-`rowcopy.c` copies a job's scattered rows in one call, with streaming stores that skip the
-read of each destination line that `memmove` pays at these sizes (docs/bench/transfer.md). It
-is compiled once per source version into `$KVTIER_CACHE_DIR` (default `~/.cache/kvtier`) and
-loaded with ctypes. Where that cannot happen (not x86-64, no C compiler, a read-only cache, or
-`KVTIER_NATIVE_COPY=0`) `row_copier()` returns None and the copier uses libc `memmove` per row,
-which is correct but slower on 64-256 KiB rows.
+Two sources make one library:
+
+- `rowcopy.c` copies a job's scattered rows in one call, with streaming stores that skip the
+  read of each destination line that `memmove` pays at these sizes (docs/bench/transfer.md);
+- `copyengine.c` is a copy thread that never takes the GIL (`native_worker`).
+
+The library is compiled once per source version into `$KVTIER_CACHE_DIR` (default
+`~/.cache/kvtier`) and loaded with ctypes. Where that cannot happen (not x86-64, no C compiler,
+a read-only cache, or `KVTIER_NATIVE_COPY=0`) `library()` returns None: the CPU backend then
+runs its copies on a Python thread with libc `memmove` per row, which is correct but slower.
 """
 
 from __future__ import annotations
@@ -22,13 +26,47 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-RowCopy = Callable[[int, int, int, int], None]
-"""`f(dst_addresses_ptr, src_addresses_ptr, n, width)`: copy `n` rows of `width` bytes; the
-address arrays are uint64. Releases the GIL while it runs."""
+RowCopy = Callable[[int, int, int, int, int], None]
+"""`f(segments_ptr, num_segments, dst_rows_ptr, src_rows_ptr, n)`: for each segment, a uint64
+row `(dst_base, dst_stride, src_base, src_stride, width)`, copy `width` bytes from source row
+`src_rows[i]` to destination row `dst_rows[i]` for `i < n`; the row arrays are int64. Releases
+the GIL while it runs."""
 
-_SOURCE = Path(__file__).with_name("rowcopy.c")
+BeforeHook = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64)
+"""The engine's `before(job_id)` hook type: called on its thread before a copy; nonzero fails
+the job."""
+
+
+class EngineResult(ctypes.Structure):
+    """One finished job, as `kvt_engine_poll` writes it."""
+
+    _fields_ = [
+        ("job_id", ctypes.c_int64),
+        ("ok", ctypes.c_int32),
+        ("lane", ctypes.c_int32),
+        ("seconds", ctypes.c_double),
+    ]
+
+
+_SOURCES = tuple(Path(__file__).with_name(n) for n in ("rowcopy.c", "copyengine.c"))
 _UNSET = object()
 _cached: object = _UNSET
+_P, _SZ, _I64, _U64, _INT = (
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int64,
+    ctypes.c_uint64,
+    ctypes.c_int,
+)
+_SIGNATURES: dict[str, tuple[list[type], type | None]] = {
+    "kvtier_copy_indexed": ([_P, _SZ, _P, _P, _SZ], None),
+    "kvt_engine_new": ([BeforeHook], _P),
+    "kvt_engine_submit": ([_P, _I64, _INT, _U64, _P, _SZ, _P, _P, _SZ], _INT),
+    "kvt_engine_poll": ([_P, _P, _SZ], _SZ),
+    "kvt_engine_wait": ([_P, _INT, _U64], None),
+    "kvt_engine_stop": ([_P], None),
+    "kvt_engine_free": ([_P], None),
+}
 
 
 def cache_dir() -> Path:
@@ -40,38 +78,47 @@ def cache_dir() -> Path:
     return Path(base) / "kvtier"
 
 
-def row_copier() -> RowCopy | None:
-    """The compiled copier, or None where it is disabled or cannot be built (see above)."""
+def library() -> ctypes.CDLL | None:
+    """The compiled library with its functions' signatures set, or None where it is disabled
+    or cannot be built (see above)."""
     global _cached
     if _cached is _UNSET:
         _cached = _load()
     return _cached  # type: ignore[return-value]
 
 
-def _load() -> RowCopy | None:
+def row_copier() -> RowCopy | None:
+    """The compiled row copier (`RowCopy`), or None where the library is unavailable."""
+    lib = library()
+    if lib is None:
+        return None
+    copy: RowCopy = lib.kvtier_copy_indexed
+    return copy
+
+
+def _load() -> ctypes.CDLL | None:
     if os.environ.get("KVTIER_NATIVE_COPY", "1") == "0":
         return None
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None  # the source uses SSE2 intrinsics
+        return None  # rowcopy.c uses SSE2 intrinsics
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        logger.info("kvtier: no C compiler found; CPU copies use memmove per row")
+        logger.info("kvtier: no C compiler found; CPU copies run on a Python thread")
         return None
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source).hexdigest()[:16]
-    lib = cache_dir() / f"rowcopy-{digest}.so"
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()[:16]
+    path = cache_dir() / f"kvtier-native-{digest}.so"
     try:
-        if not lib.exists():
-            lib.parent.mkdir(parents=True, exist_ok=True)
-            tmp = lib.with_name(f"{lib.name}.{os.getpid()}.tmp")
-            cmd = [cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(_SOURCE)]
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            cmd = [cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(tmp), *map(str, _SOURCES)]
             subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-            os.replace(tmp, lib)  # atomic: concurrent first uses never load a partial file
-        fn = ctypes.CDLL(str(lib)).kvtier_copy_rows
-    except (OSError, subprocess.SubprocessError) as exc:
-        logger.info("kvtier: could not build %s (%s); CPU copies use memmove per row", lib, exc)
+            os.replace(tmp, path)  # atomic: concurrent first uses never load a partial file
+        lib = ctypes.CDLL(str(path))
+        for name, (args, res) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, res
+    except (OSError, AttributeError, subprocess.SubprocessError) as exc:
+        logger.info("kvtier: could not build %s (%s); CPU copies run on a Python thread", path, exc)
         return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-    fn.restype = None
-    copy: RowCopy = fn
-    return copy
+    return lib

@@ -54,14 +54,16 @@ def _ids(name: str, values: IdsLike, limit: int) -> IndexArray:
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.dtype.kind not in "iu":
+        if arr.size:
+            raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+        return np.empty(0, dtype=np.int64)  # `[]` arrives as float64
     arr = arr.astype(np.int64, copy=False)
-    if arr.size:
+    # One pass on the hot path: as unsigned, a negative id is larger than any limit.
+    if arr.size and int(arr.view(np.uint64).max()) >= limit:
         lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0 or hi >= limit:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"{name} contains {bad}, outside 0..{limit - 1}")
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"{name} contains {bad}, outside 0..{limit - 1}")
     return arr
 
 

@@ -57,8 +57,8 @@ class TransferWorker(ABC):
         with self._lock:
             self._check_job_id(job_id)
             job = self._planner.store(job_id, device_blocks, slots, group)
-            self._unreported.add(job_id)
             self._submit(job)
+            self._unreported.add(job_id)
 
     def submit_load(
         self,
@@ -75,8 +75,8 @@ class TransferWorker(ABC):
         with self._lock:
             self._check_job_id(job_id)
             job = self._planner.load(job_id, slots, device_blocks, group, skip_blocks, urgent)
-            self._unreported.add(job_id)
             self._submit(job)
+            self._unreported.add(job_id)
 
     def get_finished(self) -> list[TransferResult]:
         """Results of jobs finished since the last call, each lane in submission order."""

@@ -1,0 +1,217 @@
+/* The CPU backend's copy thread, in C (see native_worker.py).
+ *
+ * A Python copy thread needs the GIL between jobs, and a submitting thread that holds it
+ * (an engine's step loop, a burst of submits) stalls every job behind it: no copy starts
+ * until the burst ends. This thread never takes the GIL: it pops jobs from two FIFO lanes
+ * (urgent first), copies them with kvtier_copy_indexed, and appends results that Python
+ * polls. Only the optional `before` hook (tests' fault injection) calls back into Python.
+ *
+ * Ownership: the caller keeps a job's segment table and row arrays alive until the job's
+ * result has been polled; the engine only reads them.
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <time.h>
+
+typedef struct {
+    uint64_t dst_base, dst_stride, src_base, src_stride, width;
+} kvtier_segment;
+
+void kvtier_copy_indexed(const kvtier_segment *segs, size_t nseg, const int64_t *dst_idx,
+                         const int64_t *src_idx, size_t n);
+
+/* Called on the copy thread just before a job's copy; nonzero fails the job. */
+typedef int (*kvt_before_fn)(int64_t job_id);
+
+typedef struct kvt_job {
+    struct kvt_job *next;
+    int64_t id;
+    uint64_t seq;
+    const kvtier_segment *segs;
+    size_t nseg;
+    const int64_t *dst, *src;
+    size_t n;
+} kvt_job;
+
+typedef struct {
+    int64_t id;
+    int32_t ok;
+    int32_t lane;
+    double seconds;
+} kvt_result;
+
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t work, done;
+    kvt_job *head[2], *tail[2];
+    uint64_t done_seq[2]; /* per lane: seq of the last finished job; a lane finishes in order */
+    kvt_result *res;
+    size_t res_head, res_len, res_cap; /* results not yet polled: res[res_head, res_len) */
+    size_t outstanding;                /* submitted, result not yet appended */
+    int stopping, joined;
+    kvt_before_fn before;
+    pthread_t thread;
+} kvt_engine;
+
+static void push_result(kvt_engine *e, int64_t id, int ok, int lane, double seconds) {
+    /* Capacity was reserved at submit, so this never allocates. */
+    kvt_result *r = &e->res[e->res_len++];
+    r->id = id;
+    r->ok = ok;
+    r->lane = lane;
+    r->seconds = seconds;
+    e->outstanding--;
+}
+
+static void *serve(void *arg) {
+    kvt_engine *e = arg;
+    for (;;) {
+        pthread_mutex_lock(&e->mu);
+        while (!e->stopping && !e->head[0] && !e->head[1])
+            pthread_cond_wait(&e->work, &e->mu);
+        if (e->stopping) {
+            pthread_mutex_unlock(&e->mu);
+            return NULL;
+        }
+        int lane = e->head[1] ? 1 : 0;
+        kvt_job *j = e->head[lane];
+        e->head[lane] = j->next;
+        if (!j->next)
+            e->tail[lane] = NULL;
+        pthread_mutex_unlock(&e->mu);
+
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        int ok = e->before ? e->before(j->id) == 0 : 1;
+        if (ok)
+            kvtier_copy_indexed(j->segs, j->nseg, j->dst, j->src, j->n);
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        double seconds = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+
+        pthread_mutex_lock(&e->mu);
+        push_result(e, j->id, ok, lane, seconds);
+        e->done_seq[lane] = j->seq;
+        pthread_cond_broadcast(&e->done);
+        pthread_mutex_unlock(&e->mu);
+        free(j);
+    }
+}
+
+kvt_engine *kvt_engine_new(kvt_before_fn before) {
+    kvt_engine *e = calloc(1, sizeof *e);
+    if (!e)
+        return NULL;
+    e->before = before;
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_cond_init(&e->work, NULL);
+    pthread_cond_init(&e->done, NULL);
+    if (pthread_create(&e->thread, NULL, serve, e) != 0) {
+        pthread_mutex_destroy(&e->mu);
+        pthread_cond_destroy(&e->work);
+        pthread_cond_destroy(&e->done);
+        free(e);
+        return NULL;
+    }
+    return e;
+}
+
+/* Queue a job in `lane` (0 normal, 1 urgent) with the caller's sequence number, which must
+ * grow by one per job of the lane. Returns 0, or -1 if stopping or out of memory (nothing
+ * queued). */
+int kvt_engine_submit(kvt_engine *e, int64_t id, int lane, uint64_t seq,
+                      const kvtier_segment *segs, size_t nseg, const int64_t *dst,
+                      const int64_t *src, size_t n) {
+    kvt_job *j = malloc(sizeof *j);
+    if (!j)
+        return -1;
+    *j = (kvt_job){NULL, id, seq, segs, nseg, dst, src, n};
+    pthread_mutex_lock(&e->mu);
+    size_t need = e->res_len + e->outstanding + 1;
+    if (e->stopping) {
+        pthread_mutex_unlock(&e->mu);
+        free(j);
+        return -1;
+    }
+    if (e->res_head == e->res_len) { /* everything polled: reuse the buffer from the start */
+        e->res_head = e->res_len = 0;
+        need = e->outstanding + 1;
+    }
+    if (need > e->res_cap) {
+        size_t cap = e->res_cap ? 2 * e->res_cap : 64;
+        while (cap < need)
+            cap *= 2;
+        kvt_result *r = realloc(e->res, cap * sizeof *r);
+        if (!r) {
+            pthread_mutex_unlock(&e->mu);
+            free(j);
+            return -1;
+        }
+        e->res = r;
+        e->res_cap = cap;
+    }
+    lane = lane ? 1 : 0;
+    if (e->tail[lane])
+        e->tail[lane]->next = j;
+    else
+        e->head[lane] = j;
+    e->tail[lane] = j;
+    e->outstanding++;
+    pthread_cond_signal(&e->work);
+    pthread_mutex_unlock(&e->mu);
+    return 0;
+}
+
+/* Move up to `max` finished results, in finishing order, into `out`; returns how many. */
+size_t kvt_engine_poll(kvt_engine *e, kvt_result *out, size_t max) {
+    pthread_mutex_lock(&e->mu);
+    size_t k = e->res_len - e->res_head;
+    if (k > max)
+        k = max;
+    for (size_t i = 0; i < k; i++)
+        out[i] = e->res[e->res_head + i];
+    e->res_head += k;
+    pthread_mutex_unlock(&e->mu);
+    return k;
+}
+
+/* Block until the job with sequence number `seq` of `lane` has finished. */
+void kvt_engine_wait(kvt_engine *e, int lane, uint64_t seq) {
+    lane = lane ? 1 : 0;
+    pthread_mutex_lock(&e->mu);
+    while (e->done_seq[lane] < seq)
+        pthread_cond_wait(&e->done, &e->mu);
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* Report queued jobs failed, let the running one finish, join the thread. Idempotent. */
+void kvt_engine_stop(kvt_engine *e) {
+    pthread_mutex_lock(&e->mu);
+    e->stopping = 1;
+    for (int lane = 1; lane >= 0; lane--) {
+        for (kvt_job *j = e->head[lane], *next; j; j = next) {
+            next = j->next;
+            push_result(e, j->id, 0, lane, 0.0);
+            e->done_seq[lane] = j->seq;
+            free(j);
+        }
+        e->head[lane] = e->tail[lane] = NULL;
+    }
+    pthread_cond_broadcast(&e->work);
+    pthread_cond_broadcast(&e->done);
+    int join = !e->joined;
+    e->joined = 1;
+    pthread_mutex_unlock(&e->mu);
+    if (join)
+        pthread_join(e->thread, NULL);
+}
+
+/* Stop (if not yet) and release the engine; unpolled results are lost. */
+void kvt_engine_free(kvt_engine *e) {
+    kvt_engine_stop(e);
+    pthread_mutex_destroy(&e->mu);
+    pthread_cond_destroy(&e->work);
+    pthread_cond_destroy(&e->done);
+    free(e->res);
+    free(e);
+}

@@ -1,0 +1,201 @@
+"""The CPU backend with its copy thread in C: copies never wait for the GIL.
+
+`CPUTransferWorker` copies on a Python thread. Between two jobs that thread needs the GIL,
+so while another thread holds it (an engine's step loop, a burst of submits) no job starts:
+on the 2-core machine of docs/benchmarks.md a burst of 64 one-MiB jobs spent its whole
+submission time, about a third of the total, copying nothing. Here the thread is
+`copyengine.c`'s: Python plans a job (validation and row indices, as every backend does),
+hands the engine pointers to its segment table and row arrays, and polls results.
+
+`make_transfer_worker(..., "cpu")` returns this worker wherever the compiled library is
+available (`native.library()`), and `CPUTransferWorker` elsewhere; both keep the same
+contract, and the same tests run against both.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import threading
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier.base import TransferResult
+from kvtier.transfer.cpu_worker import DEFAULT_STAGE_BYTES, CPUTransferWorker
+from kvtier.transfer.host_pool import HostPool
+from kvtier.transfer.native import BeforeHook, EngineResult, library
+from kvtier.transfer.plan import Direction, Job
+from kvtier.transfer.registration import KVCacheRegistration
+from kvtier.transfer.worker import FaultInjector, TransferWorker
+
+logger = logging.getLogger(__name__)
+
+_POLL = 256
+"""Results fetched per engine call."""
+
+
+@dataclass(slots=True)
+class _Live:
+    """A submitted job whose result has not been collected; holds what the engine reads."""
+
+    dst: npt.NDArray[np.int64]
+    src: npt.NDArray[np.int64]
+    lane: int
+    seq: int
+    nbytes: int
+    direction: str
+
+
+def _tables(
+    registration: KVCacheRegistration, pool: HostPool
+) -> dict[int, tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]]:
+    """Per group, the engine's segment tables for stores and for loads (`native.RowCopy`)."""
+    tables = {}
+    for g in registration.groups:
+        rows = []
+        col = 0
+        for seg in registration.segments(g):
+            rows.append((pool.address + col, pool.row_bytes, seg.address, seg.stride, seg.width))
+            col += seg.width
+        store = np.array(rows, dtype=np.uint64).reshape(-1, 5)
+        tables[g] = (store, np.ascontiguousarray(store[:, [2, 3, 0, 1, 4]]))
+    return tables
+
+
+def _pointers(
+    tables: dict[int, tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]],
+) -> dict[int, tuple[tuple[int, int], tuple[int, int]]]:
+    """Per group, (address, rows) of the store and load tables: `.ctypes` costs µs per job."""
+    return {
+        g: tuple((int(t.ctypes.data), int(t.shape[0])) for t in pair)  # type: ignore[misc]
+        for g, pair in tables.items()
+    }
+
+
+def _hook(ref: weakref.ReferenceType[NativeCPUTransferWorker]) -> ctypes._CFunctionType:
+    # Through a weak reference: the finalizer keeps the hook alive, and a hook holding the
+    # worker would keep the worker alive forever.
+    def before(job_id: int) -> int:
+        worker = ref()
+        return 1 if worker is None else worker._before(job_id)
+
+    return BeforeHook(before)
+
+
+def _release(lib: ctypes.CDLL, handle: int, hook: object) -> None:
+    del hook  # kept alive until here: the engine's thread may call it until it is joined
+    lib.kvt_engine_free(handle)
+
+
+class NativeCPUTransferWorker(TransferWorker):
+    """CPU transfer worker whose copy thread is compiled code (see the module docstring).
+
+    One thread runs jobs in submission order, urgent loads first, like `CPUTransferWorker`.
+    `stage_bytes` is accepted for compatibility and unused: rows are copied directly.
+    Raises RuntimeError if the compiled library is unavailable.
+    """
+
+    def __init__(
+        self,
+        registration: KVCacheRegistration,
+        pool: HostPool,
+        *,
+        stage_bytes: int = DEFAULT_STAGE_BYTES,
+        fault_injector: FaultInjector | None = None,
+    ) -> None:
+        CPUTransferWorker._check_device(registration)
+        super().__init__(registration, pool, fault_injector)
+        del stage_bytes
+        lib = library()
+        if lib is None:
+            raise RuntimeError(
+                "the compiled copy engine is unavailable (KVTIER_NATIVE_COPY=0, no C compiler, "
+                "or not x86-64); use CPUTransferWorker"
+            )
+        self._lib = lib
+        self._tables = _tables(registration, pool)  # kept alive: the engine reads them
+        self._table_ptrs = _pointers(self._tables)
+        self._live: dict[int, _Live] = {}
+        self._next_seq = [1, 1]
+        self._engine_thread: int | None = None
+        # A null hook pointer when there is no injector: the engine then never calls Python.
+        self._hook = _hook(weakref.ref(self)) if fault_injector is not None else BeforeHook()
+        handle = lib.kvt_engine_new(self._hook)
+        if not handle:
+            raise RuntimeError("could not start the copy engine's thread")
+        self._engine: int = handle
+        self._finalizer = weakref.finalize(self, _release, lib, handle, self._hook)
+        # The engine's thread may call the fault injector: stop it before the interpreter goes.
+        atexit.register(self.shutdown)
+
+    def _before(self, job_id: int) -> int:
+        """The engine's hook: run the fault injector; an exception fails the job."""
+        self._engine_thread = threading.get_ident()
+        live = self._live.get(job_id)
+        try:
+            assert self._fault_injector is not None
+            self._fault_injector(job_id, live.direction if live else "unknown")
+        except Exception:
+            logger.exception("transfer job %d failed", job_id)
+            return 1
+        return 0
+
+    def _submit(self, job: Job) -> None:
+        store = job.direction is Direction.STORE
+        lane = 1 if job.urgent else 0
+        table, nseg = self._table_ptrs[job.group][0 if store else 1]
+        dst = np.ascontiguousarray(job.host_rows if store else job.dev_rows, dtype=np.int64)
+        src = np.ascontiguousarray(job.dev_rows if store else job.host_rows, dtype=np.int64)
+        seq = self._next_seq[lane]
+        # Recorded first: the engine may run the job (and its hook) before submit returns.
+        self._live[job.job_id] = _Live(dst, src, lane, seq, job.nbytes, job.direction.value)
+        rc = self._lib.kvt_engine_submit(
+            self._engine, job.job_id, lane, seq, table, nseg,
+            dst.ctypes.data, src.ctypes.data, dst.shape[0],
+        )  # fmt: skip
+        if rc != 0:
+            del self._live[job.job_id]
+            raise RuntimeError(f"the copy engine refused job {job.job_id} (stopped or no memory)")
+        self._next_seq[lane] = seq + 1
+
+    def _collect(self) -> list[TransferResult]:
+        results: list[TransferResult] = []
+        buf = (EngineResult * _POLL)()
+        while True:
+            k = self._lib.kvt_engine_poll(self._engine, buf, _POLL)
+            for r in buf[:k]:
+                live = self._live.pop(r.job_id)
+                ok = bool(r.ok)
+                results.append(
+                    TransferResult(r.job_id, ok, live.nbytes if ok else 0, float(r.seconds))
+                )
+            if k < _POLL:
+                return results
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        """Block until every job in `job_ids` has finished (ids not in flight are ignored)."""
+        if threading.get_ident() == self._engine_thread:
+            raise RuntimeError("wait() called from the transfer thread would deadlock")
+        last = [0, 0]
+        with self._lock:
+            for j in job_ids:
+                live = self._live.get(j)
+                if live is not None and live.seq > last[live.lane]:
+                    last[live.lane] = live.seq
+        for lane, seq in enumerate(last):
+            if seq:
+                self._lib.kvt_engine_wait(self._engine, lane, seq)  # releases the GIL
+
+    def shutdown(self) -> None:
+        """Cancel queued jobs (reported failed), let the running one finish, stop the thread."""
+        atexit.unregister(self.shutdown)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._lib.kvt_engine_stop(self._engine)  # joins the thread; releases the GIL meanwhile

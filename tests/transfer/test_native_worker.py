@@ -1,0 +1,121 @@
+"""What the compiled copy thread adds over the Python one; the shared contract is tested for
+both in test_cpu_worker.py."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.transfer import (
+    CPUTransferWorker,
+    HostPool,
+    KVCacheRegistration,
+    KVTensor,
+    NativeCPUTransferWorker,
+    TransferWorker,
+    make_transfer_worker,
+)
+from kvtier.transfer.native import library
+
+pytestmark = pytest.mark.skipif(library() is None, reason="the compiled engine cannot be built")
+
+
+@pytest.fixture
+def long_gil_slices() -> Iterator[None]:
+    """A thread holding the GIL keeps it for seconds: other Python threads cannot run."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)
+    yield
+    sys.setswitchinterval(old)
+
+
+def _setup() -> tuple[torch.Tensor, KVCacheRegistration, HostPool]:
+    kv = torch.arange(8 * 4096, dtype=torch.int32).view(8, 4096)
+    reg = KVCacheRegistration([KVTensor(kv, 0)])
+    return kv, reg, HostPool(reg, 1, num_slots=8)
+
+
+def _copied_while_holding_the_gil(worker: TransferWorker, pool: HostPool, kv: torch.Tensor) -> bool:
+    want = kv[3].numpy().view(np.uint8)[-64:].tobytes()
+    tail = pool.rows[5].numpy()[-64:]
+    worker.submit_store(1, [3], [5])
+    deadline = time.perf_counter() + 1.0
+    # Only tiny numpy calls: numpy releases the GIL in loops over larger arrays.
+    while time.perf_counter() < deadline:
+        if tail.tobytes() == want:
+            return True
+    return False
+
+
+def test_copies_run_while_another_thread_holds_the_gil(long_gil_slices: None) -> None:
+    kv, reg, pool = _setup()
+    with NativeCPUTransferWorker(reg, pool) as w:
+        assert _copied_while_holding_the_gil(w, pool, kv)
+        w.wait([1])
+        assert [r.success for r in w.get_finished()] == [True]
+
+
+def test_the_python_thread_waits_for_the_gil(long_gil_slices: None) -> None:
+    """The control for the test above: it can fail, and does with a Python copy thread."""
+    kv, reg, pool = _setup()
+    with CPUTransferWorker(reg, pool) as w:
+        time.sleep(0.05)  # let the copy thread reach its wait for work
+        assert not _copied_while_holding_the_gil(w, pool, kv)
+        w.wait([1])  # blocking releases the GIL: now it runs
+        assert [r.success for r in w.get_finished()] == [True]
+        assert torch.equal(pool.rows[5, :16384], kv[3].view(torch.uint8))
+
+
+def test_factory_picks_the_compiled_engine_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, reg, pool = _setup()
+    with make_transfer_worker(reg, pool, "cpu") as w:
+        assert isinstance(w, NativeCPUTransferWorker)
+    monkeypatch.setattr("kvtier.transfer.factory.library", lambda: None)
+    with make_transfer_worker(reg, pool, "cpu") as w:
+        assert type(w) is CPUTransferWorker
+
+
+def test_refuses_to_start_without_the_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, reg, pool = _setup()
+    monkeypatch.setattr("kvtier.transfer.native_worker.library", lambda: None)
+    with pytest.raises(RuntimeError, match="compiled copy engine is unavailable"):
+        NativeCPUTransferWorker(reg, pool)
+
+
+def test_a_dropped_worker_releases_its_engine() -> None:
+    _, reg, pool = _setup()
+    w = NativeCPUTransferWorker(reg, pool, fault_injector=lambda j, d: None)
+    w.submit_store(1, [0], [0])
+    w.wait([1])
+    finalizer = w._finalizer
+    w.shutdown()
+    del w
+    gc.collect()
+    assert not finalizer.alive, "the engine (and its thread) outlived the worker"
+
+
+def test_a_refused_submit_leaves_no_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, reg, pool = _setup()
+    with NativeCPUTransferWorker(reg, pool) as w:
+        real = w._lib
+
+        class Refusing:
+            def __getattr__(self, name: str) -> object:
+                return getattr(real, name)
+
+            def kvt_engine_submit(self, *args: object) -> int:
+                return -1
+
+        w._lib = Refusing()  # type: ignore[assignment]
+        with pytest.raises(RuntimeError, match="refused job 4"):
+            w.submit_store(4, [0], [0])
+        w._lib = real
+        w.submit_store(4, [0], [0])  # the id is free again
+        w.wait([4])
+        assert [r.job_id for r in w.get_finished()] == [4]
