@@ -41,6 +41,22 @@ typedef struct {
     double seconds;
 } kvt_result;
 
+/* Helpers that copy slices of one large job alongside the engine's thread (fork-join). */
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t go, fin;
+    unsigned long gen; /* bumped per forked job; a helper runs once per value */
+    int parts, pending, stopping;
+    const kvtier_segment *segs;
+    size_t nseg, n;
+    const int64_t *dst, *src;
+} kvt_team;
+
+typedef struct {
+    kvt_team *team;
+    int index;
+} kvt_helper_arg;
+
 typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t work, done;
@@ -52,7 +68,74 @@ typedef struct {
     int stopping, joined;
     kvt_before_fn before;
     pthread_t thread;
+    kvt_team team;
+    int nhelpers;
+    pthread_t *helpers;
+    kvt_helper_arg *helper_args;
 } kvt_engine;
+
+/* Jobs from this size are split over the engine's thread and its helpers: below it the
+ * hand-off costs more than a second thread gains. */
+#define KVT_SPLIT_BYTES ((size_t)2 << 20)
+
+static void copy_slice(const kvt_team *t, int part) {
+    size_t a = t->n * (size_t)part / (size_t)t->parts;
+    size_t b = t->n * (size_t)(part + 1) / (size_t)t->parts;
+    if (b > a)
+        kvtier_copy_indexed(t->segs, t->nseg, t->dst + a, t->src + a, b - a);
+}
+
+static void *help(void *arg) {
+    kvt_helper_arg *h = arg;
+    kvt_team *t = h->team;
+    unsigned long seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&t->mu);
+        while (!t->stopping && t->gen == seen)
+            pthread_cond_wait(&t->go, &t->mu);
+        if (t->stopping) {
+            pthread_mutex_unlock(&t->mu);
+            return NULL;
+        }
+        seen = t->gen;
+        int part = h->index < t->parts ? h->index : -1;
+        pthread_mutex_unlock(&t->mu);
+        if (part > 0)
+            copy_slice(t, part);
+        pthread_mutex_lock(&t->mu);
+        if (--t->pending == 0)
+            pthread_cond_signal(&t->fin);
+        pthread_mutex_unlock(&t->mu);
+    }
+}
+
+/* Copy a job, split over the helpers when it is large. */
+static void copy_job(kvt_engine *e, const kvt_job *j) {
+    size_t row = 0;
+    for (size_t k = 0; k < j->nseg; k++)
+        row += (size_t)j->segs[k].width;
+    kvt_team *t = &e->team;
+    if (e->nhelpers == 0 || j->n < 2 || row * j->n < KVT_SPLIT_BYTES) {
+        kvtier_copy_indexed(j->segs, j->nseg, j->dst, j->src, j->n);
+        return;
+    }
+    pthread_mutex_lock(&t->mu);
+    t->segs = j->segs;
+    t->nseg = j->nseg;
+    t->dst = j->dst;
+    t->src = j->src;
+    t->n = j->n;
+    t->parts = (size_t)(e->nhelpers + 1) < j->n ? e->nhelpers + 1 : (int)j->n;
+    t->pending = e->nhelpers; /* every helper checks in, with a slice or without */
+    t->gen++;
+    pthread_cond_broadcast(&t->go);
+    pthread_mutex_unlock(&t->mu);
+    copy_slice(t, 0);
+    pthread_mutex_lock(&t->mu);
+    while (t->pending > 0)
+        pthread_cond_wait(&t->fin, &t->mu);
+    pthread_mutex_unlock(&t->mu);
+}
 
 static void push_result(kvt_engine *e, int64_t id, int ok, int lane, double seconds) {
     /* Capacity was reserved at submit, so this never allocates. */
@@ -85,7 +168,7 @@ static void *serve(void *arg) {
         clock_gettime(CLOCK_MONOTONIC, &t0);
         int ok = e->before ? e->before(j->id) == 0 : 1;
         if (ok)
-            kvtier_copy_indexed(j->segs, j->nseg, j->dst, j->src, j->n);
+            copy_job(e, j);
         clock_gettime(CLOCK_MONOTONIC, &t1);
         double seconds = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
 
@@ -98,7 +181,31 @@ static void *serve(void *arg) {
     }
 }
 
-kvt_engine *kvt_engine_new(kvt_before_fn before) {
+static void stop_helpers(kvt_engine *e, int started) {
+    kvt_team *t = &e->team;
+    pthread_mutex_lock(&t->mu);
+    t->stopping = 1;
+    pthread_cond_broadcast(&t->go);
+    pthread_mutex_unlock(&t->mu);
+    for (int i = 0; i < started; i++)
+        pthread_join(e->helpers[i], NULL);
+}
+
+static void destroy(kvt_engine *e) {
+    pthread_mutex_destroy(&e->mu);
+    pthread_cond_destroy(&e->work);
+    pthread_cond_destroy(&e->done);
+    pthread_mutex_destroy(&e->team.mu);
+    pthread_cond_destroy(&e->team.go);
+    pthread_cond_destroy(&e->team.fin);
+    free(e->helpers);
+    free(e->helper_args);
+    free(e->res);
+    free(e);
+}
+
+/* Start the engine's thread and `threads - 1` helpers for large jobs; NULL on failure. */
+kvt_engine *kvt_engine_new(kvt_before_fn before, int threads) {
     kvt_engine *e = calloc(1, sizeof *e);
     if (!e)
         return NULL;
@@ -106,11 +213,28 @@ kvt_engine *kvt_engine_new(kvt_before_fn before) {
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->work, NULL);
     pthread_cond_init(&e->done, NULL);
+    pthread_mutex_init(&e->team.mu, NULL);
+    pthread_cond_init(&e->team.go, NULL);
+    pthread_cond_init(&e->team.fin, NULL);
+    int want = threads > 1 ? threads - 1 : 0;
+    e->helpers = calloc((size_t)want + 1, sizeof *e->helpers);
+    e->helper_args = calloc((size_t)want + 1, sizeof *e->helper_args);
+    if (!e->helpers || !e->helper_args) {
+        destroy(e);
+        return NULL;
+    }
+    for (int i = 0; i < want; i++) {
+        e->helper_args[i] = (kvt_helper_arg){&e->team, i + 1};
+        if (pthread_create(&e->helpers[i], NULL, help, &e->helper_args[i]) != 0) {
+            stop_helpers(e, i);
+            destroy(e);
+            return NULL;
+        }
+    }
+    e->nhelpers = want;
     if (pthread_create(&e->thread, NULL, serve, e) != 0) {
-        pthread_mutex_destroy(&e->mu);
-        pthread_cond_destroy(&e->work);
-        pthread_cond_destroy(&e->done);
-        free(e);
+        stop_helpers(e, want);
+        destroy(e);
         return NULL;
     }
     return e;
@@ -202,16 +326,14 @@ void kvt_engine_stop(kvt_engine *e) {
     int join = !e->joined;
     e->joined = 1;
     pthread_mutex_unlock(&e->mu);
-    if (join)
-        pthread_join(e->thread, NULL);
+    if (join) {
+        pthread_join(e->thread, NULL); /* no job is forked to the helpers after this */
+        stop_helpers(e, e->nhelpers);
+    }
 }
 
 /* Stop (if not yet) and release the engine; unpolled results are lost. */
 void kvt_engine_free(kvt_engine *e) {
     kvt_engine_stop(e);
-    pthread_mutex_destroy(&e->mu);
-    pthread_cond_destroy(&e->work);
-    pthread_cond_destroy(&e->done);
-    free(e->res);
-    free(e);
+    destroy(e);
 }

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from kvtier.base import TransferResult
 from kvtier.transfer.cpu_worker import DEFAULT_STAGE_BYTES, CPUTransferWorker
@@ -95,10 +96,13 @@ def _release(lib: ctypes.CDLL, handle: int, hook: object) -> None:
 class NativeCPUTransferWorker(TransferWorker):
     """CPU transfer worker whose copy thread is compiled code (see the module docstring).
 
-    One thread runs jobs in submission order, urgent loads first, like `CPUTransferWorker`.
+    One thread runs jobs in submission order, urgent loads first, like `CPUTransferWorker`;
+    a job of 2 MiB or more is split by rows over it and `torch.get_num_threads() - 1` helpers.
     `stage_bytes` is accepted for compatibility and unused: rows are copied directly.
     Raises RuntimeError if the compiled library is unavailable.
     """
+
+    _FIND_RUNS = False  # every job is one indexed copy
 
     def __init__(
         self,
@@ -125,7 +129,8 @@ class NativeCPUTransferWorker(TransferWorker):
         self._engine_thread: int | None = None
         # A null hook pointer when there is no injector: the engine then never calls Python.
         self._hook = _hook(weakref.ref(self)) if fault_injector is not None else BeforeHook()
-        handle = lib.kvt_engine_new(self._hook)
+        # As many threads as torch uses for its own copies; jobs of 2 MiB or more are split.
+        handle = lib.kvt_engine_new(self._hook, max(1, torch.get_num_threads()))
         if not handle:
             raise RuntimeError("could not start the copy engine's thread")
         self._engine: int = handle
