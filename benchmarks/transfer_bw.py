@@ -61,6 +61,7 @@ def bench_page(
     pageable: bool = False,
     copy_mode: str = "auto",
     cpu_worker: str = "auto",
+    settle: float = 0.0,
 ) -> list[dict[str, object]]:
     """Rows for one page size: store and load for every batch size."""
     num_blocks = max(region // page, 2 * max(batches))
@@ -125,6 +126,9 @@ def bench_page(
                 ceiling(direction)
                 for _ in range(repeats):
                     ceil[direction].append(ceiling(direction))
+                    # torch's OpenMP threads spin for a while after its parallel copy; a
+                    # worker's copy threads started meanwhile share the cores with them.
+                    time.sleep(settle)
                     times[direction].append(run(direction))
                 rows.append(
                     {
@@ -159,6 +163,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cpu-worker", choices=["auto", "python"], default="auto",
                     help="CPU: the factory's worker (compiled copy thread where it builds), or "
                     "CPUTransferWorker (Python copy thread)")  # fmt: skip
+    ap.add_argument("--settle-ms", type=float, default=50.0,
+                    help="pause between the ceiling copy and the timed run, so that torch's "
+                    "OpenMP threads stop spinning (0 to measure the contention)")  # fmt: skip
     ap.add_argument(
         "--pageable", action="store_true", help="leave the host pool unpinned (CUDA fallback)"
     )
@@ -173,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         rows += bench_page(
             backend, device, page_kib * KiB, args.batches, args.region_mib * MiB,
             args.moved_mib * MiB, args.repeats, rng, args.pageable, args.copy_mode,
-            args.cpu_worker,
+            args.cpu_worker, args.settle_ms / 1e3,
         )  # fmt: skip
     label = str(rows[0]["backend"]) if rows else backend
     table = Table(title=f"kvtier transfer throughput ({label}, torch threads "

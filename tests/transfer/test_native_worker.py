@@ -124,30 +124,29 @@ def test_a_refused_submit_leaves_no_trace(monkeypatch: pytest.MonkeyPatch) -> No
 @pytest.mark.parametrize("threads", [1, 2, 5])
 @pytest.mark.parametrize("rows", [1, 3, 16])
 def test_large_jobs_split_over_helpers_are_byte_exact(threads: int, rows: int) -> None:
-    """Jobs of 2 MiB or more are copied in slices by several threads (fewer rows than
+    """Large jobs are copied in slices by several threads (fewer rows than
     threads included); every byte must land in the right row."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        gen = torch.Generator().manual_seed(rows)
-        kvs = [torch.randint(-(2**31), 2**31 - 1, (40, 512 * 1024 // 4), generator=gen,
-                             dtype=torch.int32) for _ in range(2)]  # fmt: skip
-        reg = KVCacheRegistration([KVTensor(t, 0) for t in kvs])  # 1 MiB pages, two segments
-        pool = HostPool(reg, 1, num_slots=20)
-        before = [t.clone() for t in kvs]
-        rng = np.random.default_rng(threads)
-        src, slots, dst = (
-            rng.permutation(20)[:rows],
-            rng.permutation(20)[:rows],
-            20 + np.arange(rows),
-        )
-        with NativeCPUTransferWorker(reg, pool) as w:
-            w.submit_store(1, src, slots)
-            w.submit_load(2, slots, dst)
-            w.wait([1, 2])
-            assert [r.success for r in w.get_finished()] == [True, True]
-        for t, b in zip(kvs, before, strict=True):
-            assert torch.equal(t[torch.from_numpy(dst)], b[torch.from_numpy(src)])
-            assert torch.equal(t[:20], b[:20]), "a load wrote outside its blocks"
-    finally:
-        torch.set_num_threads(old)
+    gen = torch.Generator().manual_seed(rows)
+    kvs = [torch.randint(-(2**31), 2**31 - 1, (40, 512 * 1024 // 4), generator=gen,
+                         dtype=torch.int32) for _ in range(2)]  # fmt: skip
+    reg = KVCacheRegistration([KVTensor(t, 0) for t in kvs])  # 1 MiB pages, two segments
+    pool = HostPool(reg, 1, num_slots=20)
+    before = [t.clone() for t in kvs]
+    rng = np.random.default_rng(threads)
+    src, slots = rng.permutation(20)[:rows], rng.permutation(20)[:rows]
+    dst = 20 + np.arange(rows)[::-1].copy()  # descending: scattered on both sides
+    with NativeCPUTransferWorker(reg, pool, copy_threads=threads) as w:
+        w.submit_store(1, src, slots)
+        w.submit_load(2, slots, dst)
+        w.wait([1, 2])
+        assert [r.success for r in w.get_finished()] == [True, True]
+    for t, b in zip(kvs, before, strict=True):
+        assert torch.equal(t[torch.from_numpy(dst)], b[torch.from_numpy(src)])
+        assert torch.equal(t[:20], b[:20]), "a load wrote outside its blocks"
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "4"])
+def test_copy_threads_must_be_a_positive_int(bad: object) -> None:
+    _, reg, pool = _setup()
+    with pytest.raises(ValueError, match="copy_threads"):
+        NativeCPUTransferWorker(reg, pool, copy_threads=bad)  # type: ignore[arg-type]

@@ -69,14 +69,15 @@ typedef struct {
     kvt_before_fn before;
     pthread_t thread;
     kvt_team team;
+    size_t min_split_bytes; /* smaller jobs are copied by the engine's thread alone */
     int nhelpers;
     pthread_t *helpers;
     kvt_helper_arg *helper_args;
 } kvt_engine;
 
-/* Jobs from this size are split over the engine's thread and its helpers: below it the
- * hand-off costs more than a second thread gains. */
-#define KVT_SPLIT_BYTES ((size_t)2 << 20)
+/* A large job is split by rows into slices of at least this many bytes, one per thread up
+ * to the helpers available: a smaller slice costs more to hand off than it saves. */
+#define KVT_SLICE_BYTES ((size_t)256 << 10)
 
 static void copy_slice(const kvt_team *t, int part) {
     size_t a = t->n * (size_t)part / (size_t)t->parts;
@@ -115,7 +116,13 @@ static void copy_job(kvt_engine *e, const kvt_job *j) {
     for (size_t k = 0; k < j->nseg; k++)
         row += (size_t)j->segs[k].width;
     kvt_team *t = &e->team;
-    if (e->nhelpers == 0 || j->n < 2 || row * j->n < KVT_SPLIT_BYTES) {
+    size_t bytes = row * j->n;
+    size_t parts = bytes < e->min_split_bytes ? 1 : bytes / KVT_SLICE_BYTES;
+    if (parts > (size_t)e->nhelpers + 1)
+        parts = (size_t)e->nhelpers + 1;
+    if (parts > j->n)
+        parts = j->n;
+    if (parts < 2) {
         kvtier_copy_indexed(j->segs, j->nseg, j->dst, j->src, j->n);
         return;
     }
@@ -125,7 +132,7 @@ static void copy_job(kvt_engine *e, const kvt_job *j) {
     t->dst = j->dst;
     t->src = j->src;
     t->n = j->n;
-    t->parts = (size_t)(e->nhelpers + 1) < j->n ? e->nhelpers + 1 : (int)j->n;
+    t->parts = (int)parts;
     t->pending = e->nhelpers; /* every helper checks in, with a slice or without */
     t->gen++;
     pthread_cond_broadcast(&t->go);
@@ -204,12 +211,14 @@ static void destroy(kvt_engine *e) {
     free(e);
 }
 
-/* Start the engine's thread and `threads - 1` helpers for large jobs; NULL on failure. */
-kvt_engine *kvt_engine_new(kvt_before_fn before, int threads) {
+/* Start the engine's thread and `threads - 1` helpers for jobs of `min_split_bytes` or more;
+ * NULL on failure. */
+kvt_engine *kvt_engine_new(kvt_before_fn before, int threads, size_t min_split_bytes) {
     kvt_engine *e = calloc(1, sizeof *e);
     if (!e)
         return NULL;
     e->before = before;
+    e->min_split_bytes = min_split_bytes;
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->work, NULL);
     pthread_cond_init(&e->done, NULL);

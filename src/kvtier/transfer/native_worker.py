@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Iterable
@@ -35,6 +36,11 @@ from kvtier.transfer.registration import KVCacheRegistration
 from kvtier.transfer.worker import FaultInjector, TransferWorker
 
 logger = logging.getLogger(__name__)
+
+MAX_DEFAULT_COPY_THREADS = 8
+"""Memory bandwidth is spent before this many threads on the servers measured
+(docs/bench/transfer.md); more threads add hand-off cost, and a slice whose thread is not
+scheduled at once delays its whole job."""
 
 _POLL = 256
 """Results fetched per engine call."""
@@ -96,9 +102,12 @@ def _release(lib: ctypes.CDLL, handle: int, hook: object) -> None:
 class NativeCPUTransferWorker(TransferWorker):
     """CPU transfer worker whose copy thread is compiled code (see the module docstring).
 
-    One thread runs jobs in submission order, urgent loads first, like `CPUTransferWorker`;
-    a job of 2 MiB or more is split by rows over it and `torch.get_num_threads() - 1` helpers.
-    `stage_bytes` is accepted for compatibility and unused: rows are copied directly.
+    One thread runs jobs in submission order, urgent loads first, like `CPUTransferWorker`.
+    A large job is split by rows into slices of at least 256 KiB, copied by that thread and
+    up to `copy_threads - 1` helpers (default: torch's thread count, at most
+    `MAX_DEFAULT_COPY_THREADS`); large means 512 KiB where the machine has a core beyond the
+    copy threads, else 2 MiB. `stage_bytes` is accepted for compatibility and unused: rows
+    are copied directly.
     Raises RuntimeError if the compiled library is unavailable.
     """
 
@@ -111,7 +120,12 @@ class NativeCPUTransferWorker(TransferWorker):
         *,
         stage_bytes: int = DEFAULT_STAGE_BYTES,
         fault_injector: FaultInjector | None = None,
+        copy_threads: int | None = None,
     ) -> None:
+        if copy_threads is None:
+            copy_threads = min(max(1, torch.get_num_threads()), MAX_DEFAULT_COPY_THREADS)
+        if isinstance(copy_threads, bool) or not isinstance(copy_threads, int) or copy_threads < 1:
+            raise ValueError(f"copy_threads={copy_threads!r} must be a positive int")
         CPUTransferWorker._check_device(registration)
         super().__init__(registration, pool, fault_injector)
         del stage_bytes
@@ -129,8 +143,12 @@ class NativeCPUTransferWorker(TransferWorker):
         self._engine_thread: int | None = None
         # A null hook pointer when there is no injector: the engine then never calls Python.
         self._hook = _hook(weakref.ref(self)) if fault_injector is not None else BeforeHook()
-        # As many threads as torch uses for its own copies; jobs of 2 MiB or more are split.
-        handle = lib.kvt_engine_new(self._hook, max(1, torch.get_num_threads()))
+        # With a core to spare for the submitting thread, 512 KiB jobs gain from a split;
+        # without one, the copy threads and a burst of submits share the cores, and on the
+        # 2-core machine splitting jobs under 2 MiB made them slower.
+        spare = copy_threads < (os.cpu_count() or 1)
+        min_split = (512 << 10) if spare else (2 << 20)
+        handle = lib.kvt_engine_new(self._hook, copy_threads, min_split)
         if not handle:
             raise RuntimeError("could not start the copy engine's thread")
         self._engine: int = handle
