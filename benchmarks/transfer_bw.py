@@ -62,6 +62,7 @@ def bench_page(
     copy_mode: str = "auto",
     cpu_worker: str = "auto",
     settle: float = 0.0,
+    copy_threads: int | None = None,
 ) -> list[dict[str, object]]:
     """Rows for one page size: store and load for every batch size."""
     num_blocks = max(region // page, 2 * max(batches))
@@ -72,11 +73,15 @@ def bench_page(
     pool.tensor.fill_(3)
     dev_flat, host_flat = dev.view(-1), pool.tensor.view(-1)
     rows: list[dict[str, object]] = []
-    kwargs = {"copy_mode": copy_mode} if backend == "cuda" and not pageable else {}
+    kwargs: dict[str, object] = (
+        {"copy_mode": copy_mode} if backend == "cuda" and not pageable else {}
+    )
     worker: TransferWorker
     if backend == "cpu" and cpu_worker == "python":
         worker = CPUTransferWorker(reg, pool)
     else:
+        if backend == "cpu" and copy_threads is not None:
+            kwargs["copy_threads"] = copy_threads
         worker = make_transfer_worker(reg, pool, backend, **kwargs)
     name = type(worker).__name__
     with worker:
@@ -163,6 +168,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cpu-worker", choices=["auto", "python"], default="auto",
                     help="CPU: the factory's worker (compiled copy thread where it builds), or "
                     "CPUTransferWorker (Python copy thread)")  # fmt: skip
+    ap.add_argument("--copy-threads", type=int, default=None,
+                    help="CPU: the compiled worker's copy threads (default: torch's, "
+                    "at most 8)")  # fmt: skip
     ap.add_argument("--settle-ms", type=float, default=50.0,
                     help="pause between the ceiling copy and the timed run, so that torch's "
                     "OpenMP threads stop spinning (0 to measure the contention)")  # fmt: skip
@@ -180,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         rows += bench_page(
             backend, device, page_kib * KiB, args.batches, args.region_mib * MiB,
             args.moved_mib * MiB, args.repeats, rng, args.pageable, args.copy_mode,
-            args.cpu_worker, args.settle_ms / 1e3,
+            args.cpu_worker, args.settle_ms / 1e3, args.copy_threads,
         )  # fmt: skip
     label = str(rows[0]["backend"]) if rows else backend
     table = Table(title=f"kvtier transfer throughput ({label}, torch threads "
