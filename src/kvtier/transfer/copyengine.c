@@ -44,17 +44,20 @@ typedef struct {
 /* Helpers that copy slices of one large job alongside the engine's thread (fork-join). */
 typedef struct {
     pthread_mutex_t mu;
-    pthread_cond_t go, fin;
-    unsigned long gen; /* bumped per forked job; a helper runs once per value */
+    pthread_cond_t fin;
     int parts, pending, stopping;
     const kvtier_segment *segs;
     size_t nseg, n;
     const int64_t *dst, *src;
 } kvt_team;
 
+/* Each helper has its own wake-up, so that a job split in k slices wakes k - 1 helpers and
+ * waits for them only, not for every helper of a wide machine. */
 typedef struct {
     kvt_team *team;
     int index;
+    pthread_cond_t go;
+    unsigned long gen; /* bumped under team->mu when this helper has a slice to copy */
 } kvt_helper_arg;
 
 typedef struct {
@@ -71,6 +74,7 @@ typedef struct {
     kvt_team team;
     size_t min_split_bytes; /* smaller jobs are copied by the engine's thread alone */
     int nhelpers;
+    int ncond; /* helper wake-ups initialised */
     pthread_t *helpers;
     kvt_helper_arg *helper_args;
 } kvt_engine;
@@ -92,17 +96,15 @@ static void *help(void *arg) {
     unsigned long seen = 0;
     for (;;) {
         pthread_mutex_lock(&t->mu);
-        while (!t->stopping && t->gen == seen)
-            pthread_cond_wait(&t->go, &t->mu);
+        while (!t->stopping && h->gen == seen)
+            pthread_cond_wait(&h->go, &t->mu);
         if (t->stopping) {
             pthread_mutex_unlock(&t->mu);
             return NULL;
         }
-        seen = t->gen;
-        int part = h->index < t->parts ? h->index : -1;
+        seen = h->gen;
         pthread_mutex_unlock(&t->mu);
-        if (part > 0)
-            copy_slice(t, part);
+        copy_slice(t, h->index);
         pthread_mutex_lock(&t->mu);
         if (--t->pending == 0)
             pthread_cond_signal(&t->fin);
@@ -133,9 +135,11 @@ static void copy_job(kvt_engine *e, const kvt_job *j) {
     t->src = j->src;
     t->n = j->n;
     t->parts = (int)parts;
-    t->pending = e->nhelpers; /* every helper checks in, with a slice or without */
-    t->gen++;
-    pthread_cond_broadcast(&t->go);
+    t->pending = (int)parts - 1;
+    for (size_t i = 0; i + 1 < parts; i++) { /* helper i copies slice i + 1 */
+        e->helper_args[i].gen++;
+        pthread_cond_signal(&e->helper_args[i].go);
+    }
     pthread_mutex_unlock(&t->mu);
     copy_slice(t, 0);
     pthread_mutex_lock(&t->mu);
@@ -192,7 +196,8 @@ static void stop_helpers(kvt_engine *e, int started) {
     kvt_team *t = &e->team;
     pthread_mutex_lock(&t->mu);
     t->stopping = 1;
-    pthread_cond_broadcast(&t->go);
+    for (int i = 0; i < started; i++)
+        pthread_cond_signal(&e->helper_args[i].go);
     pthread_mutex_unlock(&t->mu);
     for (int i = 0; i < started; i++)
         pthread_join(e->helpers[i], NULL);
@@ -203,8 +208,9 @@ static void destroy(kvt_engine *e) {
     pthread_cond_destroy(&e->work);
     pthread_cond_destroy(&e->done);
     pthread_mutex_destroy(&e->team.mu);
-    pthread_cond_destroy(&e->team.go);
     pthread_cond_destroy(&e->team.fin);
+    for (int i = 0; e->helper_args && i < e->ncond; i++)
+        pthread_cond_destroy(&e->helper_args[i].go);
     free(e->helpers);
     free(e->helper_args);
     free(e->res);
@@ -223,7 +229,6 @@ kvt_engine *kvt_engine_new(kvt_before_fn before, int threads, size_t min_split_b
     pthread_cond_init(&e->work, NULL);
     pthread_cond_init(&e->done, NULL);
     pthread_mutex_init(&e->team.mu, NULL);
-    pthread_cond_init(&e->team.go, NULL);
     pthread_cond_init(&e->team.fin, NULL);
     int want = threads > 1 ? threads - 1 : 0;
     e->helpers = calloc((size_t)want + 1, sizeof *e->helpers);
@@ -233,7 +238,12 @@ kvt_engine *kvt_engine_new(kvt_before_fn before, int threads, size_t min_split_b
         return NULL;
     }
     for (int i = 0; i < want; i++) {
-        e->helper_args[i] = (kvt_helper_arg){&e->team, i + 1};
+        e->helper_args[i].team = &e->team;
+        e->helper_args[i].index = i + 1;
+        pthread_cond_init(&e->helper_args[i].go, NULL);
+        e->ncond = i + 1;
+    }
+    for (int i = 0; i < want; i++) {
         if (pthread_create(&e->helpers[i], NULL, help, &e->helper_args[i]) != 0) {
             stop_helpers(e, i);
             destroy(e);
