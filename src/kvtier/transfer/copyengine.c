@@ -41,23 +41,24 @@ typedef struct {
     double seconds;
 } kvt_result;
 
-/* Helpers that copy slices of one large job alongside the engine's thread (fork-join). */
+/* Helpers that copy slices of one large job alongside the engine's thread. Slices are
+ * claimed, not assigned: the engine's thread claims them too, so a helper that is slow to
+ * wake (an idle vCPU can take milliseconds) costs its slice's time, never a wait for it. */
 typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t fin;
-    int parts, pending, stopping;
+    int parts, claimed, finished, stopping; /* of the current job, under mu */
     const kvtier_segment *segs;
     size_t nseg, n;
     const int64_t *dst, *src;
 } kvt_team;
 
-/* Each helper has its own wake-up, so that a job split in k slices wakes k - 1 helpers and
- * waits for them only, not for every helper of a wide machine. */
+/* Each helper has its own wake-up, so that a job split in k slices wakes k - 1 helpers, not
+ * every helper of a wide machine. */
 typedef struct {
     kvt_team *team;
-    int index;
     pthread_cond_t go;
-    unsigned long gen; /* bumped under team->mu when this helper has a slice to copy */
+    unsigned long gen; /* bumped under team->mu to wake this helper */
 } kvt_helper_arg;
 
 typedef struct {
@@ -83,11 +84,20 @@ typedef struct {
  * to the helpers available: a smaller slice costs more to hand off than it saves. */
 #define KVT_SLICE_BYTES ((size_t)256 << 10)
 
-static void copy_slice(const kvt_team *t, int part) {
-    size_t a = t->n * (size_t)part / (size_t)t->parts;
-    size_t b = t->n * (size_t)(part + 1) / (size_t)t->parts;
-    if (b > a)
+/* Claim and copy slices of the current job until none is left; called with t->mu held,
+ * returns with it held. The job cannot change meanwhile: the engine's thread waits for every
+ * claimed slice to finish before it moves on. */
+static void copy_slices(kvt_team *t) {
+    while (t->claimed < t->parts) {
+        int part = t->claimed++;
+        size_t a = t->n * (size_t)part / (size_t)t->parts;
+        size_t b = t->n * (size_t)(part + 1) / (size_t)t->parts;
+        pthread_mutex_unlock(&t->mu);
         kvtier_copy_indexed(t->segs, t->nseg, t->dst + a, t->src + a, b - a);
+        pthread_mutex_lock(&t->mu);
+        if (++t->finished == t->parts)
+            pthread_cond_signal(&t->fin);
+    }
 }
 
 static void *help(void *arg) {
@@ -103,11 +113,7 @@ static void *help(void *arg) {
             return NULL;
         }
         seen = h->gen;
-        pthread_mutex_unlock(&t->mu);
-        copy_slice(t, h->index);
-        pthread_mutex_lock(&t->mu);
-        if (--t->pending == 0)
-            pthread_cond_signal(&t->fin);
+        copy_slices(t);
         pthread_mutex_unlock(&t->mu);
     }
 }
@@ -135,15 +141,13 @@ static void copy_job(kvt_engine *e, const kvt_job *j) {
     t->src = j->src;
     t->n = j->n;
     t->parts = (int)parts;
-    t->pending = (int)parts - 1;
-    for (size_t i = 0; i + 1 < parts; i++) { /* helper i copies slice i + 1 */
+    t->claimed = t->finished = 0;
+    for (size_t i = 0; i + 1 < parts; i++) {
         e->helper_args[i].gen++;
         pthread_cond_signal(&e->helper_args[i].go);
     }
-    pthread_mutex_unlock(&t->mu);
-    copy_slice(t, 0);
-    pthread_mutex_lock(&t->mu);
-    while (t->pending > 0)
+    copy_slices(t);
+    while (t->finished < t->parts)
         pthread_cond_wait(&t->fin, &t->mu);
     pthread_mutex_unlock(&t->mu);
 }
@@ -239,7 +243,6 @@ kvt_engine *kvt_engine_new(kvt_before_fn before, int threads, size_t min_split_b
     }
     for (int i = 0; i < want; i++) {
         e->helper_args[i].team = &e->team;
-        e->helper_args[i].index = i + 1;
         pthread_cond_init(&e->helper_args[i].go, NULL);
         e->ncond = i + 1;
     }
