@@ -74,11 +74,11 @@ def test_the_python_thread_waits_for_the_gil(long_gil_slices: None) -> None:
 
 def test_factory_picks_the_compiled_engine_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     _, reg, pool = _setup()
-    with make_transfer_worker(reg, pool, "cpu") as w:
+    with make_transfer_worker(reg, pool, "cpu", copy_threads=3) as w:
         assert isinstance(w, NativeCPUTransferWorker)
     monkeypatch.setattr("kvtier.transfer.factory.library", lambda: None)
-    with make_transfer_worker(reg, pool, "cpu") as w:
-        assert type(w) is CPUTransferWorker
+    with make_transfer_worker(reg, pool, "cpu", copy_threads=3) as w:
+        assert type(w) is CPUTransferWorker  # and the native-only argument is dropped
 
 
 def test_refuses_to_start_without_the_library(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,8 +25,9 @@ def make_transfer_worker(
     On CUDA with a pool that is not pinned (pinning failed or `pin=False`), the worker falls
     back to bounce buffers on a background thread and logs a warning.
 
-    Extra keyword arguments (`stage_bytes`, `fault_injector`, and for CUDA `copy_mode`) go to
-    the backend.
+    Extra keyword arguments (`stage_bytes`, `fault_injector`, for CUDA `copy_mode`, for the
+    CPU `copy_threads`) go to the backend; `copy_threads` is ignored by the Python-thread
+    fallback, which splits large jobs over torch's thread count.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is unknown; expected one of {BACKENDS}")
@@ -43,4 +44,5 @@ def make_transfer_worker(
         return CUDATransferWorker(registration, pool, **kwargs)
     if library() is not None:
         return NativeCPUTransferWorker(registration, pool, **kwargs)
+    kwargs.pop("copy_threads", None)
     return CPUTransferWorker(registration, pool, **kwargs)

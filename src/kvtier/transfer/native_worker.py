@@ -141,6 +141,7 @@ class NativeCPUTransferWorker(TransferWorker):
         self._live: dict[int, _Live] = {}
         self._next_seq = [1, 1]
         self._engine_thread: int | None = None
+        self._poll_buffer = (EngineResult * _POLL)()
         # A null hook pointer when there is no injector: the engine then never calls Python.
         self._hook = _hook(weakref.ref(self)) if fault_injector is not None else BeforeHook()
         # With a core to spare for the submitting thread, 512 KiB jobs gain from a split;
@@ -188,7 +189,7 @@ class NativeCPUTransferWorker(TransferWorker):
 
     def _collect(self) -> list[TransferResult]:
         results: list[TransferResult] = []
-        buf = (EngineResult * _POLL)()
+        buf = self._poll_buffer
         while True:
             k = self._lib.kvt_engine_poll(self._engine, buf, _POLL)
             for r in buf[:k]:
