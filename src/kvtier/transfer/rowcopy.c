@@ -12,6 +12,7 @@
  */
 #include <emmintrin.h>
 #include <stddef.h>
+#include <xmmintrin.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -19,12 +20,24 @@ typedef struct {
     uint64_t dst_base, dst_stride, src_base, src_stride, width;
 } kvtier_segment;
 
-static void copy_row(char *d, const char *s, size_t width) {
+/* Software prefetch distance. The hardware prefetchers restart at every row of a scattered
+ * copy; reading 4 KiB ahead, on into the next row's start, copied random 64-256 KiB rows
+ * 13-18% faster on one thread of the 2-core EPYC machine than the same loop without it
+ * (1 and 2 KiB ahead, or within the row only, gained less). */
+#define KVT_PREFETCH 4096
+
+static void copy_row(char *d, const char *s, size_t width, const char *next) {
     if (((uintptr_t)d | (uintptr_t)s | width) & 63) {
         memcpy(d, s, width);
         return;
     }
     for (size_t off = 0; off < width; off += 64) {
+        size_t ahead = off + KVT_PREFETCH;
+        /* Prefetches never fault, so one past the last row is harmless. */
+        if (ahead < width)
+            _mm_prefetch(s + ahead, _MM_HINT_NTA);
+        else if (next)
+            _mm_prefetch(next + (ahead - width), _MM_HINT_NTA);
         __m128i a = _mm_load_si128((const __m128i *)(s + off));
         __m128i b = _mm_load_si128((const __m128i *)(s + off + 16));
         __m128i c = _mm_load_si128((const __m128i *)(s + off + 32));
@@ -44,7 +57,11 @@ void kvtier_copy_indexed(const kvtier_segment *segs, size_t nseg, const int64_t 
             char *d = (char *)(uintptr_t)(g->dst_base + (uint64_t)dst_idx[i] * g->dst_stride);
             const char *s =
                 (const char *)(uintptr_t)(g->src_base + (uint64_t)src_idx[i] * g->src_stride);
-            copy_row(d, s, (size_t)g->width);
+            const char *next = NULL;
+            if (i + 1 < n)
+                next = (const char *)(uintptr_t)(g->src_base +
+                                                 (uint64_t)src_idx[i + 1] * g->src_stride);
+            copy_row(d, s, (size_t)g->width, next);
         }
     }
     /* Streaming stores are weakly ordered: make them visible before the job is reported. */
