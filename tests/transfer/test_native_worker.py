@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -100,25 +101,57 @@ def test_a_dropped_worker_releases_its_engine() -> None:
     assert not finalizer.alive, "the engine (and its thread) outlived the worker"
 
 
-def test_a_refused_submit_leaves_no_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+class _Refusing:
+    """The engine library, with `kvt_engine_submit_ids` answering `code`."""
+
+    def __init__(self, real: object, code: int) -> None:
+        self.real, self.code = real, code
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.real, name)
+
+    def kvt_engine_submit_ids(self, *args: object) -> int:
+        return self.code
+
+
+def test_a_refused_submit_leaves_no_trace() -> None:
     _, reg, pool = _setup()
     with NativeCPUTransferWorker(reg, pool) as w:
         real = w._lib
-
-        class Refusing:
-            def __getattr__(self, name: str) -> object:
-                return getattr(real, name)
-
-            def kvt_engine_submit(self, *args: object) -> int:
-                return -1
-
-        w._lib = Refusing()  # type: ignore[assignment]
+        w._lib = _Refusing(real, -1)  # type: ignore[assignment]
         with pytest.raises(RuntimeError, match="refused job 4"):
             w.submit_store(4, [0], [0])
         w._lib = real
         w.submit_store(4, [0], [0])  # the id is free again
         w.wait([4])
         assert [r.job_id for r in w.get_finished()] == [4]
+
+
+def test_arguments_the_engine_refuses_go_through_the_planner() -> None:
+    """Were the C checks ever stricter than plan.py's, a valid job would still run."""
+    kv, reg, pool = _setup()
+    with NativeCPUTransferWorker(reg, pool) as w:
+        w._lib = _Refusing(w._lib, 1)  # type: ignore[assignment]
+        w.submit_store(1, [3], [5])
+        w.wait([1])
+        assert [r.success for r in w.get_finished()] == [True]
+    assert torch.equal(pool.rows[5, :16384], kv[3].view(torch.uint8))
+
+
+def test_the_caller_may_reuse_its_id_arrays_at_once() -> None:
+    """The engine copies the ids it is given: the caller's arrays are free after submit."""
+    kv, reg, pool = _setup()
+    gate = threading.Event()
+    with NativeCPUTransferWorker(reg, pool, fault_injector=lambda j, d: gate.wait(5)) as w:
+        blocks, slots = np.array([3, 4]), np.array([6, 7])
+        w.submit_store(1, blocks, slots)
+        blocks[:], slots[:] = [0, 1], [0, 1]  # before the copy runs
+        gate.set()
+        w.wait([1])
+        assert [r.success for r in w.get_finished()] == [True]
+    assert torch.equal(pool.rows[6, :16384], kv[3].view(torch.uint8))
+    assert torch.equal(pool.rows[7, :16384], kv[4].view(torch.uint8))
+    assert not torch.equal(pool.rows[0, :16384], kv[0].view(torch.uint8))
 
 
 @pytest.mark.parametrize("threads", [1, 2, 5])

@@ -8,14 +8,28 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor, make_transfer_worker
+from kvtier.transfer import (
+    CPUTransferWorker,
+    HostPool,
+    KVCacheRegistration,
+    KVTensor,
+    NativeCPUTransferWorker,
+)
+from kvtier.transfer.native import library
 from kvtier.transfer.plan import RUN_BYTES, JobPlanner
 
 
-@pytest.fixture
-def worker() -> Any:
+@pytest.fixture(params=["python", "native"])
+def worker(request: pytest.FixtureRequest) -> Any:
+    """Both CPU workers: the native one validates in C first, then asks the planner why."""
     reg = KVCacheRegistration([KVTensor(torch.zeros(16, 4, 8), "mla")])
-    w = make_transfer_worker(reg, HostPool(reg, 2, num_slots=4))
+    pool = HostPool(reg, 2, num_slots=4)
+    if request.param == "python":
+        w: Any = CPUTransferWorker(reg, pool)
+    elif library() is None:
+        pytest.skip("the compiled copy engine cannot be built here")
+    else:
+        w = NativeCPUTransferWorker(reg, pool)
     yield w
     w.shutdown()
 

@@ -262,16 +262,9 @@ kvt_engine *kvt_engine_new(kvt_before_fn before, int threads, size_t min_split_b
     return e;
 }
 
-/* Queue a job in `lane` (0 normal, 1 urgent) with the caller's sequence number, which must
- * grow by one per job of the lane. Returns 0, or -1 if stopping or out of memory (nothing
- * queued). */
-int kvt_engine_submit(kvt_engine *e, int64_t id, int lane, uint64_t seq,
-                      const kvtier_segment *segs, size_t nseg, const int64_t *dst,
-                      const int64_t *src, size_t n) {
-    kvt_job *j = malloc(sizeof *j);
-    if (!j)
-        return -1;
-    *j = (kvt_job){NULL, id, seq, segs, nseg, dst, src, n};
+/* Queue `j` in `lane` (0 normal, 1 urgent). Returns 0, or -1 if stopping or out of memory,
+ * in which case `j` is freed and nothing is queued. */
+static int enqueue(kvt_engine *e, kvt_job *j, int lane) {
     pthread_mutex_lock(&e->mu);
     size_t need = e->res_len + e->outstanding + 1;
     if (e->stopping) {
@@ -306,6 +299,94 @@ int kvt_engine_submit(kvt_engine *e, int64_t id, int lane, uint64_t seq,
     pthread_cond_signal(&e->work);
     pthread_mutex_unlock(&e->mu);
     return 0;
+}
+
+/* Queue a job in `lane` (0 normal, 1 urgent) with the caller's sequence number, which must
+ * grow by one per job of the lane; the caller keeps `dst` and `src` alive until the job's
+ * result is polled. Returns 0, or -1 if stopping or out of memory (nothing queued). */
+int kvt_engine_submit(kvt_engine *e, int64_t id, int lane, uint64_t seq,
+                      const kvtier_segment *segs, size_t nseg, const int64_t *dst,
+                      const int64_t *src, size_t n) {
+    kvt_job *j = malloc(sizeof *j);
+    if (!j)
+        return -1;
+    *j = (kvt_job){NULL, id, seq, segs, nseg, dst, src, n};
+    return enqueue(e, j, lane);
+}
+
+static int out_of_range(const int64_t *a, size_t n, int64_t limit) {
+    for (size_t i = 0; i < n; i++)
+        if (a[i] < 0 || a[i] >= limit)
+            return 1;
+    return 0;
+}
+
+static int cmp_i64(const void *x, const void *y) {
+    int64_t a = *(const int64_t *)x, b = *(const int64_t *)y;
+    return (a > b) - (a < b);
+}
+
+/* 1 if `a` repeats a value, 0 if not, -1 if out of memory. */
+static int repeats(const int64_t *a, size_t n) {
+    if (n <= 48) { /* a job's few chunks: cheaper than a sorted copy */
+        for (size_t i = 1; i < n; i++)
+            for (size_t k = 0; k < i; k++)
+                if (a[i] == a[k])
+                    return 1;
+        return 0;
+    }
+    int64_t *s = malloc(n * sizeof *s);
+    if (!s)
+        return -1;
+    for (size_t i = 0; i < n; i++)
+        s[i] = a[i];
+    qsort(s, n, sizeof *s, cmp_i64);
+    int dup = 0;
+    for (size_t i = 1; i < n && !dup; i++)
+        dup = s[i] == s[i - 1];
+    free(s);
+    return dup;
+}
+
+/* The submit path with its planning in C: validate the caller's device block ids and slots
+ * the way plan.py does, compute the job's rows (host row = slot * bpc + offset) into memory
+ * the engine owns, and queue it. `store` writes whole chunks (skip must be 0); a load takes
+ * the blocks of the slots' chunks from `skip` on, every slot contributing one at least.
+ * Returns 0; -1 if stopping or out of memory; 1 if the arguments are invalid (nothing is
+ * queued: the caller reports the error, with plan.py's message). */
+int kvt_engine_submit_ids(kvt_engine *e, int64_t id, int lane, uint64_t seq,
+                          const kvtier_segment *segs, size_t nseg, int store,
+                          const int64_t *blocks, size_t nblocks, const int64_t *slots,
+                          size_t nslots, size_t bpc, size_t skip, int64_t num_blocks,
+                          int64_t num_slots) {
+    if (bpc == 0 || out_of_range(blocks, nblocks, num_blocks) ||
+        out_of_range(slots, nslots, num_slots))
+        return 1;
+    size_t n = nblocks, cap = nslots * bpc;
+    if (store) {
+        if (skip != 0 || n != cap)
+            return 1;
+    } else {
+        if (skip >= bpc)
+            return 1;
+        cap -= skip;
+        if (!(n <= cap && n + bpc > cap) && !(n == 0 && nslots == 0))
+            return 1;
+    }
+    int dup = store ? repeats(slots, nslots) : repeats(blocks, nblocks);
+    if (dup)
+        return dup < 0 ? -1 : 1;
+    kvt_job *j = malloc(sizeof *j + 2 * n * sizeof(int64_t));
+    if (!j)
+        return -1;
+    int64_t *host = (int64_t *)(j + 1), *dev = host + n;
+    for (size_t i = 0; i < n; i++) {
+        size_t r = skip + i; /* block r of the job's chunks, in order */
+        host[i] = slots[r / bpc] * (int64_t)bpc + (int64_t)(r % bpc);
+        dev[i] = blocks[i];
+    }
+    *j = (kvt_job){NULL, id, seq, segs, nseg, store ? host : dev, store ? dev : host, n};
+    return enqueue(e, j, lane);
 }
 
 /* Move up to `max` finished results, in finishing order, into `out`; returns how many. */
