@@ -210,3 +210,24 @@ def test_many_split_jobs_in_flight_then_shutdown() -> None:
         if r.success:
             for b in jobs[r.job_id]:
                 assert torch.equal(pool.rows[int(b)], before[int(b)].view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint16])
+def test_long_jobs_and_narrow_id_types(dtype: type) -> None:
+    """Ids of any integer width, in jobs longer than the reusable id buffer's first size."""
+    kv = torch.arange(3000 * 16, dtype=torch.int32).view(3000, 16)  # 64-byte pages
+    reg = KVCacheRegistration([KVTensor(kv, 0)])
+    pool = HostPool(reg, 1, num_slots=3000)
+    rng = np.random.default_rng(5)
+    src, slots = rng.permutation(3000).astype(dtype), rng.permutation(3000).astype(dtype)
+    before = kv.clone()
+    with NativeCPUTransferWorker(reg, pool) as w:
+        w.submit_store(1, src, slots)
+        w.wait([1])
+        kv.zero_()
+        w.submit_load(2, slots[:1700], src[:1700])
+        w.wait([2])
+        assert [r.success for r in w.get_finished()] == [True, True]
+    idx = torch.from_numpy(src[:1700].astype(np.int64))
+    assert torch.equal(kv[idx], before[idx])
+    assert int(kv.count_nonzero()) == int(before[idx].count_nonzero())  # nothing else written

@@ -71,17 +71,39 @@ class _Call(NamedTuple):
     urgent: bool
 
 
-def _int_ids(values: IdsLike) -> npt.NDArray[np.int64] | None:
-    """`values` as a contiguous 1-D int64 array, or None where the planner must judge it."""
+def _int_ids(values: IdsLike) -> npt.NDArray[np.integer] | None:
+    """`values` as a 1-D integer array, or None where the planner must judge it."""
     arr = np.asarray(values)
     if arr.ndim != 1:
         return None
     if arr.dtype.kind not in "iu":
         return _EMPTY if arr.size == 0 else None  # `[]` arrives as float64
-    return np.ascontiguousarray(arr, dtype=np.int64)
+    return arr
 
 
 _EMPTY = np.empty(0, dtype=np.int64)
+
+
+class _Staging:
+    """One reusable int64 buffer that a submit's ids are copied into before the engine reads
+    them (and copies them again, into the job): its address is known, where asking numpy for
+    the address of each caller's array costs about a microsecond apiece."""
+
+    def __init__(self) -> None:
+        self._grow(1024)
+
+    def _grow(self, n: int) -> None:
+        self.buf = np.empty(n, dtype=np.int64)
+        self.address = int(self.buf.ctypes.data)
+
+    def put(self, a: npt.NDArray[np.integer], b: npt.NDArray[np.integer]) -> tuple[int, int]:
+        """Copy `a` then `b` in (ints of any width, cast to int64); their addresses."""
+        na, nb = int(a.shape[0]), int(b.shape[0])
+        if na + nb > self.buf.shape[0]:
+            self._grow(1 << (na + nb - 1).bit_length())
+        self.buf[:na] = a
+        self.buf[na : na + nb] = b
+        return self.address, self.address + 8 * na
 
 
 def _tables(
@@ -168,6 +190,7 @@ class NativeCPUTransferWorker(TransferWorker):
         self._next_seq = [1, 1]
         self._engine_thread: int | None = None
         self._poll_buffer = (EngineResult * _POLL)()
+        self._staging = _Staging()  # used under self._lock
         # A null hook pointer when there is no injector: the engine then never calls Python.
         self._hook = _hook(weakref.ref(self)) if fault_injector is not None else BeforeHook()
         # With a core to spare for the submitting thread, 512 KiB jobs gain from a split;
@@ -234,9 +257,10 @@ class NativeCPUTransferWorker(TransferWorker):
             table, nseg = self._table_ptrs[c.group][0 if store else 1]
             # Recorded first: the engine may run the job (and its hook) before submit returns.
             self._live[c.job_id] = _Live(lane, seq, int(dev.shape[0]) * page, c.direction.value)
+            dev_at, sl_at = self._staging.put(dev, sl)
             rc = self._lib.kvt_engine_submit_ids(
                 self._engine, c.job_id, lane, seq, table, nseg, store,
-                dev.ctypes.data, dev.shape[0], sl.ctypes.data, sl.shape[0],
+                dev_at, dev.shape[0], sl_at, sl.shape[0],
                 self.blocks_per_chunk, skip, self._planner.num_blocks, self._planner.num_slots,
             )  # fmt: skip
             if rc != 0:
