@@ -6,8 +6,9 @@
  * (urgent first), copies them with kvtier_copy_indexed, and appends results that Python
  * polls. Only the optional `before` hook (tests' fault injection) calls back into Python.
  *
- * Ownership: the caller keeps a job's segment table and row arrays alive until the job's
- * result has been polled; the engine only reads them.
+ * Ownership: the caller keeps the segment tables alive as long as the engine, and, for jobs
+ * queued with kvt_engine_submit, the row arrays until the job's result has been polled.
+ * kvt_engine_submit_ids copies what it needs: its arrays are free when it returns.
  */
 #include <pthread.h>
 #include <stdint.h>

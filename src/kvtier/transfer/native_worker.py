@@ -4,8 +4,10 @@
 so while another thread holds it (an engine's step loop, a burst of submits) no job starts:
 on the 2-core machine of docs/benchmarks.md a burst of 64 one-MiB jobs spent its whole
 submission time, about a third of the total, copying nothing. Here the thread is
-`copyengine.c`'s: Python plans a job (validation and row indices, as every backend does),
-hands the engine pointers to its segment table and row arrays, and polls results.
+`copyengine.c`'s, and a submit's validation and row maths run in C too
+(`kvt_engine_submit_ids`): Python converts the ids, hands them over with the group's segment
+table, and polls results. Arguments the C side refuses go to the planner (`plan.py`), whose
+`ValueError` says what is wrong, as on every backend.
 
 `make_transfer_worker(..., "cpu")` returns this worker wherever the compiled library is
 available (`native.library()`), and `CPUTransferWorker` elsewhere; both keep the same
