@@ -161,8 +161,6 @@ class NativeCPUTransferWorker(TransferWorker):
     Raises RuntimeError if the compiled library is unavailable.
     """
 
-    _FIND_RUNS = False  # every job is one indexed copy
-
     def __init__(
         self,
         registration: KVCacheRegistration,

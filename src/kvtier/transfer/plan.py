@@ -114,16 +114,9 @@ class JobPlanner:
     """Validates submit arguments against a registration and pool, and builds `Job`s."""
 
     def __init__(
-        self,
-        num_blocks: int,
-        num_slots: int,
-        blocks_per_chunk: int,
-        page_bytes: dict[int, int],
-        find_runs: bool = True,
+        self, num_blocks: int, num_slots: int, blocks_per_chunk: int, page_bytes: dict[int, int]
     ) -> None:
         self.num_blocks = num_blocks
-        self.find_runs = find_runs
-        """Whether jobs get `runs` (a quarter of the planning time; only torch copiers use it)."""
         self.num_slots = num_slots
         self.bpc = blocks_per_chunk
         self.page_bytes = page_bytes
@@ -135,11 +128,6 @@ class JobPlanner:
                 f"group={group!r} is not registered; groups are {list(self.page_bytes)}"
             )
         return self.page_bytes[group]
-
-    def _runs(
-        self, dev: IndexArray, host: IndexArray, page: int
-    ) -> tuple[list[int], list[int], list[int]] | None:
-        return _long_runs(dev, host, page) if self.find_runs else None
 
     def _host_rows(self, slots: IndexArray) -> IndexArray:
         if self.bpc == 1:
@@ -160,7 +148,7 @@ class JobPlanner:
         host = self._host_rows(sl)
         return Job(
             job_id, Direction.STORE, group, dev, host, dev.shape[0] * page,
-            _run_start(dev), _run_start(host), False, self._runs(dev, host, page),
+            _run_start(dev), _run_start(host), False, _long_runs(dev, host, page),
         )  # fmt: skip
 
     def load(
@@ -192,5 +180,5 @@ class JobPlanner:
         host = self._host_rows(sl)[skip_blocks : skip_blocks + n]
         return Job(
             job_id, Direction.LOAD, group, dev, host, n * page,
-            _run_start(dev), _run_start(host), urgent, self._runs(dev, host, page),
+            _run_start(dev), _run_start(host), urgent, _long_runs(dev, host, page),
         )  # fmt: skip

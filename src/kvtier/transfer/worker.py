@@ -26,9 +26,6 @@ that job the same way a failed copy would."""
 class TransferWorker(ABC):
     """Moves bytes between device blocks and host slots; see the module docstring."""
 
-    _FIND_RUNS = True
-    """Whether the backend copies long runs of consecutive rows one by one (`Job.runs`)."""
-
     def __init__(
         self,
         registration: KVCacheRegistration,
@@ -46,7 +43,6 @@ class TransferWorker(ABC):
             pool.num_slots,
             pool.blocks_per_chunk,
             {g: registration.page_bytes(g) for g in registration.groups},
-            find_runs=self._FIND_RUNS,
         )
         self._lock = threading.Lock()
         self._unreported: set[int] = set()
