@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvtier.transfer.native import row_copier
+from kvtier.transfer.native import row_copier, segment_tables
 from kvtier.transfer.plan import Direction, Job
 from kvtier.transfer.registration import KVCacheRegistration
 
@@ -75,26 +75,6 @@ class _GroupCopy:
     load_table: npt.NDArray[np.uint64]
 
 
-def _segment_tables(
-    segments: list[_SegmentCopy],
-) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
-    store = np.array(
-        [
-            (
-                s.host.data_ptr(),
-                s.host.stride(0) * s.host.element_size(),
-                s.dev.data_ptr(),
-                s.dev.stride(0) * s.dev.element_size(),
-                s.dev.shape[1] * s.dev.element_size(),
-            )
-            for s in segments
-        ],
-        dtype=np.uint64,
-    ).reshape(-1, 5)
-    load = np.ascontiguousarray(store[:, [2, 3, 0, 1, 4]])
-    return store, load
-
-
 class BlockCopier:
     """Copies a job's blocks between the registered device tensors and the host rows.
 
@@ -112,6 +92,7 @@ class BlockCopier:
         n_host = int(host_rows.shape[0])
         host_flat = host_rows.reshape(-1)
         self._on_cpu = host_rows.device.type == "cpu" and stage.device.type == "cpu"
+        tables = segment_tables(registration, host_rows.data_ptr(), row_bytes)
         self._groups: dict[int, _GroupCopy] = {}
         for g in registration.groups:
             page = registration.page_bytes(g)
@@ -136,7 +117,7 @@ class BlockCopier:
                 _wide(host_page, align),
                 _wide(stage_page, align),
                 stage_rows,
-                *_segment_tables(segments),
+                *tables[g],
             )
 
     def run(self, job: Job, dev_idx: torch.Tensor, host_idx: torch.Tensor) -> None:

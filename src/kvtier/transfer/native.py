@@ -24,6 +24,11 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+import numpy.typing as npt
+
+from kvtier.transfer.registration import KVCacheRegistration
+
 logger = logging.getLogger(__name__)
 
 RowCopy = Callable[[int, int, int, int, int], None]
@@ -71,6 +76,27 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "kvt_engine_stop": ([_P], None),
     "kvt_engine_free": ([_P], None),
 }
+
+
+SegmentTables = dict[int, tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]]
+"""Per KV-cache group, the `RowCopy` segment tables for stores and for loads."""
+
+
+def segment_tables(
+    registration: KVCacheRegistration, host_address: int, row_bytes: int
+) -> SegmentTables:
+    """The segment tables of a registration and a host pool at `host_address` whose rows are
+    `row_bytes` apart: a group's segments lie back to back in each host row."""
+    tables = {}
+    for g in registration.groups:
+        rows = []
+        col = 0
+        for seg in registration.segments(g):
+            rows.append((host_address + col, row_bytes, seg.address, seg.stride, seg.width))
+            col += seg.width
+        store = np.array(rows, dtype=np.uint64).reshape(-1, 5)
+        tables[g] = (store, np.ascontiguousarray(store[:, [2, 3, 0, 1, 4]]))
+    return tables
 
 
 def cache_dir() -> Path:

@@ -33,7 +33,7 @@ import torch
 from kvtier.base import TransferResult
 from kvtier.transfer.cpu_worker import DEFAULT_STAGE_BYTES, CPUTransferWorker
 from kvtier.transfer.host_pool import HostPool
-from kvtier.transfer.native import BeforeHook, EngineResult, library
+from kvtier.transfer.native import BeforeHook, EngineResult, library, segment_tables
 from kvtier.transfer.plan import Direction, IdsLike, Job
 from kvtier.transfer.registration import KVCacheRegistration
 from kvtier.transfer.worker import FaultInjector, TransferWorker
@@ -108,22 +108,6 @@ class _Staging:
         return self.address, self.address + 8 * na
 
 
-def _tables(
-    registration: KVCacheRegistration, pool: HostPool
-) -> dict[int, tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]]:
-    """Per group, the engine's segment tables for stores and for loads (`native.RowCopy`)."""
-    tables = {}
-    for g in registration.groups:
-        rows = []
-        col = 0
-        for seg in registration.segments(g):
-            rows.append((pool.address + col, pool.row_bytes, seg.address, seg.stride, seg.width))
-            col += seg.width
-        store = np.array(rows, dtype=np.uint64).reshape(-1, 5)
-        tables[g] = (store, np.ascontiguousarray(store[:, [2, 3, 0, 1, 4]]))
-    return tables
-
-
 def _pointers(
     tables: dict[int, tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]],
 ) -> dict[int, tuple[tuple[int, int], tuple[int, int]]]:
@@ -184,7 +168,8 @@ class NativeCPUTransferWorker(TransferWorker):
                 "or not x86-64); use CPUTransferWorker"
             )
         self._lib = lib
-        self._tables = _tables(registration, pool)  # kept alive: the engine reads them
+        # Kept alive: the engine reads them.
+        self._tables = segment_tables(registration, pool.address, pool.row_bytes)
         self._table_ptrs = _pointers(self._tables)
         self._live: dict[int, _Live] = {}
         self._next_seq = [1, 1]
