@@ -231,3 +231,47 @@ def test_long_jobs_and_narrow_id_types(dtype: type) -> None:
     idx = torch.from_numpy(src[:1700].astype(np.int64))
     assert torch.equal(kv[idx], before[idx])
     assert int(kv.count_nonzero()) == int(before[idx].count_nonzero())  # nothing else written
+
+
+def test_concurrent_waiters_each_wake_when_their_job_is_done() -> None:
+    """The engine wakes waiters only once a lane reaches the lowest job one of them needs:
+    a waiter for a later job, registered first, must not hold back one for an earlier job,
+    and each must find its job's bytes in place when it returns."""
+    kv = torch.arange(32 * 1024, dtype=torch.int32).view(32, 1024)
+    reg = KVCacheRegistration([KVTensor(kv, 0)])
+    pool = HostPool(reg, 1, num_slots=32)
+    pool.rows[30].fill_(9)
+    started: dict[int, float] = {}
+
+    def slow(job: int, direction: str) -> None:
+        started[job] = time.perf_counter()
+        time.sleep(0.02)
+
+    w = NativeCPUTransferWorker(reg, pool, fault_injector=slow)
+    for j in range(16):
+        w.submit_store(j, [j], [j])
+    w.submit_load(100, [30], [20], urgent=True)  # the urgent lane, ahead of the stores
+    returned: dict[int, tuple[float, bool]] = {}
+
+    def waiter(job: int, slot: int, block: int) -> None:
+        w.wait([job])
+        same = torch.equal(pool.rows[slot, :4096], kv[block].view(torch.uint8))
+        returned[job] = (time.perf_counter(), same)
+
+    threads = [threading.Thread(target=waiter, args=(100, 30, 20))]
+    threads += [threading.Thread(target=waiter, args=(j, j, j)) for j in (15, 11, 3)]
+    for t in threads:  # the later job's waiter first: each new one lowers the wake point
+        t.start()
+        time.sleep(0.002)
+    for t in threads:
+        t.join(timeout=10)
+    try:
+        assert not any(t.is_alive() for t in threads), "a waiter was never woken"
+        assert {j: same for j, (_, same) in returned.items()} == {
+            100: True, 15: True, 11: True, 3: True,
+        }  # fmt: skip
+        # Woken when its own job finished, not when the latest waited-for one did.
+        assert returned[3][0] < started[9]
+        assert returned[11][0] < started[15]
+    finally:
+        w.shutdown()

@@ -67,6 +67,11 @@ typedef struct {
     pthread_cond_t work, done;
     kvt_job *head[2], *tail[2];
     uint64_t done_seq[2]; /* per lane: seq of the last finished job; a lane finishes in order */
+    /* Per lane: the lowest seq a waiter needs (UINT64_MAX: none). The engine's thread wakes
+     * waiters only when it gets there: waking them after every job cost the copy thread a
+     * futex call and, on a VM, an IPI to a halted vCPU per job, and a waiter that takes the
+     * mutex back makes the next job's pop contend for it. */
+    uint64_t wake_at[2];
     kvt_result *res;
     size_t res_head, res_len, res_cap; /* results not yet polled: res[res_head, res_len) */
     size_t outstanding;                /* submitted, result not yet appended */
@@ -191,7 +196,10 @@ static void *serve(void *arg) {
         pthread_mutex_lock(&e->mu);
         push_result(e, j->id, ok, lane, seconds);
         e->done_seq[lane] = j->seq;
-        pthread_cond_broadcast(&e->done);
+        if (j->seq >= e->wake_at[lane]) {
+            e->wake_at[lane] = UINT64_MAX; /* waiters still short of theirs set it again */
+            pthread_cond_broadcast(&e->done);
+        }
         pthread_mutex_unlock(&e->mu);
         free(j);
     }
@@ -229,6 +237,7 @@ kvt_engine *kvt_engine_new(kvt_before_fn before, int threads, size_t min_split_b
     if (!e)
         return NULL;
     e->before = before;
+    e->wake_at[0] = e->wake_at[1] = UINT64_MAX;
     e->min_split_bytes = min_split_bytes;
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->work, NULL);
@@ -407,8 +416,11 @@ size_t kvt_engine_poll(kvt_engine *e, kvt_result *out, size_t max) {
 void kvt_engine_wait(kvt_engine *e, int lane, uint64_t seq) {
     lane = lane ? 1 : 0;
     pthread_mutex_lock(&e->mu);
-    while (e->done_seq[lane] < seq)
+    while (e->done_seq[lane] < seq) {
+        if (seq < e->wake_at[lane])
+            e->wake_at[lane] = seq;
         pthread_cond_wait(&e->done, &e->mu);
+    }
     pthread_mutex_unlock(&e->mu);
 }
 
