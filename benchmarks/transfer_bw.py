@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -63,6 +64,7 @@ def bench_page(
     cpu_worker: str = "auto",
     settle: float = 0.0,
     copy_threads: int | None = None,
+    copy_cpus: list[int] | None = None,
 ) -> list[dict[str, object]]:
     """Rows for one page size: store and load for every batch size."""
     num_blocks = max(region // page, 2 * max(batches))
@@ -71,6 +73,13 @@ def bench_page(
     reg = KVCacheRegistration([KVTensor(dev, 0)])
     pool = HostPool(reg, 1, num_slots=num_blocks, pin=False if pageable else None)
     pool.tensor.fill_(3)
+    if copy_cpus:
+        # As an engine that gives the copy threads their own cores would: the submitting
+        # thread stays off them. Set after the fills, so torch's OpenMP threads (created by
+        # the first parallel op, inheriting the creator's CPUs) keep every CPU for the ceiling.
+        others = set(range(os.cpu_count() or 1)) - set(copy_cpus)
+        if others:
+            os.sched_setaffinity(0, others)
     dev_flat, host_flat = dev.view(-1), pool.tensor.view(-1)
     rows: list[dict[str, object]] = []
     kwargs: dict[str, object] = (
@@ -82,6 +91,8 @@ def bench_page(
     else:
         if backend == "cpu" and copy_threads is not None:
             kwargs["copy_threads"] = copy_threads
+        if backend == "cpu" and copy_cpus is not None:
+            kwargs["copy_cpus"] = copy_cpus
         worker = make_transfer_worker(reg, pool, backend, **kwargs)
     name = type(worker).__name__
     with worker:
@@ -175,6 +186,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--copy-threads", type=int, default=None,
                     help="CPU: the compiled worker's copy threads (default: torch's, "
                     "at most 8)")  # fmt: skip
+    ap.add_argument("--copy-cpus", type=int, nargs="+", default=None,
+                    help="CPU: confine the compiled worker's copy threads to these CPUs, "
+                    "and the submitting thread to the others (default: anywhere)")  # fmt: skip
     ap.add_argument("--settle-ms", type=float, default=50.0,
                     help="pause between the ceiling copies and the timed run, so that "
                     "torch's OpenMP threads stop spinning (0: back to back)")  # fmt: skip
@@ -192,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
         rows += bench_page(
             backend, device, page_kib * KiB, args.batches, args.region_mib * MiB,
             args.moved_mib * MiB, args.repeats, rng, args.pageable, args.copy_mode,
-            args.cpu_worker, args.settle_ms / 1e3, args.copy_threads,
+            args.cpu_worker, args.settle_ms / 1e3, args.copy_threads, args.copy_cpus,
         )  # fmt: skip
     label = str(rows[0]["backend"]) if rows else backend
     table = Table(title=f"kvtier transfer throughput ({label}, torch threads "

@@ -4,6 +4,7 @@ both in test_cpu_worker.py."""
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import threading
 import time
@@ -275,3 +276,70 @@ def test_concurrent_waiters_each_wake_when_their_job_is_done() -> None:
         assert returned[11][0] < started[15]
     finally:
         w.shutdown()
+
+
+def _tasks() -> set[int]:
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="thread affinity is Linux-only")
+def test_copy_cpus_confine_every_copy_thread() -> None:
+    """The engine's thread and its helpers run only on `copy_cpus`, and copy correctly."""
+    cpu = max(os.sched_getaffinity(0))
+    gen = torch.Generator().manual_seed(3)
+    kv = torch.randint(0, 2**31 - 1, (16, 256 * 1024 // 4), generator=gen, dtype=torch.int32)
+    reg = KVCacheRegistration([KVTensor(kv, 0)])
+    pool = HostPool(reg, 1, num_slots=16)
+    before = _tasks()
+    w = NativeCPUTransferWorker(reg, pool, copy_threads=3, copy_cpus=[cpu])
+    try:
+        started = _tasks() - before
+        assert len(started) == 3
+        assert all(os.sched_getaffinity(t) == {cpu} for t in started)
+        w.submit_store(1, np.arange(16), np.arange(16)[::-1].copy())  # 4 MiB: split in 3
+        w.wait([1])
+        assert [r.success for r in w.get_finished()] == [True]
+    finally:
+        w.shutdown()
+    assert torch.equal(pool.rows[15 - np.arange(16)], kv.view(torch.uint8).view(16, -1))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="thread affinity is Linux-only")
+def test_copy_cpus_caps_the_default_thread_count() -> None:
+    _, reg, pool = _setup()
+    before = _tasks()
+    with NativeCPUTransferWorker(reg, pool, copy_cpus=[0]):
+        assert len(_tasks() - before) == 1
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ([], "non-empty list"),
+        ([0, "1"], "non-empty list"),
+        ([True], "non-empty list"),
+        ("0", "list of CPU numbers"),
+        (0, "list of CPU numbers"),
+        ([-1], r"no CPU \[-1\]"),
+        ([0, 4096], r"no CPU \[4096\]"),
+    ],
+)
+def test_bad_copy_cpus_are_refused(bad: object, match: str) -> None:
+    _, reg, pool = _setup()
+    before = _tasks()
+    with pytest.raises(ValueError, match=match):
+        NativeCPUTransferWorker(reg, pool, copy_cpus=bad)  # type: ignore[arg-type]
+    assert _tasks() == before, "a refused worker left a thread behind"
+
+
+def test_the_factory_passes_copy_cpus_and_the_fallback_ignores_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _, reg, pool = _setup()
+    with make_transfer_worker(reg, pool, "cpu", copy_cpus=[0]) as w:
+        assert isinstance(w, NativeCPUTransferWorker)
+    with pytest.raises(ValueError, match="copy_cpus"):
+        make_transfer_worker(reg, pool, "cpu", copy_cpus=[-1])
+    monkeypatch.setattr("kvtier.transfer.factory.library", lambda: None)
+    with make_transfer_worker(reg, pool, "cpu", copy_cpus=[-1], copy_threads=3) as w:
+        assert type(w) is CPUTransferWorker

@@ -10,7 +10,9 @@
  * queued with kvt_engine_submit, the row arrays until the job's result has been polled.
  * kvt_engine_submit_ids copies what it needs: its arrays are free when it returns.
  */
+#define _GNU_SOURCE /* pthread_attr_setaffinity_np */
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <time.h>
@@ -231,11 +233,34 @@ static void destroy(kvt_engine *e) {
 }
 
 /* Start the engine's thread and `threads - 1` helpers for jobs of `min_split_bytes` or more;
- * NULL on failure. */
-kvt_engine *kvt_engine_new(kvt_before_fn before, int threads, size_t min_split_bytes) {
-    kvt_engine *e = calloc(1, sizeof *e);
-    if (!e)
+ * with `ncpus` > 0 every thread runs only on `cpus` (see native_worker.py: `copy_cpus`).
+ * NULL on failure, an affinity the system refuses included. */
+kvt_engine *kvt_engine_new(kvt_before_fn before, int threads, size_t min_split_bytes,
+                           const int32_t *cpus, size_t ncpus) {
+    pthread_attr_t attr;
+    if (pthread_attr_init(&attr) != 0)
         return NULL;
+    if (ncpus) {
+#ifdef __linux__
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        for (size_t i = 0; i < ncpus; i++)
+            if (cpus[i] >= 0 && cpus[i] < CPU_SETSIZE)
+                CPU_SET(cpus[i], &set);
+        if (pthread_attr_setaffinity_np(&attr, sizeof set, &set) != 0) {
+            pthread_attr_destroy(&attr);
+            return NULL;
+        }
+#else
+        pthread_attr_destroy(&attr);
+        return NULL; /* no thread affinity here */
+#endif
+    }
+    kvt_engine *e = calloc(1, sizeof *e);
+    if (!e) {
+        pthread_attr_destroy(&attr);
+        return NULL;
+    }
     e->before = before;
     e->wake_at[0] = e->wake_at[1] = UINT64_MAX;
     e->min_split_bytes = min_split_bytes;
@@ -249,6 +274,7 @@ kvt_engine *kvt_engine_new(kvt_before_fn before, int threads, size_t min_split_b
     e->helper_args = calloc((size_t)want + 1, sizeof *e->helper_args);
     if (!e->helpers || !e->helper_args) {
         destroy(e);
+        pthread_attr_destroy(&attr);
         return NULL;
     }
     for (int i = 0; i < want; i++) {
@@ -257,14 +283,17 @@ kvt_engine *kvt_engine_new(kvt_before_fn before, int threads, size_t min_split_b
         e->ncond = i + 1;
     }
     for (int i = 0; i < want; i++) {
-        if (pthread_create(&e->helpers[i], NULL, help, &e->helper_args[i]) != 0) {
+        if (pthread_create(&e->helpers[i], &attr, help, &e->helper_args[i]) != 0) {
             stop_helpers(e, i);
             destroy(e);
+            pthread_attr_destroy(&attr);
             return NULL;
         }
     }
     e->nhelpers = want;
-    if (pthread_create(&e->thread, NULL, serve, e) != 0) {
+    int rc = pthread_create(&e->thread, &attr, serve, e);
+    pthread_attr_destroy(&attr);
+    if (rc != 0) {
         stop_helpers(e, want);
         destroy(e);
         return NULL;

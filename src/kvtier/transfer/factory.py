@@ -26,14 +26,15 @@ def make_transfer_worker(
     back to bounce buffers on a background thread and logs a warning.
 
     Extra keyword arguments (`stage_bytes`, `fault_injector`, for CUDA `copy_mode`, for the
-    CPU `copy_threads`) go to the backend; `copy_threads` is ignored by the Python-thread
-    fallback, which splits large jobs over torch's thread count.
+    CPU `copy_threads` and `copy_cpus`) go to the backend. `copy_cpus` is ignored on CUDA, and
+    both CPU ones by the Python-thread fallback, which splits large jobs over torch's threads.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is unknown; expected one of {BACKENDS}")
     if backend == "auto":
         backend = "cuda" if registration.device.type == "cuda" else "cpu"
     if backend == "cuda":
+        kwargs.pop("copy_cpus", None)  # no copy threads of its own to place
         # Imported here only so that a CPU-only install never touches torch.cuda set-up.
         from kvtier.transfer.cuda_worker import CUDATransferWorker
         from kvtier.transfer.pageable import PageableCUDATransferWorker
@@ -45,4 +46,5 @@ def make_transfer_worker(
     if library() is not None:
         return NativeCPUTransferWorker(registration, pool, **kwargs)
     kwargs.pop("copy_threads", None)
+    kwargs.pop("copy_cpus", None)
     return CPUTransferWorker(registration, pool, **kwargs)
