@@ -50,6 +50,7 @@ def test_defaults() -> None:
         "enable_events": False,
         "max_pending_events": 100_000,
         "transfer_backend": "auto",
+        "transfer_cpus": None,
         "pin_memory": None,
         "offload_prompt_only": True,
     }
@@ -103,6 +104,9 @@ def test_only_kvtier_variables_are_read() -> None:
         ("KVTIER_ENABLE_EVENTS", "1", "enable_events", True),
         ("KVTIER_MAX_PENDING_EVENTS", "7", "max_pending_events", 7),
         ("KVTIER_TRANSFER_BACKEND", "cuda", "transfer_backend", "cuda"),
+        ("KVTIER_TRANSFER_CPUS", "6,2-3", "transfer_cpus", (2, 3, 6)),
+        ("KVTIER_TRANSFER_CPUS", " 1 ", "transfer_cpus", (1,)),
+        ("KVTIER_TRANSFER_CPUS", "none", "transfer_cpus", None),
         ("KVTIER_PIN_MEMORY", "auto", "pin_memory", None),
         ("KVTIER_PIN_MEMORY", "off", "pin_memory", False),
         ("KVTIER_OFFLOAD_PROMPT_ONLY", "false", "offload_prompt_only", False),
@@ -140,6 +144,13 @@ def test_env_values_are_parsed_per_type(var: str, text: str, field: str, value: 
         ("enable_events", 2),
         ("max_pending_events", 0),
         ("transfer_backend", "rocm"),
+        ("transfer_cpus", "3-1"),
+        ("transfer_cpus", "1,,2"),
+        ("transfer_cpus", "all"),
+        ("transfer_cpus", []),
+        ("transfer_cpus", [1, -2]),
+        ("transfer_cpus", [True]),
+        ("transfer_cpus", 1),
         ("pin_memory", "sometimes"),
         ("offload_prompt_only", None),
     ],
@@ -381,3 +392,11 @@ def test_examples_in_the_docs_load(tmp_path: Path) -> None:
     yaml_cfg, toml_cfg = loaded
     assert yaml_cfg.cpu_bytes == 64 * 2**30 and yaml_cfg.resolve_blocks_per_chunk(16) == 16
     assert toml_cfg == yaml_cfg
+
+
+def test_transfer_cpus_from_a_list_or_a_cpu_list_string(tmp_path: Path) -> None:
+    assert KVTierConfig.from_dict({"transfer_cpus": [3, 1, 3]}).transfer_cpus == (1, 3)
+    assert KVTierConfig(transfer_cpus="0-2, 5").transfer_cpus == (0, 1, 2, 5)
+    path = tmp_path / "kvtier.toml"
+    path.write_text("transfer_cpus = [4, 2]\n")
+    assert KVTierConfig.load(path, env={}).transfer_cpus == (2, 4)

@@ -182,6 +182,35 @@ def _parse_pin_memory(raw: object) -> bool | None:
         raise _Invalid("a boolean, or auto/null (pin when a GPU is present)") from None
 
 
+_CPULIST_RE: Final = re.compile(r"\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*")
+
+
+def _parse_cpus(raw: object) -> tuple[int, ...] | None:
+    """A CPU list as taskset takes it (`"2-3,6"`) or a list of ints: sorted, distinct."""
+    expected = "a CPU list such as '2-3,6' or [2, 3, 6], or null"
+    if _is_none(raw):
+        return None
+    cpus: list[int] = []
+    if isinstance(raw, str):
+        text = raw.replace(" ", "")
+        if not _CPULIST_RE.fullmatch(text):
+            raise _Invalid(expected)
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            first, last = int(lo), int(hi or lo)
+            if last < first:
+                raise _Invalid(expected)
+            cpus.extend(range(first, last + 1))
+    elif isinstance(raw, (list, tuple)) and raw:
+        for c in raw:
+            if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+                raise _Invalid(expected)
+            cpus.append(c)
+    else:
+        raise _Invalid(expected)
+    return tuple(sorted(set(cpus)))
+
+
 _PARSERS: Final[dict[str, Callable[[object], Any]]] = {
     "cpu_bytes": _optional(_parse_cpu_bytes, "a positive byte size such as '64GiB' or '512MB'"),
     "num_slots": _optional(_int_parser(1), "a positive integer"),
@@ -194,6 +223,7 @@ _PARSERS: Final[dict[str, Callable[[object], Any]]] = {
     "enable_events": _parse_bool,
     "max_pending_events": _int_parser(1),
     "transfer_backend": _choice_parser(("auto", "cpu", "cuda")),
+    "transfer_cpus": _parse_cpus,
     "pin_memory": _parse_pin_memory,
     "offload_prompt_only": _parse_bool,
 }
@@ -232,6 +262,7 @@ class KVTierConfig:
     enable_events: bool = False
     max_pending_events: int = 100_000
     transfer_backend: Literal["auto", "cpu", "cuda"] = "auto"
+    transfer_cpus: tuple[int, ...] | None = None
     pin_memory: bool | None = None
     offload_prompt_only: bool = True
 

@@ -8,6 +8,7 @@ Byte-exactness of loads is checked in test_e2e.py.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -167,3 +168,23 @@ def test_a_failed_generation_frees_its_blocks_and_request(model: Any) -> None:
         # All 4 blocks came back: a prompt that needs every one of them still runs.
         prompt = _ids(60, 31)
         _assert_matches_recompute(model, prompt, gen.generate_one(prompt, 5))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="thread affinity is Linux-only")
+def test_transfer_cpus_place_the_copy_threads(model: Any) -> None:
+    from kvtier.transfer import NativeCPUTransferWorker
+    from kvtier.transfer.native import library
+
+    if library() is None:
+        pytest.skip("the compiled engine cannot be built")
+    cpu = max(os.sched_getaffinity(0))
+    before = set(os.listdir("/proc/self/task"))
+    config = KVTierConfig(transfer_cpus=str(cpu))
+    with KVTierGenerator(model, config, block_size=BS, max_blocks=8) as gen:
+        started = set(os.listdir("/proc/self/task")) - before
+        assert isinstance(gen.transfer, NativeCPUTransferWorker)
+        assert started and all(os.sched_getaffinity(int(t)) == {cpu} for t in started)
+        prompt = _ids(40, 21)
+        gen.generate_one(prompt, 2)
+        gen.flush()
+        _assert_matches_recompute(model, prompt, gen.generate_one(prompt, 2))

@@ -121,7 +121,11 @@ class KVTierGenerator:
             offload_prompt_only=config.offload_prompt_only,
         )
         self.transfer = make_transfer_worker(
-            registration, self.pool, config.transfer_backend, fault_injector=fault_injector
+            registration,
+            self.pool,
+            config.transfer_backend,
+            fault_injector=fault_injector,
+            copy_cpus=config.transfer_cpus,
         )
         self.worker = OffloadingWorker(self.transfer)
         self.stats = GeneratorStats()

@@ -94,7 +94,9 @@ class KVTierWorkerSide:
             num_slots=self.setup.num_slots,
             pin=cfg.pin_memory,
         )
-        self.transfer = make_transfer_worker(registration, pool, cfg.transfer_backend)
+        self.transfer = make_transfer_worker(
+            registration, pool, cfg.transfer_backend, copy_cpus=cfg.transfer_cpus
+        )
         self._worker = OffloadingWorker(self.transfer)
         logger.info(
             "kvtier: worker registered %d KV tensors on %s (%s), host pool %d slots x %d bytes "
