@@ -294,6 +294,7 @@ def test_copy_cpus_confine_every_copy_thread() -> None:
     w = NativeCPUTransferWorker(reg, pool, copy_threads=3, copy_cpus=[cpu])
     try:
         started = _tasks() - before
+        assert w.copy_cpus == (cpu,)
         assert len(started) == 3
         assert all(os.sched_getaffinity(t) == {cpu} for t in started)
         w.submit_store(1, np.arange(16), np.arange(16)[::-1].copy())  # 4 MiB: split in 3
@@ -310,6 +311,8 @@ def test_copy_cpus_caps_the_default_thread_count() -> None:
     before = _tasks()
     with NativeCPUTransferWorker(reg, pool, copy_cpus=[0]):
         assert len(_tasks() - before) == 1
+    with NativeCPUTransferWorker(reg, pool) as w:
+        assert w.copy_cpus is None
 
 
 @pytest.mark.parametrize(

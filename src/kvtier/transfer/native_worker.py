@@ -226,6 +226,8 @@ class NativeCPUTransferWorker(TransferWorker):
                 raise ValueError(f"copy_cpus={copy_cpus!r}: the system refused threads there")
             raise RuntimeError("could not start the copy engine's threads")
         self._engine: int = handle
+        self.copy_cpus: tuple[int, ...] | None = tuple(cpus) or None
+        """The CPUs the copy threads are confined to (None: wherever the kernel puts them)."""
         self._finalizer = weakref.finalize(self, _release, lib, handle, self._hook)
         # The engine's thread may call the fault injector: stop it before the interpreter goes.
         atexit.register(self.shutdown)

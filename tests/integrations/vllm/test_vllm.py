@@ -5,6 +5,7 @@ the bytes of CPU tensors shaped like vLLM's KV cache. See engine.py for the stan
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -114,6 +115,27 @@ def test_second_request_loads_the_stored_bytes(vllm_loaded: None, num_groups: in
     stats = engine.scheduler.connector_prefix_cache_stats
     assert stats is None or stats.hits >= 0
     assert kvtier_side(engine).manager.get_stats().loads == 4 * num_groups
+    assert_no_leaks(engine)
+
+
+def test_transfer_cpus_reach_the_copy_threads(vllm_loaded: None) -> None:
+    """`transfer_cpus` in kv_connector_extra_config places the worker's copy threads, and
+    the worker still moves the right bytes."""
+    from kvtier.transfer import NativeCPUTransferWorker
+    from kvtier.transfer.native import library
+
+    if library() is None or not hasattr(os, "sched_getaffinity"):
+        pytest.skip("needs the compiled engine and Linux thread affinity")
+    cpu = max(os.sched_getaffinity(0))
+    engine = make_engine("KVTierConnector", {**EXTRA, "transfer_cpus": [cpu]})
+    transfer = engine.worker.worker_side.transfer
+    assert isinstance(transfer, NativeCPUTransferWorker)
+    assert transfer.copy_cpus == (cpu,)
+    store_a_then_forget_on_device(engine)
+    engine.add("b", [*PROMPT, 900])
+    step_until_running(engine, "b")
+    expect_loaded(engine, "b", [*PROMPT, 900], 4 * BLOCK_SIZE)
+    engine.run_until(["b"])
     assert_no_leaks(engine)
 
 

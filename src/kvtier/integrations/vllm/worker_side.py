@@ -100,7 +100,7 @@ class KVTierWorkerSide:
         self._worker = OffloadingWorker(self.transfer)
         logger.info(
             "kvtier: worker registered %d KV tensors on %s (%s), host pool %d slots x %d bytes "
-            "(%.2f GiB, pinned=%s), %s transfer backend",
+            "(%.2f GiB, pinned=%s), %s transfer backend (copy threads on CPUs %s)",
             len(tensors),
             registration.device,
             ", ".join(
@@ -111,6 +111,7 @@ class KVTierWorkerSide:
             pool.nbytes / 2**30,
             pool.pinned,
             type(self.transfer).__name__,
+            getattr(self.transfer, "copy_cpus", None) or "any",
         )
 
     def _check(self) -> OffloadingWorker:
