@@ -313,6 +313,8 @@ def test_copy_cpus_caps_the_default_thread_count() -> None:
         assert len(_tasks() - before) == 1
     with NativeCPUTransferWorker(reg, pool) as w:
         assert w.copy_cpus is None
+    with NativeCPUTransferWorker(reg, pool, copy_cpus=np.array([0, 0])) as w:
+        assert w.copy_cpus == (0,) and type(w.copy_cpus[0]) is int
 
 
 @pytest.mark.parametrize(

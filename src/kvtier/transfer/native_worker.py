@@ -24,6 +24,7 @@ import threading
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from numbers import Integral
 from typing import NamedTuple
 
 import numpy as np
@@ -119,8 +120,9 @@ def _check_cpus(cpus: Sequence[int] | None) -> list[int]:
     if isinstance(cpus, (str, bytes)) or not isinstance(cpus, Iterable):
         raise ValueError(f"copy_cpus={cpus!r} must be a list of CPU numbers")
     picked = list(cpus)
-    if not picked or any(isinstance(c, bool) or not isinstance(c, int) for c in picked):
+    if not picked or any(isinstance(c, bool) or not isinstance(c, Integral) for c in picked):
         raise ValueError(f"copy_cpus={cpus!r} must be a non-empty list of CPU numbers")
+    picked = [int(c) for c in picked]  # numpy integers too
     n = os.cpu_count() or 1
     bad = sorted(c for c in set(picked) if not 0 <= c < n)
     if bad:
