@@ -232,35 +232,12 @@ static void destroy(kvt_engine *e) {
     free(e);
 }
 
-/* Start the engine's thread and `threads - 1` helpers for jobs of `min_split_bytes` or more;
- * with `ncpus` > 0 every thread runs only on `cpus` (see native_worker.py: `copy_cpus`).
- * NULL on failure, an affinity the system refuses included. */
-kvt_engine *kvt_engine_new(kvt_before_fn before, int threads, size_t min_split_bytes,
-                           const int32_t *cpus, size_t ncpus) {
-    pthread_attr_t attr;
-    if (pthread_attr_init(&attr) != 0)
-        return NULL;
-    if (ncpus) {
-#ifdef __linux__
-        cpu_set_t set;
-        CPU_ZERO(&set);
-        for (size_t i = 0; i < ncpus; i++)
-            if (cpus[i] >= 0 && cpus[i] < CPU_SETSIZE)
-                CPU_SET(cpus[i], &set);
-        if (pthread_attr_setaffinity_np(&attr, sizeof set, &set) != 0) {
-            pthread_attr_destroy(&attr);
-            return NULL;
-        }
-#else
-        pthread_attr_destroy(&attr);
-        return NULL; /* no thread affinity here */
-#endif
-    }
+/* Start an engine whose threads are created with `attr`; NULL on failure. */
+static kvt_engine *start(kvt_before_fn before, int threads, size_t min_split_bytes,
+                         const pthread_attr_t *attr) {
     kvt_engine *e = calloc(1, sizeof *e);
-    if (!e) {
-        pthread_attr_destroy(&attr);
+    if (!e)
         return NULL;
-    }
     e->before = before;
     e->wake_at[0] = e->wake_at[1] = UINT64_MAX;
     e->min_split_bytes = min_split_bytes;
@@ -274,7 +251,6 @@ kvt_engine *kvt_engine_new(kvt_before_fn before, int threads, size_t min_split_b
     e->helper_args = calloc((size_t)want + 1, sizeof *e->helper_args);
     if (!e->helpers || !e->helper_args) {
         destroy(e);
-        pthread_attr_destroy(&attr);
         return NULL;
     }
     for (int i = 0; i < want; i++) {
@@ -283,21 +259,48 @@ kvt_engine *kvt_engine_new(kvt_before_fn before, int threads, size_t min_split_b
         e->ncond = i + 1;
     }
     for (int i = 0; i < want; i++) {
-        if (pthread_create(&e->helpers[i], &attr, help, &e->helper_args[i]) != 0) {
+        if (pthread_create(&e->helpers[i], attr, help, &e->helper_args[i]) != 0) {
             stop_helpers(e, i);
             destroy(e);
-            pthread_attr_destroy(&attr);
             return NULL;
         }
     }
     e->nhelpers = want;
-    int rc = pthread_create(&e->thread, &attr, serve, e);
-    pthread_attr_destroy(&attr);
-    if (rc != 0) {
+    if (pthread_create(&e->thread, attr, serve, e) != 0) {
         stop_helpers(e, want);
         destroy(e);
         return NULL;
     }
+    return e;
+}
+
+/* Confine threads created with `attr` to `cpus`; 0, or -1 where the system refuses. */
+static int confine(pthread_attr_t *attr, const int32_t *cpus, size_t ncpus) {
+#ifdef __linux__
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (size_t i = 0; i < ncpus; i++)
+        if (cpus[i] >= 0 && cpus[i] < CPU_SETSIZE)
+            CPU_SET(cpus[i], &set);
+    return pthread_attr_setaffinity_np(attr, sizeof set, &set) == 0 ? 0 : -1;
+#else
+    (void)attr, (void)cpus, (void)ncpus;
+    return -1; /* no thread affinity here */
+#endif
+}
+
+/* Start the engine's thread and `threads - 1` helpers for jobs of `min_split_bytes` or more;
+ * with `ncpus` > 0 every thread runs only on `cpus` (see native_worker.py: `copy_cpus`).
+ * NULL on failure, an affinity the system refuses included. */
+kvt_engine *kvt_engine_new(kvt_before_fn before, int threads, size_t min_split_bytes,
+                           const int32_t *cpus, size_t ncpus) {
+    pthread_attr_t attr;
+    if (pthread_attr_init(&attr) != 0)
+        return NULL;
+    kvt_engine *e = NULL;
+    if (ncpus == 0 || confine(&attr, cpus, ncpus) == 0)
+        e = start(before, threads, min_split_bytes, &attr);
+    pthread_attr_destroy(&attr);
     return e;
 }
 
