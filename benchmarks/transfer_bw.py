@@ -155,7 +155,8 @@ def bench_page(
                         "backend": backend
                         + ("-python" if name == "CPUTransferWorker" else "")
                         + ("-pageable" if pageable else "")
-                        + (f"-{copy_mode}" if backend == "cuda" else ""),
+                        + (f"-{copy_mode}" if backend == "cuda" else "")
+                        + (f"-cpus{','.join(map(str, copy_cpus))}" if copy_cpus else ""),
                         "direction": direction,
                         "page_bytes": page,
                         "blocks_per_job": blocks,
@@ -196,9 +197,13 @@ def main(argv: list[str] | None = None) -> None:
         "--pageable", action="store_true", help="leave the host pool unpinned (CUDA fallback)"
     )
     args = ap.parse_args(argv)
+    if args.copy_cpus and args.cpu_worker == "python":
+        ap.error("--copy-cpus places the compiled worker's threads; not with --cpu-worker python")
     backend = args.backend
     if backend == "auto":
         backend = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.copy_cpus and backend != "cpu":
+        ap.error("--copy-cpus places the CPU backend's copy threads; the backend here is cuda")
     device = torch.device("cuda" if backend == "cuda" else "cpu")
     rng = np.random.default_rng(args.seed)
     rows: list[dict[str, object]] = []
