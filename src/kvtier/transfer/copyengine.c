@@ -390,17 +390,14 @@ static int repeats(const int64_t *a, size_t n) {
     return dup;
 }
 
-/* The submit path with its planning in C: validate the caller's device block ids and slots
- * the way plan.py does, compute the job's rows (host row = slot * bpc + offset) into memory
- * the engine owns, and queue it. `store` writes whole chunks (skip must be 0); a load takes
- * the blocks of the slots' chunks from `skip` on, every slot contributing one at least.
- * Returns 0; -1 if stopping or out of memory; 1 if the arguments are invalid (nothing is
- * queued: the caller reports the error, with plan.py's message). */
-int kvt_engine_submit_ids(kvt_engine *e, int64_t id, int lane, uint64_t seq,
-                          const kvtier_segment *segs, size_t nseg, int store,
-                          const int64_t *blocks, size_t nblocks, const int64_t *slots,
-                          size_t nslots, size_t bpc, size_t skip, int64_t num_blocks,
-                          int64_t num_slots) {
+/* Validate a job's device block ids and slots the way plan.py does and compute its rows
+ * (host row = slot * bpc + offset) into `host` and `dev` (room for `nblocks` each). `store`
+ * writes whole chunks (skip must be 0); a load takes the blocks of the slots' chunks from
+ * `skip` on, every slot contributing one at least. Returns 0; 1 if the arguments are
+ * invalid; -1 if out of memory. Shared with cudaengine.c. */
+int kvt_plan_rows(int store, const int64_t *blocks, size_t nblocks, const int64_t *slots,
+                  size_t nslots, size_t bpc, size_t skip, int64_t num_blocks, int64_t num_slots,
+                  int64_t *host, int64_t *dev) {
     if (bpc == 0 || out_of_range(blocks, nblocks, num_blocks) ||
         out_of_range(slots, nslots, num_slots))
         return 1;
@@ -418,14 +415,32 @@ int kvt_engine_submit_ids(kvt_engine *e, int64_t id, int lane, uint64_t seq,
     int dup = store ? repeats(slots, nslots) : repeats(blocks, nblocks);
     if (dup)
         return dup < 0 ? -1 : 1;
-    kvt_job *j = malloc(sizeof *j + 2 * n * sizeof(int64_t));
-    if (!j)
-        return -1;
-    int64_t *host = (int64_t *)(j + 1), *dev = host + n;
     for (size_t i = 0; i < n; i++) {
         size_t r = skip + i; /* block r of the job's chunks, in order */
         host[i] = slots[r / bpc] * (int64_t)bpc + (int64_t)(r % bpc);
         dev[i] = blocks[i];
+    }
+    return 0;
+}
+
+/* The submit path with its planning in C (kvt_plan_rows), into memory the engine owns.
+ * Returns 0; -1 if stopping or out of memory; 1 if the arguments are invalid (nothing is
+ * queued: the caller reports the error, with plan.py's message). */
+int kvt_engine_submit_ids(kvt_engine *e, int64_t id, int lane, uint64_t seq,
+                          const kvtier_segment *segs, size_t nseg, int store,
+                          const int64_t *blocks, size_t nblocks, const int64_t *slots,
+                          size_t nslots, size_t bpc, size_t skip, int64_t num_blocks,
+                          int64_t num_slots) {
+    size_t n = nblocks;
+    kvt_job *j = malloc(sizeof *j + 2 * n * sizeof(int64_t));
+    if (!j)
+        return -1;
+    int64_t *host = (int64_t *)(j + 1), *dev = host + n;
+    int rc = kvt_plan_rows(store, blocks, nblocks, slots, nslots, bpc, skip, num_blocks,
+                           num_slots, host, dev);
+    if (rc) {
+        free(j);
+        return rc;
     }
     *j = (kvt_job){NULL, id, seq, segs, nseg, store ? host : dev, store ? dev : host, n};
     return enqueue(e, j, lane);

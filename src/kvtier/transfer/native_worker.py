@@ -25,7 +25,6 @@ import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from numbers import Integral
-from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -35,9 +34,9 @@ from kvtier.base import TransferResult
 from kvtier.transfer.cpu_worker import DEFAULT_STAGE_BYTES, CPUTransferWorker
 from kvtier.transfer.host_pool import HostPool
 from kvtier.transfer.native import BeforeHook, EngineResult, library, segment_tables
-from kvtier.transfer.plan import Direction, IdsLike, Job
+from kvtier.transfer.plan import Direction, Job
 from kvtier.transfer.registration import KVCacheRegistration
-from kvtier.transfer.worker import FaultInjector, TransferWorker
+from kvtier.transfer.worker import FaultInjector, IdStaging, SubmitCall, TransferWorker
 
 logger = logging.getLogger(__name__)
 
@@ -60,53 +59,6 @@ class _Live:
     direction: str
     rows: tuple[npt.NDArray[np.int64], ...] = ()
     """Row arrays the engine reads, for jobs queued from a planned `Job` (kept alive)."""
-
-
-class _Call(NamedTuple):
-    """A submit call's arguments."""
-
-    job_id: int
-    direction: Direction
-    device_blocks: IdsLike
-    slots: IdsLike
-    group: int
-    skip: int
-    urgent: bool
-
-
-def _int_ids(values: IdsLike) -> npt.NDArray[np.integer] | None:
-    """`values` as a 1-D integer array, or None where the planner must judge it."""
-    arr = np.asarray(values)
-    if arr.ndim != 1:
-        return None
-    if arr.dtype.kind not in "iu":
-        return _EMPTY if arr.size == 0 else None  # `[]` arrives as float64
-    return arr
-
-
-_EMPTY = np.empty(0, dtype=np.int64)
-
-
-class _Staging:
-    """One reusable int64 buffer that a submit's ids are copied into before the engine reads
-    them (and copies them again, into the job): its address is known, where asking numpy for
-    the address of each caller's array costs about a microsecond apiece."""
-
-    def __init__(self) -> None:
-        self._grow(1024)
-
-    def _grow(self, n: int) -> None:
-        self.buf = np.empty(n, dtype=np.int64)
-        self.address = int(self.buf.ctypes.data)
-
-    def put(self, a: npt.NDArray[np.integer], b: npt.NDArray[np.integer]) -> tuple[int, int]:
-        """Copy `a` then `b` in (ints of any width, cast to int64); their addresses."""
-        na, nb = int(a.shape[0]), int(b.shape[0])
-        if na + nb > self.buf.shape[0]:
-            self._grow(1 << (na + nb - 1).bit_length())
-        self.buf[:na] = a
-        self.buf[na : na + nb] = b
-        return self.address, self.address + 8 * na
 
 
 def _check_cpus(cpus: Sequence[int] | None) -> list[int]:
@@ -210,7 +162,7 @@ class NativeCPUTransferWorker(TransferWorker):
         self._next_seq = [1, 1]
         self._engine_thread: int | None = None
         self._poll_buffer = (EngineResult * _POLL)()
-        self._staging = _Staging()  # used under self._lock
+        self._staging = IdStaging()  # used under self._lock
         # A null hook pointer when there is no injector: the engine then never calls Python.
         self._hook = _hook(weakref.ref(self)) if fault_injector is not None else BeforeHook()
         # With a core to spare for the submitting thread, 512 KiB jobs gain from a split;
@@ -246,40 +198,22 @@ class NativeCPUTransferWorker(TransferWorker):
             return 1
         return 0
 
-    def submit_store(
-        self, job_id: int, device_blocks: IdsLike, slots: IdsLike, group: int = 0
-    ) -> None:
-        """See `TransferWorker.submit_store`; planned in C (`_submit_ids`)."""
-        self._submit_ids(_Call(job_id, Direction.STORE, device_blocks, slots, group, 0, False))
+    def _plans_ids(self) -> bool:
+        return True
 
-    def submit_load(
-        self,
-        job_id: int,
-        slots: IdsLike,
-        device_blocks: IdsLike,
-        group: int = 0,
-        skip_blocks: int = 0,
-        urgent: bool = False,
-    ) -> None:
-        """See `TransferWorker.submit_load`; planned in C (`_submit_ids`)."""
-        call = _Call(job_id, Direction.LOAD, device_blocks, slots, group, skip_blocks, urgent)
-        self._submit_ids(call)
-
-    def _submit_ids(self, c: _Call) -> None:
+    def _submit_ids(self, c: SubmitCall) -> None:
         """Queue a job whose validation and row maths run in C, without a `Job`: at 64 KiB
         pages the Python side of a submit held a burst of 1 MiB jobs to 76-79% of the copy
         ceiling, against 91-94% with no planning at all (docs/bench/transfer.md). Arguments
         the C side refuses go through the planner, which raises with its usual message."""
         store = c.direction is Direction.STORE
-        dev, sl = _int_ids(c.device_blocks), _int_ids(c.slots)
-        page = self._planner.page_bytes.get(c.group)
-        skip = c.skip
-        plain = isinstance(skip, int) and not isinstance(skip, bool) and skip >= 0
+        ids = self._plain_ids(c)
         with self._lock:
             self._check_job_id(c.job_id)
-            if dev is None or sl is None or page is None or not plain:
+            if ids is None:
                 self._plan_and_submit(c)
                 return
+            dev, sl, page = ids
             lane = 1 if c.urgent else 0
             seq = self._next_seq[lane]
             table, nseg = self._table_ptrs[c.group][0 if store else 1]
@@ -289,7 +223,7 @@ class NativeCPUTransferWorker(TransferWorker):
             rc = self._lib.kvt_engine_submit_ids(
                 self._engine, c.job_id, lane, seq, table, nseg, store,
                 dev_at, dev.shape[0], sl_at, sl.shape[0],
-                self.blocks_per_chunk, skip, self._planner.num_blocks, self._planner.num_slots,
+                self.blocks_per_chunk, c.skip, self._planner.num_blocks, self._planner.num_slots,
             )  # fmt: skip
             if rc != 0:
                 del self._live[c.job_id]
@@ -299,15 +233,6 @@ class NativeCPUTransferWorker(TransferWorker):
                 raise RuntimeError(f"the copy engine refused job {c.job_id} (stopped or no memory)")
             self._next_seq[lane] = seq + 1
             self._unreported.add(c.job_id)
-
-    def _plan_and_submit(self, c: _Call) -> None:
-        """The planner's path (called with the lock held): raises on bad arguments."""
-        if c.direction is Direction.STORE:
-            job = self._planner.store(c.job_id, c.device_blocks, c.slots, c.group)
-        else:
-            job = self._planner.load(c.job_id, c.slots, c.device_blocks, c.group, c.skip, c.urgent)
-        self._submit(job)
-        self._unreported.add(c.job_id)
 
     def _submit(self, job: Job) -> None:
         store = job.direction is Direction.STORE

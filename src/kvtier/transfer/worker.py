@@ -12,15 +12,66 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
 
 from kvtier.base import TransferResult
 from kvtier.transfer.host_pool import HostPool
-from kvtier.transfer.plan import IdsLike, Job, JobPlanner
+from kvtier.transfer.plan import Direction, IdsLike, Job, JobPlanner
 from kvtier.transfer.registration import KVCacheRegistration
 
 FaultInjector = Callable[[int, str], None]
 """Test hook called as `f(job_id, "store" | "load")` just before a job's copies; raising fails
 that job the same way a failed copy would."""
+
+
+class SubmitCall(NamedTuple):
+    """A submit call's arguments, for workers that plan jobs in compiled code."""
+
+    job_id: int
+    direction: Direction
+    device_blocks: IdsLike
+    slots: IdsLike
+    group: int
+    skip: int
+    urgent: bool
+
+
+def _int_ids(values: IdsLike) -> npt.NDArray[np.integer] | None:
+    """`values` as a 1-D integer array, or None where the planner must judge it."""
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        return None
+    if arr.dtype.kind not in "iu":
+        return _EMPTY if arr.size == 0 else None  # `[]` arrives as float64
+    return arr
+
+
+_EMPTY = np.empty(0, dtype=np.int64)
+
+
+class IdStaging:
+    """One reusable int64 buffer that a submit's ids are copied into before compiled code
+    reads them: its address is known, where asking numpy for the address of each caller's
+    array costs about a microsecond apiece."""
+
+    def __init__(self) -> None:
+        self._grow(1024)
+
+    def _grow(self, n: int) -> None:
+        self.buf = np.empty(n, dtype=np.int64)
+        self.address = int(self.buf.ctypes.data)
+
+    def put(self, a: npt.NDArray[np.integer], b: npt.NDArray[np.integer]) -> tuple[int, int]:
+        """Copy `a` then `b` in (ints of any width, cast to int64); their addresses."""
+        na, nb = int(a.shape[0]), int(b.shape[0])
+        if na + nb > self.buf.shape[0]:
+            self._grow(1 << (na + nb - 1).bit_length())
+        self.buf[:na] = a
+        self.buf[na : na + nb] = b
+        return self.address, self.address + 8 * na
 
 
 class TransferWorker(ABC):
@@ -54,6 +105,10 @@ class TransferWorker(ABC):
     ) -> None:
         """Queue a copy of whole chunks: `device_blocks` (`len(slots) * blocks_per_chunk` of
         them, in chunk order) into `slots`. On CUDA it runs after the compute queued so far."""
+        if self._plans_ids():
+            call = SubmitCall(job_id, Direction.STORE, device_blocks, slots, group, 0, False)
+            self._submit_ids(call)
+            return
         with self._lock:
             self._check_job_id(job_id)
             job = self._planner.store(job_id, device_blocks, slots, group)
@@ -72,6 +127,11 @@ class TransferWorker(ABC):
         """Queue a copy of the blocks of `slots`' chunks, in order from `skip_blocks` of the first
         chunk, into `device_blocks`; the last chunk may be used partially. `urgent` loads run in
         their own lane and do not wait behind queued loads."""
+        if self._plans_ids():
+            self._submit_ids(
+                SubmitCall(job_id, Direction.LOAD, device_blocks, slots, group, skip_blocks, urgent)
+            )
+            return
         with self._lock:
             self._check_job_id(job_id)
             job = self._planner.load(job_id, slots, device_blocks, group, skip_blocks, urgent)
@@ -102,6 +162,39 @@ class TransferWorker(ABC):
     @abstractmethod
     def _collect(self) -> list[TransferResult]:
         """Take the finished results (called with the lock held)."""
+
+    def _plans_ids(self) -> bool:
+        """Whether `submit_*` hand the call to `_submit_ids` (compiled planning) instead of
+        planning it here."""
+        return False
+
+    def _submit_ids(self, c: SubmitCall) -> None:
+        """Validate, plan and queue a call in compiled code; see `_plans_ids`."""
+        raise NotImplementedError
+
+    def _plain_ids(
+        self, c: SubmitCall
+    ) -> tuple[npt.NDArray[np.integer], npt.NDArray[np.integer], int] | None:
+        """A call's device blocks and slots as 1-D integer arrays and its group's page size,
+        for compiled code to validate; None where only the planner can judge the call."""
+        dev, sl = _int_ids(c.device_blocks), _int_ids(c.slots)
+        page = self._planner.page_bytes.get(c.group)
+        skip = c.skip
+        if dev is None or sl is None or page is None:
+            return None
+        if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+            return None
+        return dev, sl, page
+
+    def _plan_and_submit(self, c: SubmitCall) -> None:
+        """Plan a call in Python and submit it (called with the lock held): the path of calls
+        that compiled planning refused or cannot take, whose errors the planner explains."""
+        if c.direction is Direction.STORE:
+            job = self._planner.store(c.job_id, c.device_blocks, c.slots, c.group)
+        else:
+            job = self._planner.load(c.job_id, c.slots, c.device_blocks, c.group, c.skip, c.urgent)
+        self._submit(job)
+        self._unreported.add(c.job_id)
 
     def _check_job_id(self, job_id: int) -> None:
         if self._closed:
