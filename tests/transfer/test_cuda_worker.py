@@ -24,6 +24,12 @@ pytestmark = [
 ]
 
 
+@pytest.fixture(params=["compiled", "torch"])
+def compiled(request: pytest.FixtureRequest) -> bool:
+    """Both submit paths of CUDATransferWorker; "compiled" fails where it cannot be built."""
+    return bool(request.param == "compiled")
+
+
 def _round_trip(
     kvs: list[KVTensor],
     bpc: int,
@@ -31,6 +37,7 @@ def _round_trip(
     stage_bytes: int = 32 << 20,
     pin: bool = True,
     copy_mode: str = "kernel",
+    compiled: bool = True,
 ) -> None:
     rng = np.random.default_rng(seed)
     reg = KVCacheRegistration(kvs)
@@ -41,7 +48,7 @@ def _round_trip(
     src_space, dst_space = rng.permutation(half), half + rng.permutation(NUM_BLOCKS - half)
     slots = rng.permutation(pool.num_slots)
     per_job = 2 * bpc
-    kwargs = {"copy_mode": copy_mode} if pin else {}
+    kwargs = {"copy_mode": copy_mode, "compiled": compiled} if pin else {}
     with make_transfer_worker(reg, pool, "cuda", stage_bytes=stage_bytes, **kwargs) as w:
         for j in range(3):
             w.submit_store(j, src_space[j * per_job : (j + 1) * per_job], slots[2 * j : 2 * j + 2])
@@ -65,27 +72,88 @@ def _round_trip(
 
 
 @pytest.mark.parametrize("bpc", [1, 2, 4])
-def test_round_trip_every_layout(layout: str, bpc: int) -> None:
-    _round_trip(make_layout(layout, torch.float16, "cuda", seed=bpc), bpc, bpc)
+def test_round_trip_every_layout(layout: str, bpc: int, compiled: bool) -> None:
+    _round_trip(make_layout(layout, torch.float16, "cuda", seed=bpc), bpc, bpc, compiled=compiled)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_round_trip_every_dtype(dtype: torch.dtype) -> None:
-    _round_trip(make_layout("flash", dtype, "cuda", seed=1), 2, 5)
+def test_round_trip_every_dtype(dtype: torch.dtype, compiled: bool) -> None:
+    _round_trip(make_layout("flash", dtype, "cuda", seed=1), 2, 5, compiled=compiled)
 
 
 def test_round_trip_through_many_stage_pieces() -> None:
-    _round_trip(make_layout("cross_layer", torch.bfloat16, "cuda", seed=2), 2, 9, stage_bytes=1)
+    kvs = make_layout("cross_layer", torch.bfloat16, "cuda", seed=2)
+    _round_trip(kvs, 2, 9, stage_bytes=1, compiled=False)
 
 
 @pytest.mark.skipif(not cuda_dma.available(), reason="driver has no cuMemcpyBatchAsync")
 @pytest.mark.parametrize("bpc", [1, 4])
-def test_round_trip_on_the_copy_engines(layout: str, bpc: int) -> None:
-    _round_trip(make_layout(layout, torch.bfloat16, "cuda", seed=bpc), bpc, bpc, copy_mode="dma")
+def test_round_trip_on_the_copy_engines(layout: str, bpc: int, compiled: bool) -> None:
+    kvs = make_layout(layout, torch.bfloat16, "cuda", seed=bpc)
+    _round_trip(kvs, bpc, bpc, copy_mode="dma", compiled=compiled)
+
+
+@pytest.mark.parametrize("width", [1, 2, 6, 12, 40])
+def test_compiled_kernel_copies_rows_of_any_alignment(width: int) -> None:
+    # Pages of 3 x width bytes: the engine picks 1-, 2-, 4- and 8-byte accesses for these
+    # (16 for none), and a one-byte offset into the tensor's storage misaligns every row.
+    size = NUM_BLOCKS * 3 * width
+    base = torch.empty(1 + size, dtype=torch.uint8, device="cuda")
+    kv = base[1:].view(NUM_BLOCKS, 3, width)
+    fill_random_bytes(kv, width)
+    _round_trip([KVTensor(kv, "mla")], 2, width, compiled=True)
+    kv = base[:size].view(NUM_BLOCKS, 3, width)
+    fill_random_bytes(kv, width + 1)
+    _round_trip([KVTensor(kv, "mla")], 1, width, compiled=True)
+
+
+@pytest.mark.parametrize("mode", ["kernel", "dma"])
+def test_compiled_jobs_of_more_rows_than_one_launch_takes(mode: str) -> None:
+    if mode == "dma" and not cuda_dma.available():
+        pytest.skip("driver has no cuMemcpyBatchAsync")
+    # 1,000 rows: three launches of at most 480 rows on the kernel path.
+    kv = torch.empty(2100, 2, 4, 2, 64, dtype=torch.float16, device="cuda")
+    fill_random_bytes(kv, 3)
+    kvs = [KVTensor(kv, "flashinfer")]
+    reg = KVCacheRegistration(kvs)
+    pool = HostPool(reg, 1, num_slots=1000)
+    before = snapshot(kvs, 2100)
+    rng = np.random.default_rng(0)
+    src, dst = rng.permutation(1000), 1000 + rng.permutation(1100)[:1000]
+    slots = rng.permutation(1000)
+    w = CUDATransferWorker(reg, pool, copy_mode=mode, compiled=True)
+    assert w.copy_path == "compiled"
+    with w:
+        w.submit_store(1, src, slots)
+        w.submit_load(2, slots, dst)
+        w.wait([2])
+        assert [(r.job_id, r.success) for r in w.get_finished()] == [(1, True), (2, True)]
+    for s, d in zip(src, dst, strict=True):
+        assert_block_equals(kvs, int(d), before[int(s)])
+    pool.close()
+
+
+def test_compiled_path_is_the_default_and_refuses_bad_ids_like_the_planner() -> None:
+    reg = KVCacheRegistration(make_layout("flash", torch.float16, "cuda"))
+    pool = HostPool(reg, 2, num_slots=4)
+    with make_transfer_worker(reg, pool, "cuda") as w:
+        assert isinstance(w, CUDATransferWorker) and w.copy_path == "compiled"
+        with pytest.raises(ValueError, match="len\\(device_blocks\\)=3 must equal"):
+            w.submit_store(1, [1, 2, 3], [0])
+        with pytest.raises(ValueError, match="slots contains 9"):
+            w.submit_store(1, [1, 2], [9])
+        with pytest.raises(ValueError, match="repeats id 5"):
+            w.submit_load(1, [0, 1], [5, 5, 6])
+        w.submit_store(1, [1, 2], [0])  # the refused calls left nothing behind
+        w.wait([1])
+        assert [(r.job_id, r.success, r.bytes) for r in w.get_finished()] == [
+            (1, True, 2 * reg.page_bytes(0))
+        ]
+    pool.close()
 
 
 @pytest.mark.parametrize("mode", ["auto", "kernel", "dma"])
-def test_large_and_small_jobs_round_trip_in_every_copy_mode(mode: str) -> None:
+def test_large_and_small_jobs_round_trip_in_every_copy_mode(mode: str, compiled: bool) -> None:
     if mode == "dma" and not cuda_dma.available():
         pytest.skip("driver has no cuMemcpyBatchAsync")
     # 1 MiB pages in two segments: a 17-block job is over DMA_MIN_JOB_BYTES, a 2-block one under.
@@ -95,7 +163,7 @@ def test_large_and_small_jobs_round_trip_in_every_copy_mode(mode: str) -> None:
     pool = HostPool(reg, 1, num_slots=19)
     before = snapshot(kvs, 40)
     big, small = list(range(3, 20)), [30, 1]
-    with make_transfer_worker(reg, pool, "cuda", copy_mode=mode) as w:
+    with make_transfer_worker(reg, pool, "cuda", copy_mode=mode, compiled=compiled) as w:
         w.submit_store(1, big, list(range(17))[::-1])
         w.submit_store(2, small, [17, 18])
         w.wait([1, 2])
@@ -122,14 +190,16 @@ def test_pageable_pool_gets_the_bounce_buffer_worker() -> None:
         CUDATransferWorker(reg, pool)
 
 
-@pytest.mark.parametrize("mode", ["kernel", "dma", "pageable"])
+@pytest.mark.parametrize("mode", ["compiled-kernel", "compiled-dma", "kernel", "dma", "pageable"])
 def test_store_waits_for_the_compute_that_wrote_the_block(mode: str) -> None:
-    if mode == "dma" and not cuda_dma.available():
+    if mode.endswith("dma") and not cuda_dma.available():
         pytest.skip("driver has no cuMemcpyBatchAsync")
     kv = torch.zeros(16, 256, 1024, dtype=torch.float32, device="cuda")
     reg = KVCacheRegistration([KVTensor(kv, "mla")])
     pool = HostPool(reg, 1, num_slots=4, pin=mode != "pageable")
-    kwargs = {"copy_mode": mode} if mode != "pageable" else {}
+    kwargs: dict[str, object] = {}
+    if mode != "pageable":
+        kwargs = {"copy_mode": mode.split("-")[-1], "compiled": mode.startswith("compiled")}
     a = torch.randn(2048, 2048, device="cuda")
     with make_transfer_worker(reg, pool, "cuda", **kwargs) as w:
         for _ in range(20):  # keep the compute stream busy for a while
@@ -143,18 +213,19 @@ def test_store_waits_for_the_compute_that_wrote_the_block(mode: str) -> None:
     pool.close()
 
 
-@pytest.mark.parametrize("pin", [True, False], ids=["pinned", "pageable"])
-def test_failed_job_on_cuda_is_reported_failed(pin: bool) -> None:
+@pytest.mark.parametrize("pin", ["compiled", "torch", "pageable"])
+def test_failed_job_on_cuda_is_reported_failed(pin: str) -> None:
     kvs = make_layout("mla", torch.float16, "cuda")
     reg = KVCacheRegistration(kvs)
-    pool = HostPool(reg, 1, num_slots=4, pin=pin)
+    pool = HostPool(reg, 1, num_slots=4, pin=pin != "pageable")
     before = snapshot(kvs)
+    kwargs = {"compiled": pin == "compiled"} if pin != "pageable" else {}
 
     def fail_two(job_id: int, direction: str) -> None:
         if job_id == 2:
             raise RuntimeError("injected")
 
-    with make_transfer_worker(reg, pool, "cuda", fault_injector=fail_two) as w:
+    with make_transfer_worker(reg, pool, "cuda", fault_injector=fail_two, **kwargs) as w:
         w.submit_store(1, [1], [0])
         w.submit_store(2, [2], [1])
         w.wait([1, 2])
@@ -163,4 +234,31 @@ def test_failed_job_on_cuda_is_reported_failed(pin: bool) -> None:
         ok = {r.job_id: r.success for r in w.get_finished()}
     assert ok == {1: True, 2: False, 3: True}
     assert_block_equals(kvs, 30, before[1])
+    pool.close()
+
+
+@pytest.mark.parametrize("missing", ["library", "nvrtc"])
+def test_without_the_compiled_engine_the_worker_falls_back_to_torch_ops(
+    monkeypatch: pytest.MonkeyPatch, missing: str
+) -> None:
+    from kvtier.transfer import cuda_engine
+
+    if missing == "library":
+        monkeypatch.setattr(cuda_engine, "library", lambda: None)
+    else:
+        monkeypatch.setattr(cuda_engine.nvrtc, "cubin", lambda capability: None)
+    kvs = make_layout("flash", torch.float16, "cuda", seed=4)
+    reg = KVCacheRegistration(kvs)
+    pool = HostPool(reg, 1, num_slots=4)
+    with pytest.raises(RuntimeError, match=r"native library|NVRTC"):
+        CUDATransferWorker(reg, pool, compiled=True)
+    before = snapshot(kvs)
+    w = CUDATransferWorker(reg, pool)
+    assert w.copy_path == "torch"
+    with w:
+        w.submit_store(1, [5], [2])
+        w.submit_load(2, [2], [9])
+        w.wait([2])
+        assert all(r.success for r in w.get_finished())
+    assert_block_equals(kvs, 9, before[5])
     pool.close()

@@ -107,3 +107,23 @@ def test_scattered_jobs_round_trip_on_both_paths(
         assert all(r.success for r in w.get_finished())
     for s, d in zip(src[1:], dst, strict=True):
         assert_block_equals(kvs, int(d), before[int(s)])
+
+
+@needs_compiler
+def test_cuda_engine_refuses_to_start_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The library holds the CUDA engine on every machine. Without a driver (here) it cannot
+    # open libcuda; with one, no context or a bad kernel image stops it. Never a crash or a
+    # half-made engine.
+    lib = _fresh(monkeypatch, tmp_path)
+    assert lib is not None
+    err = ctypes.create_string_buffer(256)
+    streams = (ctypes.c_uint64 * 3)(0, 0, 0)
+    image = ctypes.create_string_buffer(b"not a cubin")
+    handle = lib.kvt_cuda_new(image, streams, None, 0, 0, 132, err, len(err))
+    assert not handle
+    assert any(
+        reason in err.value.decode()
+        for reason in ("cannot open libcuda.so.1", "no current CUDA context", "cuModuleLoadData")
+    ), err.value

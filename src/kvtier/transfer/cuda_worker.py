@@ -1,9 +1,11 @@
 """The CUDA backend: one stream per lane (stores, loads, urgent loads), events for completion.
 
-The pinned host pool is mapped into the device's address space. A small job is a few batched
-index kernels between device KV tensors and host memory (see `copier`); a large one is one
-batched call to the copy engines (see `cuda_dma`). No Python runs per block. Index buffers,
-staging buffers, streams and events are allocated once and reused.
+The pinned host pool is mapped into the device's address space, so kernels read and write it
+directly. Where the native library builds and NVRTC is found, a job is one call into compiled
+code (`cuda_engine`): one kernel launch per 480 rows that gathers and scatters in one pass, or
+for large jobs one batched call to the copy engines (`cuda_dma`). Elsewhere a job is a few
+batched torch index kernels (`copier`), with index and staging buffers reused. No Python runs
+per block on either path.
 """
 
 from __future__ import annotations
@@ -13,27 +15,30 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvtier.base import TransferResult
 from kvtier.transfer import cuda_dma
 from kvtier.transfer.copier import BlockCopier
 from kvtier.transfer.cuda_dma import DmaCopier
+from kvtier.transfer.cuda_engine import LANES, CUDAEngine
 from kvtier.transfer.host_pool import HostPool
 from kvtier.transfer.plan import Direction, Job
 from kvtier.transfer.registration import KVCacheRegistration
-from kvtier.transfer.worker import FaultInjector, TransferWorker
+from kvtier.transfer.worker import FaultInjector, IdStaging, SubmitCall, TransferWorker
 
 logger = logging.getLogger(__name__)
 
 COPY_MODES = ("auto", "kernel", "dma")
-"""kernel: index kernels through the mapped pool; dma: the copy engines, one batched driver
-call per job; auto: dma for jobs of DMA_MIN_JOB_BYTES or more where the driver has it."""
+"""kernel: kernels through the mapped pool; dma: the copy engines, one batched driver call per
+job; auto: dma where the driver has it for jobs of DMA_MIN_JOB_BYTES or more, and on the
+compiled path also for jobs whose copies (one per block and segment) average 256 KiB or more."""
 
 DMA_MIN_JOB_BYTES = 16 << 20
 """Crossover measured on an H100 (docs/bench/transfer.md): below it a batched DMA call costs
-more than the index kernels' launch; from it the copy engines run at 91-98% of a contiguous
-copy, against 83-94% for the kernels."""
+more than the kernels' launch for small pages; from it the copy engines run at 94-99% of a
+contiguous copy, against 90-94% for the compiled kernel."""
 
 DEFAULT_CUDA_STAGE_BYTES = 32 << 20
 """Device scratch per lane for jobs whose both sides are scattered."""
@@ -89,24 +94,39 @@ class _Record:
 
 
 class _Lane:
-    """One stream and its jobs, which complete in submission order."""
+    """The torch-ops path's stream, copier and jobs, which complete in submission order."""
 
     def __init__(
         self,
         registration: KVCacheRegistration,
         host_rows: torch.Tensor,
         stage_bytes: int,
+        stream: torch.cuda.Stream,
     ) -> None:
         device = registration.device
-        self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        self.stream = stream
         stage = torch.empty(max(stage_bytes, int(host_rows.shape[1])), dtype=torch.uint8,
                             device=device)  # fmt: skip
         self.copier = BlockCopier(registration, host_rows, stage)
         self.records: deque[_Record] = deque()
 
 
+@dataclass(slots=True)
+class _Live:
+    """A job queued on the compiled path whose result has not been collected."""
+
+    lane: int
+    seq: int
+    nbytes: int
+
+
 class CUDATransferWorker(TransferWorker):
-    """Transfer worker for KV tensors on one CUDA device and a pinned host pool."""
+    """Transfer worker for KV tensors on one CUDA device and a pinned host pool.
+
+    `compiled`: None (the default) submits through the compiled engine where it can be built
+    and falls back to torch ops with a log line where not; True requires it (RuntimeError
+    saying why otherwise); False always uses torch ops. `copy_path` says which is in use.
+    """
 
     def __init__(
         self,
@@ -116,9 +136,12 @@ class CUDATransferWorker(TransferWorker):
         stage_bytes: int = DEFAULT_CUDA_STAGE_BYTES,
         fault_injector: FaultInjector | None = None,
         copy_mode: str = "auto",
+        compiled: bool | None = None,
     ) -> None:
         if copy_mode not in COPY_MODES:
             raise ValueError(f"copy_mode={copy_mode!r} is unknown; expected one of {COPY_MODES}")
+        if compiled not in (None, True, False):
+            raise ValueError(f"compiled={compiled!r} must be None, True or False")
         device = registration.device
         if device.type != "cuda":
             raise ValueError(f"the CUDA backend needs KV tensors on a CUDA device, got {device}")
@@ -132,30 +155,111 @@ class CUDATransferWorker(TransferWorker):
         alias = torch.as_tensor(_DevicePointer(pool.address, pool.nbytes), device=device)
         if alias.data_ptr() != pool.address:
             raise RuntimeError("could not map the pinned host pool into the device address space")
-        host_rows = alias.view(pool.num_slots * pool.blocks_per_chunk, pool.row_bytes)
         self._alias = alias
-        self._lanes = {
-            name: _Lane(registration, host_rows, stage_bytes)
-            for name in ("store", "load", "urgent")
-        }
-        self._indices = _IndexBuffers(device)
-        self._dma: DmaCopier | None = None
-        if copy_mode == "dma" or (copy_mode == "auto" and cuda_dma.available()):
-            self._dma = DmaCopier(registration, pool.address, pool.row_bytes, device.index or 0)
+        host_rows = pool.num_slots * pool.blocks_per_chunk
         self._dma_min_bytes = 0 if copy_mode == "dma" else DMA_MIN_JOB_BYTES
+        self._streams = [torch.cuda.Stream(device) for _ in LANES]  # type: ignore[no-untyped-call]
+        self._engine: CUDAEngine | None = None
+        if compiled is not False:
+            try:
+                self._engine = CUDAEngine(
+                    registration, pool.address, pool.row_bytes, host_rows, self._streams,
+                    copy_mode, self._dma_min_bytes,
+                )  # fmt: skip
+            except RuntimeError as exc:
+                if compiled:
+                    raise
+                # Several times slower for jobs of a few MiB: worth a line at the default level.
+                logger.warning("kvtier: CUDA copies use torch ops (%s)", exc)
+        self.copy_path = "compiled" if self._engine is not None else "torch"
+        """"compiled" (`cuda_engine`) or "torch" (index kernels through torch ops)."""
+        self._live: dict[int, _Live] = {}
+        self._next_seq = [1] * len(LANES)
+        self._staging = IdStaging()  # used under self._lock
+        self._lanes: dict[str, _Lane] = {}
+        self._dma: DmaCopier | None = None
+        if self._engine is None:
+            rows = alias.view(host_rows, pool.row_bytes)
+            self._lanes = {
+                name: _Lane(registration, rows, stage_bytes, stream)
+                for name, stream in zip(LANES, self._streams, strict=True)
+            }
+            if copy_mode == "dma" or (copy_mode == "auto" and cuda_dma.available()):
+                self._dma = DmaCopier(registration, pool.address, pool.row_bytes, device.index or 0)
+        self._indices = _IndexBuffers(device)
         self._events: list[torch.cuda.Event] = []
         self._by_id: dict[int, _Record] = {}
 
-    def _event(self) -> torch.cuda.Event:
-        if self._events:
-            return self._events.pop()
-        return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    def _plans_ids(self) -> bool:
+        # The fault injector runs in Python before a job's copies: planned jobs only.
+        return self._engine is not None and self._fault_injector is None
+
+    def _submit_ids(self, c: SubmitCall) -> None:
+        """A job planned in C (`kvt_plan_rows`, as the CPU engine does): the planner's numpy
+        calls alone cost 9-28 µs a job on the H100 host. Arguments the C side refuses go
+        through the planner, which raises with its usual message."""
+        assert self._engine is not None
+        store = c.direction is Direction.STORE
+        ids = self._plain_ids(c)
+        with self._lock:
+            self._check_job_id(c.job_id)
+            if ids is None:
+                self._plan_and_submit(c)
+                return
+            dev, sl, page = ids
+            lane = 0 if store else 2 if c.urgent else 1
+            table = self._engine.tables[c.group][0 if store else 1].number
+            dev_at, sl_at = self._staging.put(dev, sl)
+            rc = self._engine.submit_ids(
+                lane, c.job_id, table, page, store, dev_at, int(dev.shape[0]), sl_at,
+                int(sl.shape[0]), self.blocks_per_chunk, c.skip, self._planner.num_blocks,
+                self._planner.num_slots,
+            )  # fmt: skip
+            if rc == 1:  # invalid: the planner raises and says why
+                self._plan_and_submit(c)
+                return
+            self._queued(c.job_id, lane, int(dev.shape[0]) * page, rc)
+            self._unreported.add(c.job_id)
+
+    def _queued(self, job_id: int, lane: int, nbytes: int, rc: int) -> None:
+        if rc != 0:
+            raise RuntimeError(
+                f"the CUDA copy engine could not queue job {job_id} "
+                + ("(out of memory)" if rc < 0 else f"(CUresult {rc})")
+            )
+        seq = self._next_seq[lane]
+        self._live[job_id] = _Live(lane, seq, nbytes)
+        self._next_seq[lane] = seq + 1
+
+    def _inject(self, job: Job) -> bool:
+        """Run the fault injector; False if it raised (the job then fails)."""
+        if self._fault_injector is None:
+            return True
+        try:
+            self._fault_injector(job.job_id, job.direction.value)
+        except Exception:
+            logger.exception("transfer job %d (%s) failed", job.job_id, job.direction.value)
+            return False
+        return True
 
     def _submit(self, job: Job) -> None:
+        if self._engine is not None:
+            store = job.direction is Direction.STORE
+            lane = 0 if store else 2 if job.urgent else 1
+            ok = self._inject(job)
+            table = self._engine.tables[job.group][0 if store else 1].number
+            dst, src = (job.host_rows, job.dev_rows) if store else (job.dev_rows, job.host_rows)
+            rc = self._engine.submit_rows(
+                lane, job.job_id, not ok, table, job.nbytes,
+                np.ascontiguousarray(dst, dtype=np.int64),
+                np.ascontiguousarray(src, dtype=np.int64),
+            )  # fmt: skip
+            self._queued(job.job_id, lane, job.nbytes, rc)
+            return
         if job.direction is Direction.STORE:
-            lane = self._lanes["store"]
+            ln = self._lanes["store"]
         else:
-            lane = self._lanes["urgent" if job.urgent else "load"]
+            ln = self._lanes["urgent" if job.urgent else "load"]
         n = len(job)
         buf = None
         if self._dma is None or job.nbytes < self._dma_min_bytes:
@@ -164,34 +268,44 @@ class CUDATransferWorker(TransferWorker):
             staged[:n] = job.dev_rows
             staged[n : 2 * n] = job.host_rows
         start, end = self._event(), self._event()
-        ok = True
         # Stores read KV the compute stream is producing; loads overwrite blocks it may still
         # be reading or zeroing. Both wait for the compute queued so far.
-        lane.stream.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(lane.stream):
-            start.record(lane.stream)
+        ln.stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(ln.stream):
+            start.record(ln.stream)
+            ok = self._inject(job)
             try:
-                if self._fault_injector is not None:
-                    self._fault_injector(job.job_id, job.direction.value)
-                if buf is None:
+                if not ok:
+                    pass
+                elif buf is None:
                     assert self._dma is not None
-                    self._dma.run(job, lane.stream.cuda_stream)
+                    self._dma.run(job, ln.stream.cuda_stream)
                 else:
                     idx = buf.device[: 2 * n]
                     idx.copy_(buf.host[: 2 * n], non_blocking=True)
-                    lane.copier.run(job, idx[:n], idx[n:])
+                    ln.copier.run(job, idx[:n], idx[n:])
             except Exception:
                 logger.exception("transfer job %d (%s) failed", job.job_id, job.direction.value)
                 ok = False
             # Recorded even on failure: kernels already launched must finish before the
             # job's buffers are reused.
-            end.record(lane.stream)
+            end.record(ln.stream)
         record = _Record(job.job_id, job.nbytes, ok, start, end, buf)
-        lane.records.append(record)
+        ln.records.append(record)
         self._by_id[job.job_id] = record
+
+    def _event(self) -> torch.cuda.Event:
+        if self._events:
+            return self._events.pop()
+        return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
 
     def _collect(self) -> list[TransferResult]:
         results = []
+        if self._engine is not None:
+            for job_id, ok, seconds in self._engine.poll():
+                live = self._live.pop(job_id)
+                results.append(TransferResult(job_id, ok, live.nbytes if ok else 0, seconds))
+            return results
         for lane in self._lanes.values():
             while lane.records and lane.records[0].end.query():  # type: ignore[no-untyped-call]
                 r = lane.records.popleft()
@@ -205,6 +319,19 @@ class CUDATransferWorker(TransferWorker):
 
     def wait(self, job_ids: Iterable[int]) -> None:
         """Block until every job in `job_ids` has finished (ids not in flight are ignored)."""
+        if self._engine is not None:
+            last = [0] * len(LANES)
+            with self._lock:
+                for j in job_ids:
+                    live = self._live.get(j)
+                    if live is not None and live.seq > last[live.lane]:
+                        last[live.lane] = live.seq
+                # A lane finishes in order: its last job's event covers the others.
+                marks = [self._engine.end_event(lane, seq) for lane, seq in enumerate(last) if seq]
+            for mark in marks:
+                if mark:
+                    self._engine.event_sync(mark)
+            return
         with self._lock:
             events = [self._by_id[j].end for j in job_ids if j in self._by_id]
         for event in events:
@@ -216,5 +343,7 @@ class CUDATransferWorker(TransferWorker):
             if self._closed:
                 return
             self._closed = True
-        for lane in self._lanes.values():
-            lane.stream.synchronize()
+        if self._engine is not None:
+            self._engine.sync()
+        for stream in self._streams:
+            stream.synchronize()

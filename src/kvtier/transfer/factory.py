@@ -25,9 +25,10 @@ def make_transfer_worker(
     On CUDA with a pool that is not pinned (pinning failed or `pin=False`), the worker falls
     back to bounce buffers on a background thread and logs a warning.
 
-    Extra keyword arguments (`stage_bytes`, `fault_injector`, for CUDA `copy_mode`, for the
-    CPU `copy_threads` and `copy_cpus`) go to the backend. `copy_cpus` is ignored on CUDA, and
-    both CPU ones by the Python-thread fallback, which splits large jobs over torch's threads.
+    Extra keyword arguments (`stage_bytes`, `fault_injector`, for CUDA `copy_mode` and
+    `compiled`, for the CPU `copy_threads` and `copy_cpus`) go to the backend. `copy_cpus` is
+    ignored on CUDA, the CUDA ones by the pageable fallback and on the CPU, and both CPU ones
+    by the Python-thread fallback, which splits large jobs over torch's threads.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is unknown; expected one of {BACKENDS}")
@@ -41,8 +42,10 @@ def make_transfer_worker(
 
         if not pool.pinned:
             kwargs.pop("copy_mode", None)  # one way to copy without a pinned pool
+            kwargs.pop("compiled", None)
             return PageableCUDATransferWorker(registration, pool, **kwargs)
         return CUDATransferWorker(registration, pool, **kwargs)
+    kwargs.pop("compiled", None)
     if library() is not None:
         return NativeCPUTransferWorker(registration, pool, **kwargs)
     kwargs.pop("copy_threads", None)

@@ -1,10 +1,12 @@
 """The CPU backend's compiled code, built on first use with the system C compiler.
 
-Two sources make one library:
+Three sources make one library:
 
 - `rowcopy.c` copies a job's scattered rows in one call, with streaming stores that skip the
   read of each destination line that `memmove` pays at these sizes (docs/bench/transfer.md);
-- `copyengine.c` is a copy thread that never takes the GIL (`native_worker`).
+- `copyengine.c` is a copy thread that never takes the GIL (`native_worker`);
+- `cudaengine.c` is the CUDA backend's submit path (`cuda_worker`): it reaches the driver
+  with dlopen, so it builds without CUDA and does nothing where CUDA is absent.
 
 The library is compiled once per source version into `$KVTIER_CACHE_DIR` (default
 `~/.cache/kvtier`) and loaded with ctypes. Where that cannot happen (not x86-64, no C compiler,
@@ -53,7 +55,7 @@ class EngineResult(ctypes.Structure):
     ]
 
 
-_SOURCES = tuple(Path(__file__).with_name(n) for n in ("rowcopy.c", "copyengine.c"))
+_SOURCES = tuple(Path(__file__).with_name(n) for n in ("rowcopy.c", "copyengine.c", "cudaengine.c"))
 _UNSET = object()
 _cached: object = _UNSET
 _P, _SZ, _I64, _U64, _INT = (
@@ -75,6 +77,18 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "kvt_engine_wait": ([_P, _INT, _U64], None),
     "kvt_engine_stop": ([_P], None),
     "kvt_engine_free": ([_P], None),
+    "kvt_cuda_new": ([_P, _P, _P, _INT, _U64, ctypes.c_uint, ctypes.c_char_p, _SZ], _P),
+    "kvt_cuda_add_table": ([_P, _P, _SZ, _U64, _INT, _INT], _INT),
+    "kvt_cuda_submit": ([_P, _INT, _U64, _I64, _INT, _INT, _U64, _P, _P, _SZ], _INT),
+    "kvt_cuda_submit_ids": (
+        [_P, _INT, _U64, _I64, _INT, _INT, _U64, _INT, _P, _SZ, _P, _SZ, _SZ, _SZ, _I64, _I64],
+        _INT,
+    ),
+    "kvt_cuda_poll": ([_P, _P, _SZ], _SZ),
+    "kvt_cuda_end_event": ([_P, _INT, _U64], _U64),
+    "kvt_cuda_event_sync": ([_P, _U64], _INT),
+    "kvt_cuda_sync": ([_P], _INT),
+    "kvt_cuda_free": ([_P], None),
 }
 
 
@@ -141,7 +155,8 @@ def _load() -> ctypes.CDLL | None:
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            cmd = [cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(tmp), *map(str, _SOURCES)]
+            cmd = [cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(tmp), *map(str, _SOURCES),
+                   "-ldl"]  # fmt: skip
             subprocess.run(cmd, check=True, capture_output=True, timeout=120)
             os.replace(tmp, path)  # atomic: concurrent first uses never load a partial file
         lib = ctypes.CDLL(str(path))

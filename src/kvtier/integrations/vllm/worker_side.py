@@ -98,9 +98,11 @@ class KVTierWorkerSide:
             registration, pool, cfg.transfer_backend, copy_cpus=cfg.transfer_cpus
         )
         self._worker = OffloadingWorker(self.transfer)
+        path = getattr(self.transfer, "copy_path", None)
+        where = getattr(self.transfer, "copy_cpus", None) or "any"
         logger.info(
             "kvtier: worker registered %d KV tensors on %s (%s), host pool %d slots x %d bytes "
-            "(%.2f GiB, pinned=%s), %s transfer backend (copy threads on CPUs %s)",
+            "(%.2f GiB, pinned=%s), %s transfer backend (%s)",
             len(tensors),
             registration.device,
             ", ".join(
@@ -111,7 +113,7 @@ class KVTierWorkerSide:
             pool.nbytes / 2**30,
             pool.pinned,
             type(self.transfer).__name__,
-            getattr(self.transfer, "copy_cpus", None) or "any",
+            f"copy path: {path}" if path else f"copy threads on CPUs {where}",
         )
 
     def _check(self) -> OffloadingWorker:

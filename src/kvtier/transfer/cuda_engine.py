@@ -1,0 +1,165 @@
+"""The compiled submit path of the CUDA backend: `cudaengine.c` driving `gather.cu`'s kernel.
+
+A job is one call from Python: C validates its ids and computes its rows, makes its lane's
+stream wait for the caller's compute stream, records a start event, launches one kernel per
+480 rows (the row numbers ride in the launch parameters: no index upload, no staging buffer)
+or, for large jobs, queues one batched call to the copy engines, and records an end event.
+`CUDATransferWorker` uses it wherever the native library builds (`native.library()`) and NVRTC
+compiles the kernel (`nvrtc.cubin()`); elsewhere it copies with torch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import weakref
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from kvtier.transfer import cuda_dma, nvrtc
+from kvtier.transfer.native import EngineResult, library, segment_tables
+from kvtier.transfer.registration import KVCacheRegistration
+
+logger = logging.getLogger(__name__)
+
+LANES = ("store", "load", "urgent")
+_POLL = 256
+
+
+class _Table(NamedTuple):
+    number: int
+    """The engine's table number."""
+    device_copy: torch.Tensor
+    """The table in device memory, which the kernel reads (kept alive here)."""
+
+
+def _raw_stream(device_index: int) -> int:
+    """The current stream's handle: `torch.cuda.current_stream()` costs several µs a call."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(device_index))
+    return int(torch.cuda.current_stream(device_index).cuda_stream)
+
+
+def _close(lib: ctypes.CDLL, handle: int, keep: object) -> None:
+    # Copies may still be running when a worker is dropped without shutdown(): wait for them
+    # before the tables they read (in `keep`) are freed.
+    lib.kvt_cuda_sync(handle)
+    lib.kvt_cuda_free(handle)
+    del keep
+
+
+class CUDAEngine:
+    """One compiled engine for a registration and a pinned pool at `host_address`.
+
+    Not thread-safe except `event_sync`: the worker calls it under its lock.
+    Raises RuntimeError (with the reason) where it cannot be built.
+    """
+
+    def __init__(
+        self,
+        registration: KVCacheRegistration,
+        host_address: int,
+        row_bytes: int,
+        host_rows: int,
+        streams: list[torch.cuda.Stream],
+        copy_mode: str,
+        dma_min_bytes: int,
+    ) -> None:
+        lib = library()
+        if lib is None:
+            raise RuntimeError("the native library is unavailable (no C compiler, or not x86-64)")
+        if max(registration.num_blocks, host_rows) > 1 << 32:
+            raise RuntimeError("the kernel takes 32-bit row numbers")
+        device = registration.device
+        image = nvrtc.cubin(torch.cuda.get_device_capability(device))
+        if image is None:
+            raise RuntimeError("NVRTC could not compile the copy kernel")
+        batch, batch13 = None, 0
+        found = cuda_dma._lookup() if copy_mode != "kernel" else None
+        if found is not None:
+            fn, new = found
+            batch, batch13 = ctypes.cast(fn, ctypes.c_void_p).value, int(new)  # type: ignore[arg-type]
+        elif copy_mode == "dma":
+            raise RuntimeError("this CUDA driver has no cuMemcpyBatchAsync (CUDA 12.8+)")
+        handles = (ctypes.c_uint64 * len(LANES))(*(s.cuda_stream for s in streams))
+        err = ctypes.create_string_buffer(512)
+        self._image = ctypes.create_string_buffer(image)  # the driver reads it during new()
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        with torch.cuda.device(device):  # makes the device's context current for new()
+            handle = lib.kvt_cuda_new(
+                self._image, handles, batch, batch13, dma_min_bytes, sms, err, len(err)
+            )
+        if not handle:
+            raise RuntimeError(f"the CUDA copy engine failed to start: {err.value.decode()}")
+        self._lib = lib
+        self._handle: int = handle
+        self._device_index = device.index if device.index is not None else 0
+        self.tables: dict[int, tuple[_Table, _Table]] = {}
+        """Per KV-cache group, the store and load tables."""
+        host_tables = segment_tables(registration, host_address, row_bytes)
+        for g, pair in host_tables.items():
+            made = []
+            for store, table in zip((1, 0), pair, strict=True):
+                on_device = torch.from_numpy(table.view(np.int64).copy()).to(device)
+                index = lib.kvt_cuda_add_table(
+                    handle, table.ctypes.data, table.shape[0], on_device.data_ptr(), store,
+                    self._device_index,
+                )  # fmt: skip
+                if index < 0:
+                    lib.kvt_cuda_free(handle)
+                    raise RuntimeError("out of memory registering the copy tables")
+                made.append(_Table(index, on_device))
+            self.tables[g] = (made[0], made[1])
+        torch.cuda.synchronize(device)  # the tables' uploads, before any kernel reads them
+        self._poll_buffer = (EngineResult * _POLL)()
+        self._finalizer = weakref.finalize(self, _close, lib, handle, (self.tables, streams))
+
+    def submit_ids(
+        self, lane: int, job_id: int, table: int, page_bytes: int, store: bool,
+        blocks_at: int, nblocks: int, slots_at: int, nslots: int, bpc: int, skip: int,
+        num_blocks: int, num_slots: int,
+    ) -> int:  # fmt: skip
+        """Plan and queue a job in C; 0 queued, 1 invalid (nothing queued), else an error."""
+        return int(
+            self._lib.kvt_cuda_submit_ids(
+                self._handle, lane, _raw_stream(self._device_index), job_id, 0, table,
+                page_bytes, store, blocks_at, nblocks, slots_at, nslots, bpc, skip,
+                num_blocks, num_slots,
+            )
+        )  # fmt: skip
+
+    def submit_rows(
+        self, lane: int, job_id: int, fail: bool, table: int, nbytes: int,
+        dst: np.ndarray, src: np.ndarray,
+    ) -> int:  # fmt: skip
+        """Queue a planned job (`dst`/`src`: int64 rows); `fail` records it as failed."""
+        return int(
+            self._lib.kvt_cuda_submit(
+                self._handle, lane, _raw_stream(self._device_index), job_id, int(fail), table,
+                nbytes, dst.ctypes.data, src.ctypes.data, dst.shape[0],
+            )
+        )  # fmt: skip
+
+    def poll(self) -> list[tuple[int, bool, float]]:
+        """Finished jobs as (job_id, ok, seconds), each lane in submission order."""
+        out = []
+        while True:
+            k = self._lib.kvt_cuda_poll(self._handle, self._poll_buffer, _POLL)
+            out += [(r.job_id, bool(r.ok), float(r.seconds)) for r in self._poll_buffer[:k]]
+            if k < _POLL:
+                return out
+
+    def end_event(self, lane: int, seq: int) -> int:
+        """The end event of a job not yet polled (0 if it has been)."""
+        return int(self._lib.kvt_cuda_end_event(self._handle, lane, seq))
+
+    def event_sync(self, event: int) -> None:
+        """Block on an event from `end_event` (releases the GIL; needs no lock)."""
+        self._lib.kvt_cuda_event_sync(self._handle, event)
+
+    def sync(self) -> None:
+        """Block until every queued copy has finished."""
+        self._lib.kvt_cuda_sync(self._handle)
