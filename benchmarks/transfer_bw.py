@@ -65,6 +65,7 @@ def bench_page(
     settle: float = 0.0,
     copy_threads: int | None = None,
     copy_cpus: list[int] | None = None,
+    cuda_path: str = "auto",
 ) -> list[dict[str, object]]:
     """Rows for one page size: store and load for every batch size."""
     num_blocks = max(region // page, 2 * max(batches))
@@ -82,9 +83,12 @@ def bench_page(
             os.sched_setaffinity(0, others)
     dev_flat, host_flat = dev.view(-1), pool.tensor.view(-1)
     rows: list[dict[str, object]] = []
-    kwargs: dict[str, object] = (
-        {"copy_mode": copy_mode} if backend == "cuda" and not pageable else {}
-    )
+    kwargs: dict[str, object] = {}
+    if backend == "cuda" and not pageable:
+        kwargs = {
+            "copy_mode": copy_mode,
+            "compiled": {"auto": None, "compiled": True}.get(cuda_path, False),
+        }
     worker: TransferWorker
     if backend == "cpu" and cpu_worker == "python":
         worker = CPUTransferWorker(reg, pool)
@@ -156,6 +160,7 @@ def bench_page(
                         + ("-python" if name == "CPUTransferWorker" else "")
                         + ("-pageable" if pageable else "")
                         + (f"-{copy_mode}" if backend == "cuda" else "")
+                        + ("-torch" if getattr(worker, "copy_path", "") == "torch" else "")
                         + (f"-cpus{','.join(map(str, copy_cpus))}" if copy_cpus else ""),
                         "direction": direction,
                         "page_bytes": page,
@@ -181,6 +186,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
     ap.add_argument("--copy-mode", choices=["auto", "kernel", "dma"], default="auto",
                     help="CUDA: index kernels through mapped memory, or batched DMA")  # fmt: skip
+    ap.add_argument("--cuda-path", choices=["auto", "compiled", "torch"], default="auto",
+                    help="CUDA: submit through the compiled engine (where it builds), or "
+                    "through torch ops")  # fmt: skip
     ap.add_argument("--cpu-worker", choices=["auto", "python"], default="auto",
                     help="CPU: the factory's worker (compiled copy thread where it builds), or "
                     "CPUTransferWorker (Python copy thread)")  # fmt: skip
@@ -212,6 +220,7 @@ def main(argv: list[str] | None = None) -> None:
             backend, device, page_kib * KiB, args.batches, args.region_mib * MiB,
             args.moved_mib * MiB, args.repeats, rng, args.pageable, args.copy_mode,
             args.cpu_worker, args.settle_ms / 1e3, args.copy_threads, args.copy_cpus,
+            args.cuda_path,
         )  # fmt: skip
     label = str(rows[0]["backend"]) if rows else backend
     table = Table(title=f"kvtier transfer throughput ({label}, torch threads "

@@ -59,7 +59,10 @@ class Rig:
         self.page_bytes = reg.page_bytes(0)
         num_slots = args.requests * blocks_per_req // args.blocks_per_chunk
         self.pool = HostPool(reg, args.blocks_per_chunk, num_slots=num_slots)
-        kwargs = {"copy_mode": args.copy_mode} if device.type == "cuda" else {}
+        kwargs: dict[str, object] = {}
+        if device.type == "cuda":
+            compiled = {"auto": None, "compiled": True}.get(args.cuda_path, False)
+            kwargs = {"copy_mode": args.copy_mode, "compiled": compiled}
         self.transfer = make_transfer_worker(reg, self.pool, **kwargs)
         self.worker = OffloadingWorker(self.transfer)
         self.blocks_per_req = blocks_per_req
@@ -150,6 +153,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--copy-mode", choices=["auto", "kernel", "dma"], default="auto",
                     help="CUDA only")  # fmt: skip
+    ap.add_argument("--cuda-path", choices=["auto", "compiled", "torch"], default="auto",
+                    help="CUDA: submit through the compiled engine (where it builds), or "
+                    "through torch ops")  # fmt: skip
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
     name = args.device
@@ -188,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         }
         for d in ("store", "load")
     ]
-    mode = f" ({args.copy_mode})" if name == "cuda" else ""
+    mode = f" ({args.copy_mode}, {args.cuda_path} path)" if name == "cuda" else ""
     table = Table(title=f"connector worker side on {name}{mode}: {args.layers} layers, "
                   f"{rig.page_bytes >> 10} KiB per block, {args.blocks_per_chunk} blocks/chunk, "
                   f"{args.requests} x {args.prompt_tokens} tokens per wave")  # fmt: skip

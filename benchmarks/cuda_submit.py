@@ -1,0 +1,140 @@
+"""Host time per submit and GPU time per job of the CUDA worker, compiled path against torch ops.
+
+For each (page, blocks per job), both paths take turns: a burst of `--jobs` jobs of random
+device blocks and random slots is submitted with nothing in flight before it, then waited for.
+Per path and direction it reports medians over the rounds (the first is a warm-up) of:
+the median `submit_*` call, the burst's wall time per job (first submit to last job done), and
+the median job's GPU time from its own events (`TransferResult.seconds`). A path is host bound
+where the submit is longer than the GPU time.
+
+    python benchmarks/cuda_submit.py                       # needs a CUDA device
+    python benchmarks/cuda_submit.py --cases 256x16 1024x1 --rounds 7 --json out/submit.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor
+from kvtier.transfer.cuda_worker import CUDATransferWorker
+
+KiB = 1 << 10
+
+
+def _case(text: str) -> tuple[int, int]:
+    page, _, blocks = text.partition("x")
+    try:
+        p, b = int(page), int(blocks)
+    except ValueError:
+        p = b = 0
+    if p < 1 or b < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected PAGE_KIBxBLOCKS with both at least 1, e.g. 256x16"
+        )
+    return p * KiB, b
+
+
+def bench_case(
+    page: int, blocks: int, jobs: int, rounds: int, region: int, rng: np.random.Generator
+) -> list[dict[str, object]]:
+    """Rows for one (page, blocks per job): both paths, both directions."""
+    num_blocks = region // page
+    jobs = min(jobs, num_blocks // blocks)
+    dev = torch.empty(num_blocks, page, dtype=torch.uint8, device="cuda")
+    dev.fill_(7)
+    reg = KVCacheRegistration([KVTensor(dev, 0)])
+    pool = HostPool(reg, 1, num_slots=num_blocks)
+    workers = {
+        "compiled": CUDATransferWorker(reg, pool, compiled=True),
+        "torch": CUDATransferWorker(reg, pool, compiled=False),
+    }
+    seen: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    next_id = 0
+    for r in range(rounds + 1):
+        for path, w in workers.items():
+            for direction in ("store", "load"):
+                d = rng.permutation(num_blocks)[: jobs * blocks].reshape(jobs, blocks)
+                h = rng.permutation(num_blocks)[: jobs * blocks].reshape(jobs, blocks)
+                torch.cuda.synchronize()
+                ids, submits = list(range(next_id, next_id + jobs)), []
+                next_id += jobs
+                t0 = time.perf_counter()
+                for j, job_id in enumerate(ids):
+                    t = time.perf_counter()
+                    if direction == "store":
+                        w.submit_store(job_id, d[j], h[j])
+                    else:
+                        w.submit_load(job_id, h[j], d[j])
+                    submits.append(time.perf_counter() - t)
+                w.wait(ids)
+                wall = time.perf_counter() - t0
+                results = w.get_finished()
+                assert len(results) == jobs and all(x.success for x in results), "a job failed"
+                if r:  # round 0 warms both paths up
+                    gpu = statistics.median(x.seconds for x in results)
+                    seen.setdefault((path, direction), []).append(
+                        (statistics.median(submits), wall / jobs, gpu)
+                    )
+    for w in workers.values():
+        w.shutdown()
+    pool.close()
+    rows: list[dict[str, object]] = []
+    for (path, direction), values in seen.items():
+        submit, wall, gpu = (statistics.median(v[i] for v in values) for i in range(3))
+        rows.append(
+            {
+                "path": path, "direction": direction, "page_bytes": page,
+                "blocks_per_job": blocks, "submit_us": submit * 1e6, "wall_us": wall * 1e6,
+                "gpu_us": gpu * 1e6, "gbps": page * blocks / wall / 1e9,
+            }
+        )  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse arguments, run every case, print the table, write JSON if asked."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", type=_case, nargs="+",
+                    default=[_case(c) for c in ("256x16", "1024x1", "64x16", "256x1", "16x128")],
+                    help="PAGE_KIBxBLOCKS per job")  # fmt: skip
+    ap.add_argument("--jobs", type=int, default=256, help="jobs per burst")
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds after a warm-up")
+    ap.add_argument("--region-mib", type=int, default=1024, help="device and host memory each")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device")
+    if args.jobs < 1 or args.rounds < 1:
+        ap.error(f"--jobs={args.jobs} and --rounds={args.rounds} must be at least 1")
+    rng = np.random.default_rng(args.seed)
+    rows: list[dict[str, object]] = []
+    for page, blocks in args.cases:
+        rows += bench_case(page, blocks, args.jobs, args.rounds, args.region_mib << 20, rng)
+    table = Table(title=f"CUDA worker: host time per submit and GPU time per job ({args.jobs} "
+                  f"jobs a burst, medians of {args.rounds} rounds)")  # fmt: skip
+    for col in ("page", "blocks/job", "path", "direction", "submit µs", "wall µs/job",
+                "GPU µs/job", "GB/s"):  # fmt: skip
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(
+            f"{int(r['page_bytes']) // KiB} KiB", str(r["blocks_per_job"]), str(r["path"]),  # type: ignore[call-overload]
+            str(r["direction"]), f"{r['submit_us']:.1f}", f"{r['wall_us']:.1f}",
+            f"{r['gpu_us']:.1f}", f"{r['gbps']:.1f}",
+        )  # fmt: skip
+    Console().print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
