@@ -262,3 +262,38 @@ def test_without_the_compiled_engine_the_worker_falls_back_to_torch_ops(
         assert all(r.success for r in w.get_finished())
     assert_block_equals(kvs, 9, before[5])
     pool.close()
+
+
+def test_compiled_path_reports_long_bursts_in_order_with_their_times() -> None:
+    # Hundreds of jobs queued behind each other (each then starts when the one before it
+    # ends, and is timed from there), collected while more are queued: the lanes' rings grow
+    # and wrap. Every job is reported once, in order, with a plausible time and exact bytes.
+    kv = torch.empty(600, 8, 1024, dtype=torch.uint8, device="cuda")
+    fill_random_bytes(kv, 11)
+    kvs = [KVTensor(kv, "mla")]
+    reg = KVCacheRegistration(kvs)
+    pool = HostPool(reg, 1, num_slots=600)
+    before = snapshot(kvs, 300)
+    rng = np.random.default_rng(5)
+    slots = rng.permutation(600)
+    results = []
+    with CUDATransferWorker(reg, pool, compiled=True) as w:
+        for j in range(300):
+            w.submit_store(j, [j], [int(slots[j])])
+            if j % 97 == 96:
+                results += w.get_finished()
+        w.wait(range(300))  # a slot is loaded only once its store is reported done
+        for j in range(300):
+            w.submit_load(1000 + j, [int(slots[j])], [300 + j])
+            if j % 89 == 88:
+                results += w.get_finished()
+        w.wait([*range(300), *range(1000, 1300)])
+        results += w.get_finished()
+    ids = [r.job_id for r in results]
+    assert sorted(ids) == [*range(300), *range(1000, 1300)]
+    assert [i for i in ids if i < 1000] == list(range(300))
+    assert [i for i in ids if i >= 1000] == list(range(1000, 1300))
+    assert all(r.success and r.bytes == 8192 and 0 < r.seconds < 1 for r in results)
+    for j in range(300):
+        assert_block_equals(kvs, 300 + j, before[j])
+    pool.close()
