@@ -111,6 +111,13 @@ class _Lane:
         self.records: deque[_Record] = deque()
 
 
+def _lane(direction: Direction, urgent: bool) -> int:
+    """The compiled engine's lane (an index into `LANES`) of a job."""
+    if direction is Direction.STORE:
+        return 0
+    return 2 if urgent else 1
+
+
 @dataclass(slots=True)
 class _Live:
     """A job queued on the compiled path whose result has not been collected."""
@@ -207,7 +214,7 @@ class CUDATransferWorker(TransferWorker):
                 self._plan_and_submit(c)
                 return
             dev, sl, page = ids
-            lane = 0 if store else 2 if c.urgent else 1
+            lane = _lane(c.direction, c.urgent)
             table = self._engine.tables[c.group][0 if store else 1].number
             dev_at, sl_at = self._staging.put(dev, sl)
             rc = self._engine.submit_ids(
@@ -245,7 +252,7 @@ class CUDATransferWorker(TransferWorker):
     def _submit(self, job: Job) -> None:
         if self._engine is not None:
             store = job.direction is Direction.STORE
-            lane = 0 if store else 2 if job.urgent else 1
+            lane = _lane(job.direction, job.urgent)
             ok = self._inject(job)
             table = self._engine.tables[job.group][0 if store else 1].number
             dst, src = (job.host_rows, job.dev_rows) if store else (job.dev_rows, job.host_rows)
@@ -275,12 +282,10 @@ class CUDATransferWorker(TransferWorker):
             start.record(ln.stream)
             ok = self._inject(job)
             try:
-                if not ok:
-                    pass
-                elif buf is None:
+                if ok and buf is None:
                     assert self._dma is not None
                     self._dma.run(job, ln.stream.cuda_stream)
-                else:
+                elif ok and buf is not None:
                     idx = buf.device[: 2 * n]
                     idx.copy_(buf.host[: 2 * n], non_blocking=True)
                     ln.copier.run(job, idx[:n], idx[n:])
