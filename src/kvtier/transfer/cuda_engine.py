@@ -19,7 +19,14 @@ import numpy as np
 import torch
 
 from kvtier.transfer import cuda_dma, nvrtc
-from kvtier.transfer.native import EngineResult, library, segment_tables
+from kvtier.transfer.native import (
+    EngineResult,
+    SubmitContext,
+    library,
+    segment_tables,
+    submit_contexts,
+)
+from kvtier.transfer.plan import JobPlanner
 from kvtier.transfer.registration import KVCacheRegistration
 
 logger = logging.getLogger(__name__)
@@ -100,6 +107,7 @@ class CUDAEngine:
         self.tables: dict[int, tuple[_Table, _Table]] = {}
         """Per KV-cache group, the store and load tables."""
         host_tables = segment_tables(registration, host_address, row_bytes)
+        self._host_tables = host_tables  # the submit contexts point at them
         for g, pair in host_tables.items():
             made = []
             for store, table in zip((1, 0), pair, strict=True):
@@ -118,18 +126,24 @@ class CUDAEngine:
         self._finalizer = weakref.finalize(self, _close, lib, handle, (self.tables, streams))
 
     def submit_ids(
-        self, lane: int, job_id: int, table: int, page_bytes: int, store: bool,
-        blocks_at: int, nblocks: int, slots_at: int, nslots: int, bpc: int, skip: int,
-        num_blocks: int, num_slots: int,
+        self, context: int, lane: int, job_id: int, blocks_at: int, nblocks: int, slots_at: int,
+        nslots: int, skip: int,
     ) -> int:  # fmt: skip
-        """Plan and queue a job in C; 0 queued, 1 invalid (nothing queued), else an error."""
+        """Plan and queue a job in C (`context`: the address of the group and direction's
+        `SubmitContext`); 0 queued, 1 invalid (nothing queued), else an error."""
         return int(
             self._lib.kvt_cuda_submit_ids(
-                self._handle, lane, _raw_stream(self._device_index), job_id, 0, table,
-                page_bytes, store, blocks_at, nblocks, slots_at, nslots, bpc, skip,
-                num_blocks, num_slots,
+                self._handle, context, lane, _raw_stream(self._device_index), job_id,
+                blocks_at, nblocks, slots_at, nslots, skip,
             )
         )  # fmt: skip
+
+    def submit_contexts(
+        self, planner: JobPlanner
+    ) -> tuple[list[SubmitContext], dict[int, tuple[int, int]]]:
+        """`native.submit_contexts` for this engine's tables (see `submit_ids`)."""
+        numbers = {g: (st.number, ld.number) for g, (st, ld) in self.tables.items()}
+        return submit_contexts(self._host_tables, planner, numbers)
 
     def submit_rows(
         self, lane: int, job_id: int, fail: bool, table: int, nbytes: int,

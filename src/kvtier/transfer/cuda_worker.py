@@ -24,7 +24,7 @@ from kvtier.transfer.copier import BlockCopier
 from kvtier.transfer.cuda_dma import DmaCopier
 from kvtier.transfer.cuda_engine import LANES, CUDAEngine
 from kvtier.transfer.host_pool import HostPool
-from kvtier.transfer.plan import Direction, Job
+from kvtier.transfer.plan import Direction, IdsLike, Job
 from kvtier.transfer.registration import KVCacheRegistration
 from kvtier.transfer.worker import FaultInjector, IdStaging, SubmitCall, TransferWorker
 
@@ -178,6 +178,9 @@ class CUDATransferWorker(TransferWorker):
                     raise
                 # Several times slower for jobs of a few MiB: worth a line at the default level.
                 logger.warning("kvtier: CUDA copies use torch ops (%s)", exc)
+        self._contexts: dict[int, tuple[int, int]] = {}
+        if self._engine is not None:
+            self._ctx_keep, self._contexts = self._engine.submit_contexts(self._planner)
         self.copy_path = "compiled" if self._engine is not None else "torch"
         """"compiled" (`cuda_engine`) or "torch" (index kernels through torch ops)."""
         self._live: dict[int, _Live] = {}
@@ -201,32 +204,33 @@ class CUDATransferWorker(TransferWorker):
         # The fault injector runs in Python before a job's copies: planned jobs only.
         return self._engine is not None and self._fault_injector is None
 
-    def _submit_ids(self, c: SubmitCall) -> None:
+    def _submit_ids(
+        self, job_id: int, direction: Direction, device_blocks: IdsLike, slots: IdsLike,
+        group: int, skip: int, urgent: bool,
+    ) -> None:  # fmt: skip
         """A job planned in C (`kvt_plan_rows`, as the CPU engine does): the planner's numpy
         calls alone cost 9-28 µs a job on the H100 host. Arguments the C side refuses go
         through the planner, which raises with its usual message."""
         assert self._engine is not None
-        store = c.direction is Direction.STORE
-        ids = self._plain_ids(c)
+        ids = self._plain_ids(device_blocks, slots, group, skip)
         with self._lock:
-            self._check_job_id(c.job_id)
-            if ids is None:
-                self._plan_and_submit(c)
-                return
-            dev, sl, page = ids
-            lane = _lane(c.direction, c.urgent)
-            table = self._engine.tables[c.group][0 if store else 1].number
-            dev_at, sl_at = self._staging.put(dev, sl)
-            rc = self._engine.submit_ids(
-                lane, c.job_id, table, page, store, dev_at, int(dev.shape[0]), sl_at,
-                int(sl.shape[0]), self.blocks_per_chunk, c.skip, self._planner.num_blocks,
-                self._planner.num_slots,
-            )  # fmt: skip
-            if rc == 1:  # invalid: the planner raises and says why
-                self._plan_and_submit(c)
-                return
-            self._queued(c.job_id, lane, int(dev.shape[0]) * page, rc)
-            self._unreported.add(c.job_id)
+            self._check_job_id(job_id)
+            if ids is not None:
+                dev, sl, page = ids
+                lane = _lane(direction, urgent)
+                context = self._contexts[group][0 if direction is Direction.STORE else 1]
+                dev_at, sl_at = self._staging.put(dev, sl)
+                rc = self._engine.submit_ids(
+                    context, lane, job_id, dev_at, int(dev.shape[0]), sl_at, int(sl.shape[0]),
+                    skip,
+                )  # fmt: skip
+                if rc != 1:
+                    self._queued(job_id, lane, int(dev.shape[0]) * page, rc)
+                    self._unreported.add(job_id)
+                    return
+            # The planner's path: it raises, saying why, where the C side refused the call.
+            call = SubmitCall(job_id, direction, device_blocks, slots, group, skip, urgent)
+            self._plan_and_submit(call)
 
     def _queued(self, job_id: int, lane: int, nbytes: int, rc: int) -> None:
         if rc != 0:

@@ -46,6 +46,13 @@ typedef struct {
     double seconds;
 } kvt_result;
 
+typedef struct { /* copyengine.c's */
+    const kvtier_segment *segs;
+    uint64_t nseg, store, bpc;
+    int64_t num_blocks, num_slots;
+    uint64_t table, page_bytes;
+} kvt_submit_ctx;
+
 int kvt_plan_rows(int store, const int64_t *blocks, size_t nblocks, const int64_t *slots,
                   size_t nslots, size_t bpc, size_t skip, int64_t num_blocks, int64_t num_slots,
                   int64_t *host, int64_t *dev);
@@ -406,12 +413,11 @@ int kvt_cuda_submit(kvt_cuda *c, int lane, uint64_t compute, int64_t id, int fai
     return 0;
 }
 
-/* kvt_cuda_submit with the job planned here, as kvt_engine_submit_ids does; 1 if the
- * arguments are invalid (nothing queued). */
-int kvt_cuda_submit_ids(kvt_cuda *c, int lane, uint64_t compute, int64_t id, int fail,
-                        int table, uint64_t page_bytes, int store, const int64_t *blocks,
-                        size_t nblocks, const int64_t *slots, size_t nslots, size_t bpc,
-                        size_t skip, int64_t num_blocks, int64_t num_slots) {
+/* kvt_cuda_submit with the job planned here, as kvt_engine_submit_ids does, with what the
+ * group and direction share in `x`; 1 if the arguments are invalid (nothing queued). */
+int kvt_cuda_submit_ids(kvt_cuda *c, const kvt_submit_ctx *x, int lane, uint64_t compute,
+                        int64_t id, const int64_t *blocks, size_t nblocks, const int64_t *slots,
+                        size_t nslots, size_t skip) {
     if (2 * nblocks > c->rows_cap) {
         int64_t *rows = realloc(c->rows, 2 * nblocks * sizeof *rows);
         if (!rows)
@@ -420,11 +426,12 @@ int kvt_cuda_submit_ids(kvt_cuda *c, int lane, uint64_t compute, int64_t id, int
         c->rows_cap = 2 * nblocks;
     }
     int64_t *host = c->rows, *dev = c->rows + nblocks;
-    int rc = kvt_plan_rows(store, blocks, nblocks, slots, nslots, bpc, skip, num_blocks,
-                           num_slots, host, dev);
+    int store = x->store != 0;
+    int rc = kvt_plan_rows(store, blocks, nblocks, slots, nslots, x->bpc, skip, x->num_blocks,
+                           x->num_slots, host, dev);
     if (rc)
         return rc;
-    return kvt_cuda_submit(c, lane, compute, id, fail, table, nblocks * page_bytes,
+    return kvt_cuda_submit(c, lane, compute, id, 0, (int)x->table, nblocks * x->page_bytes,
                            store ? host : dev, store ? dev : host, nblocks);
 }
 

@@ -33,8 +33,14 @@ import torch
 from kvtier.base import TransferResult
 from kvtier.transfer.cpu_worker import DEFAULT_STAGE_BYTES, CPUTransferWorker
 from kvtier.transfer.host_pool import HostPool
-from kvtier.transfer.native import BeforeHook, EngineResult, library, segment_tables
-from kvtier.transfer.plan import Direction, Job
+from kvtier.transfer.native import (
+    BeforeHook,
+    EngineResult,
+    library,
+    segment_tables,
+    submit_contexts,
+)
+from kvtier.transfer.plan import Direction, IdsLike, Job
 from kvtier.transfer.registration import KVCacheRegistration
 from kvtier.transfer.worker import FaultInjector, IdStaging, SubmitCall, TransferWorker
 
@@ -158,6 +164,7 @@ class NativeCPUTransferWorker(TransferWorker):
         # Kept alive: the engine reads them.
         self._tables = segment_tables(registration, pool.address, pool.row_bytes)
         self._table_ptrs = _pointers(self._tables)
+        self._ctx_keep, self._contexts = submit_contexts(self._tables, self._planner)
         self._live: dict[int, _Live] = {}
         self._next_seq = [1, 1]
         self._engine_thread: int | None = None
@@ -201,38 +208,42 @@ class NativeCPUTransferWorker(TransferWorker):
     def _plans_ids(self) -> bool:
         return True
 
-    def _submit_ids(self, c: SubmitCall) -> None:
+    def _submit_ids(
+        self, job_id: int, direction: Direction, device_blocks: IdsLike, slots: IdsLike,
+        group: int, skip: int, urgent: bool,
+    ) -> None:  # fmt: skip
         """Queue a job whose validation and row maths run in C, without a `Job`: at 64 KiB
         pages the Python side of a submit held a burst of 1 MiB jobs to 76-79% of the copy
         ceiling, against 91-94% with no planning at all (docs/bench/transfer.md). Arguments
         the C side refuses go through the planner, which raises with its usual message."""
-        store = c.direction is Direction.STORE
-        ids = self._plain_ids(c)
+        store = direction is Direction.STORE
+        ids = self._plain_ids(device_blocks, slots, group, skip)
         with self._lock:
-            self._check_job_id(c.job_id)
-            if ids is None:
-                self._plan_and_submit(c)
-                return
-            dev, sl, page = ids
-            lane = 1 if c.urgent else 0
-            seq = self._next_seq[lane]
-            table, nseg = self._table_ptrs[c.group][0 if store else 1]
-            # Recorded first: the engine may run the job (and its hook) before submit returns.
-            self._live[c.job_id] = _Live(lane, seq, int(dev.shape[0]) * page, c.direction.value)
-            dev_at, sl_at = self._staging.put(dev, sl)
-            rc = self._lib.kvt_engine_submit_ids(
-                self._engine, c.job_id, lane, seq, table, nseg, store,
-                dev_at, dev.shape[0], sl_at, sl.shape[0],
-                self.blocks_per_chunk, c.skip, self._planner.num_blocks, self._planner.num_slots,
-            )  # fmt: skip
-            if rc != 0:
-                del self._live[c.job_id]
-                if rc > 0:  # invalid: the planner raises and says why
-                    self._plan_and_submit(c)
+            self._check_job_id(job_id)
+            if ids is not None:
+                dev, sl, page = ids
+                lane = 1 if urgent else 0
+                seq = self._next_seq[lane]
+                # Recorded first: the engine may run the job (and its hook) before submit
+                # returns.
+                self._live[job_id] = _Live(lane, seq, int(dev.shape[0]) * page, direction.value)
+                dev_at, sl_at = self._staging.put(dev, sl)
+                rc = self._lib.kvt_engine_submit_ids(
+                    self._engine, self._contexts[group][0 if store else 1], job_id, lane, seq,
+                    dev_at, dev.shape[0], sl_at, sl.shape[0], skip,
+                )  # fmt: skip
+                if rc == 0:
+                    self._next_seq[lane] = seq + 1
+                    self._unreported.add(job_id)
                     return
-                raise RuntimeError(f"the copy engine refused job {c.job_id} (stopped or no memory)")
-            self._next_seq[lane] = seq + 1
-            self._unreported.add(c.job_id)
+                del self._live[job_id]
+                if rc < 0:
+                    raise RuntimeError(
+                        f"the copy engine refused job {job_id} (stopped or no memory)"
+                    )
+            # The planner's path: it raises, saying why, where the C side refused the call.
+            call = SubmitCall(job_id, direction, device_blocks, slots, group, skip, urgent)
+            self._plan_and_submit(call)
 
     def _submit(self, job: Job) -> None:
         store = job.direction is Direction.STORE
