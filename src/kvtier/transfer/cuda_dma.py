@@ -4,7 +4,8 @@ The driver function (CUDA 12.8+) takes arrays of destination and source addresse
 and queues every copy on one stream in a single call, so a job of any number of blocks costs
 one call into the driver instead of one per block and segment. It is looked up at run time with
 `cuGetProcAddress` from the driver library that torch already loaded; where it is missing,
-`available()` is False and the CUDA backend uses its index kernels instead.
+`available()` is False and the CUDA backend uses its kernels instead. The compiled path
+(`cuda_engine`) calls the function found here from C; `DmaCopier` is the torch-ops path's.
 """
 
 from __future__ import annotations
