@@ -297,3 +297,34 @@ def test_compiled_path_reports_long_bursts_in_order_with_their_times() -> None:
     for j in range(300):
         assert_block_equals(kvs, 300 + j, before[j])
     pool.close()
+
+
+def test_multiple_groups_use_their_own_tables(compiled: bool) -> None:
+    # A hybrid model: two KV-cache groups of different page sizes share the pool's slots.
+    a = make_layout("flash", torch.float16, "cuda", seed=1)
+    b = [
+        KVTensor(t.tensor, "mla", group=1)
+        for t in make_layout("mla", torch.float16, "cuda", seed=2)
+    ]
+    reg = KVCacheRegistration(a + b)
+    assert reg.page_bytes(0) != reg.page_bytes(1)
+    pool = HostPool(reg, 2, num_slots=6)
+    before_a, before_b = snapshot(a), snapshot(b)
+    with CUDATransferWorker(reg, pool, compiled=compiled) as w:
+        w.submit_store(1, [5, 6, 7, 8], [0, 1], group=0)
+        w.submit_store(2, [20, 3], [2], group=1)
+        w.wait([1, 2])
+        w.submit_load(3, [0, 1], [40, 41, 42], group=0, skip_blocks=1)
+        w.submit_load(4, [2], [44], group=1, skip_blocks=1, urgent=True)
+        w.wait([3, 4])
+        results = {r.job_id: (r.success, r.bytes) for r in w.get_finished()}
+    assert results == {
+        1: (True, 4 * reg.page_bytes(0)),
+        2: (True, 2 * reg.page_bytes(1)),
+        3: (True, 3 * reg.page_bytes(0)),
+        4: (True, reg.page_bytes(1)),
+    }
+    for dst, src in zip([40, 41, 42], [6, 7, 8], strict=True):
+        assert_block_equals(a, dst, before_a[src])
+    assert_block_equals(b, 44, before_b[3])
+    pool.close()
