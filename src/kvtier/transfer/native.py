@@ -11,7 +11,8 @@ Three sources make one library:
 The library is compiled once per source version into `$KVTIER_CACHE_DIR` (default
 `~/.cache/kvtier`) and loaded with ctypes. Where that cannot happen (not x86-64, no C compiler,
 a read-only cache, or `KVTIER_NATIVE_COPY=0`) `library()` returns None: the CPU backend then
-runs its copies on a Python thread with libc `memmove` per row, which is correct but slower.
+runs its copies on a Python thread with libc `memmove` per row, and the CUDA backend through
+torch ops, which is correct but slower.
 """
 
 from __future__ import annotations
