@@ -17,21 +17,7 @@
 #include <stdlib.h>
 #include <time.h>
 
-typedef struct {
-    uint64_t dst_base, dst_stride, src_base, src_stride, width;
-} kvtier_segment;
-
-/* What every submit of one KV-cache group in one direction shares (native.SubmitContext;
- * the same in cudaengine.c). */
-typedef struct {
-    const kvtier_segment *segs;
-    uint64_t nseg, store, bpc;
-    int64_t num_blocks, num_slots;
-    uint64_t table, page_bytes; /* cudaengine.c's table number; bytes per block */
-} kvt_submit_ctx;
-
-void kvtier_copy_indexed(const kvtier_segment *segs, size_t nseg, const int64_t *dst_idx,
-                         const int64_t *src_idx, size_t n);
+#include "kvtier.h"
 
 /* Called on the copy thread just before a job's copy; nonzero fails the job. */
 typedef int (*kvt_before_fn)(int64_t job_id);
@@ -45,13 +31,6 @@ typedef struct kvt_job {
     const int64_t *dst, *src;
     size_t n;
 } kvt_job;
-
-typedef struct {
-    int64_t id;
-    int32_t ok;
-    int32_t lane;
-    double seconds;
-} kvt_result;
 
 /* Helpers that copy slices of one large job alongside the engine's thread. Slices are
  * claimed, not assigned: the engine's thread claims them too, so a helper that is slow to

@@ -17,6 +17,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kvtier.h"
+
 typedef int CUresult;
 typedef void *CUcontext, *CUmodule, *CUfunction, *CUstream, *CUevent;
 #define CUDA_SUCCESS 0
@@ -34,28 +36,6 @@ typedef void *CUcontext, *CUmodule, *CUfunction, *CUstream, *CUevent;
  * 76-87% against 66-81%), and lost below it (64 KiB pages in 1 MiB jobs: 54-56% against
  * 67-72%). */
 #define KVT_DMA_MIN_COPY (256u << 10)
-
-typedef struct {
-    uint64_t dst_base, dst_stride, src_base, src_stride, width;
-} kvtier_segment;
-
-typedef struct {
-    int64_t id;
-    int32_t ok;
-    int32_t lane;
-    double seconds;
-} kvt_result;
-
-typedef struct { /* copyengine.c's */
-    const kvtier_segment *segs;
-    uint64_t nseg, store, bpc;
-    int64_t num_blocks, num_slots;
-    uint64_t table, page_bytes;
-} kvt_submit_ctx;
-
-int kvt_plan_rows(int store, const int64_t *blocks, size_t nblocks, const int64_t *slots,
-                  size_t nslots, size_t bpc, size_t skip, int64_t num_blocks, int64_t num_slots,
-                  int64_t *host, int64_t *dev);
 
 typedef struct { /* gather.cu's Rows<480> */
     uint64_t segments;

@@ -1,6 +1,6 @@
 """The CPU backend's compiled code, built on first use with the system C compiler.
 
-Three sources make one library:
+Three sources make one library (their shared types and prototypes are in `kvtier.h`):
 
 - `rowcopy.c` copies a job's scattered rows in one call, with streaming stores that skip the
   read of each destination line that `memmove` pays at these sizes (docs/bench/transfer.md);
@@ -75,6 +75,7 @@ class SubmitContext(ctypes.Structure):
 
 
 _SOURCES = tuple(Path(__file__).with_name(n) for n in ("rowcopy.c", "copyengine.c", "cudaengine.c"))
+_HEADER = Path(__file__).with_name("kvtier.h")
 _UNSET = object()
 _cached: object = _UNSET
 _P, _SZ, _I64, _U64, _INT = (
@@ -183,7 +184,7 @@ def _load() -> ctypes.CDLL | None:
     if cc is None:
         logger.info("kvtier: no C compiler found; CPU copies run on a Python thread")
         return None
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*_SOURCES, _HEADER))).hexdigest()[:16]
     path = cache_dir() / f"kvtier-native-{digest}.so"
     try:
         if not path.exists():

@@ -16,9 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef struct {
-    uint64_t dst_base, dst_stride, src_base, src_stride, width;
-} kvtier_segment;
+#include "kvtier.h"
+
 
 /* Software prefetch distance. The hardware prefetchers restart at every row of a scattered
  * copy; reading 4 KiB ahead, on into the next row's start, copied random 64-256 KiB rows
