@@ -13,7 +13,7 @@ import torch
 from kvtier.base import TransferResult
 from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor
 from kvtier.transfer.cpu_worker import CPUTransferWorker
-from kvtier.transfer.native import library
+from kvtier.transfer.native import library, submit_extension
 from kvtier.transfer.native_worker import NativeCPUTransferWorker
 from kvtier.transfer.testing import (
     DTYPES,
@@ -27,13 +27,18 @@ from kvtier.transfer.worker import TransferWorker
 CPUWorker = type[CPUTransferWorker] | type[NativeCPUTransferWorker]
 
 
-@pytest.fixture(params=["python", "native"])
-def worker_cls(request: pytest.FixtureRequest) -> CPUWorker:
-    """Both CPU backends: the copy thread in Python, and in compiled code."""
+@pytest.fixture(params=["python", "native", "native-ctypes"])
+def worker_cls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> CPUWorker:
+    """Both CPU backends: the copy thread in Python, and in compiled code (submitting through
+    the CPython extension, or through ctypes where it is not built)."""
     if request.param == "python":
         return CPUTransferWorker
     if library() is None:
         pytest.skip("the compiled copy engine cannot be built here")
+    if request.param == "native-ctypes":
+        monkeypatch.setattr("kvtier.transfer.native_worker.submit_extension", lambda: None)
+    elif submit_extension() is None:
+        pytest.skip("the submit extension cannot be built here (no Python headers?)")
     return NativeCPUTransferWorker
 
 

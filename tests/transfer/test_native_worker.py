@@ -3,12 +3,16 @@ both in test_cpu_worker.py."""
 
 from __future__ import annotations
 
+import array
+import ctypes
 import gc
 import os
 import sys
+import sysconfig
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,9 +27,20 @@ from kvtier.transfer import (
     TransferWorker,
     make_transfer_worker,
 )
-from kvtier.transfer.native import library
+from kvtier.transfer.native import library, submit_extension
 
 pytestmark = pytest.mark.skipif(library() is None, reason="the compiled engine cannot be built")
+
+
+@pytest.fixture(autouse=True, params=["extension", "ctypes"])
+def submit_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test on both submit paths: the CPython extension, and ctypes where it is not
+    built."""
+    if request.param == "ctypes":
+        monkeypatch.setattr("kvtier.transfer.native_worker.submit_extension", lambda: None)
+    elif submit_extension() is None:
+        pytest.skip("the submit extension cannot be built here (no Python headers?)")
+    return str(request.param)
 
 
 @pytest.fixture
@@ -102,6 +117,26 @@ def test_a_dropped_worker_releases_its_engine() -> None:
     assert not finalizer.alive, "the engine (and its thread) outlived the worker"
 
 
+_SubmitIds = ctypes.CFUNCTYPE(
+    ctypes.c_int, *([ctypes.c_void_p] * 2), ctypes.c_int64, ctypes.c_int, ctypes.c_uint64,
+    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+)  # fmt: skip
+
+
+def _refuse(w: NativeCPUTransferWorker, code: int) -> Callable[[], None]:
+    """Make the engine's submit-with-ids answer `code` on both paths; returns the undo."""
+    real_lib, real_fn = w._lib, w._submit_fn
+    keep = [_SubmitIds(lambda *args: code)]  # alive while the engine may call it
+    w._lib = _Refusing(real_lib, code)  # type: ignore[assignment]
+    w._submit_fn = ctypes.cast(keep[0], ctypes.c_void_p).value
+
+    def undo() -> None:
+        w._lib, w._submit_fn = real_lib, real_fn
+        keep.clear()
+
+    return undo
+
+
 class _Refusing:
     """The engine library, with `kvt_engine_submit_ids` answering `code`."""
 
@@ -118,11 +153,10 @@ class _Refusing:
 def test_a_refused_submit_leaves_no_trace() -> None:
     _, reg, pool = _setup()
     with NativeCPUTransferWorker(reg, pool) as w:
-        real = w._lib
-        w._lib = _Refusing(real, -1)  # type: ignore[assignment]
+        undo = _refuse(w, -1)
         with pytest.raises(RuntimeError, match="refused job 4"):
             w.submit_store(4, [0], [0])
-        w._lib = real
+        undo()
         w.submit_store(4, [0], [0])  # the id is free again
         w.wait([4])
         assert [r.job_id for r in w.get_finished()] == [4]
@@ -132,8 +166,9 @@ def test_arguments_the_engine_refuses_go_through_the_planner() -> None:
     """Were the C checks ever stricter than plan.py's, a valid job would still run."""
     kv, reg, pool = _setup()
     with NativeCPUTransferWorker(reg, pool) as w:
-        w._lib = _Refusing(w._lib, 1)  # type: ignore[assignment]
+        undo = _refuse(w, 1)
         w.submit_store(1, [3], [5])
+        undo()
         w.wait([1])
         assert [r.success for r in w.get_finished()] == [True]
     assert torch.equal(pool.rows[5, :16384], kv[3].view(torch.uint8))
@@ -348,3 +383,71 @@ def test_the_factory_passes_copy_cpus_and_the_fallback_ignores_them(
     monkeypatch.setattr("kvtier.transfer.factory.library", lambda: None)
     with make_transfer_worker(reg, pool, "cpu", copy_cpus=[-1], copy_threads=3) as w:
         assert type(w) is CPUTransferWorker
+
+
+def _id_forms() -> list[tuple[str, Callable[[list[int]], object], bool]]:
+    """(name, ids -> that form, whether the extension reads it without numpy)."""
+    return [
+        ("list", list, True),
+        ("tuple", tuple, True),
+        ("int64", lambda v: np.array(v, np.int64), True),
+        ("int32", lambda v: np.array(v, np.int32), True),
+        ("uint8", lambda v: np.array(v, np.uint8), True),
+        ("int16", lambda v: np.array(v, np.int16), True),
+        ("uint64", lambda v: np.array(v, np.uint64), True),
+        ("array.array", lambda v: array.array("q", v), True),
+        ("memoryview", lambda v: memoryview(array.array("i", v)), True),
+        ("numpy scalars", lambda v: [np.int64(x) for x in v], False),
+        ("strided", lambda v: np.repeat(np.array(v, np.int64), 2)[::2], False),
+        ("torch", lambda v: torch.tensor(v), False),
+    ]
+
+
+@pytest.mark.parametrize(("form", "read_in_c"), [(f, c) for _, f, c in _id_forms()],
+                         ids=[n for n, _, _ in _id_forms()])  # fmt: skip
+def test_every_id_form_round_trips(
+    submit_path: str, form: Callable[[list[int]], object], read_in_c: bool
+) -> None:
+    """Ids of each form reach the engine unchanged, on the extension's own path where it reads
+    them and through numpy where it does not."""
+    kv = torch.arange(16 * 64, dtype=torch.int32).view(16, 64)
+    reg = KVCacheRegistration([KVTensor(kv, 0)])
+    pool = HostPool(reg, 2, num_slots=6)
+    before = kv.clone()
+    with NativeCPUTransferWorker(reg, pool) as w:
+        if submit_path == "extension" and read_in_c:
+            w._submit_staged = None  # type: ignore[assignment,method-assign]  # must not be needed
+        w.submit_store(1, form([9, 4, 12, 1]), form([5, 2]))
+        w.wait([1])
+        kv.zero_()
+        w.submit_load(2, form([2, 5]), form([7, 3, 0]), skip_blocks=1)
+        w.wait([2])
+        results = w.get_finished()
+    assert [(r.job_id, r.success, r.bytes) for r in results] == [(1, True, 1024), (2, True, 768)]
+    # Slot 2 holds blocks 12, 1; slot 5 holds 9, 4; from the second block of slot 2 on.
+    for dst, src in ((7, 1), (3, 9), (0, 4)):
+        assert torch.equal(kv[dst], before[src])
+    assert int(kv.count_nonzero()) == int(before[[1, 9, 4]].count_nonzero())
+
+
+def test_the_extension_is_built_where_python_headers_are(submit_path: str) -> None:
+    """CI has Python's headers: there the fast path must really be in use, not silently off
+    (and the other path's tests must really run without it)."""
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not headers.exists():
+        pytest.skip("no Python headers here")
+    ext = submit_extension()
+    assert ext is not None
+    _, reg, pool = _setup()
+    with NativeCPUTransferWorker(reg, pool) as w:
+        assert w._ext_submit is (ext.submit if submit_path == "extension" else None)
+
+
+def test_the_extension_rejects_a_wrong_call() -> None:
+    ext = submit_extension()
+    if ext is None:
+        pytest.skip("the submit extension cannot be built here")
+    with pytest.raises(TypeError, match="9 arguments"):
+        ext.submit(1, 2, 3)
+    with pytest.raises(ValueError, match="needs the engine"):
+        ext.submit(0, 0, 0, 1, 0, 1, [0], [0], 0)

@@ -15,13 +15,14 @@ from kvtier.transfer import (
     KVTensor,
     NativeCPUTransferWorker,
 )
-from kvtier.transfer.native import library
+from kvtier.transfer.native import library, submit_extension
 from kvtier.transfer.plan import RUN_BYTES, JobPlanner
 
 
-@pytest.fixture(params=["python", "native"])
-def worker(request: pytest.FixtureRequest) -> Any:
-    """Both CPU workers: the native one validates in C first, then asks the planner why."""
+@pytest.fixture(params=["python", "native", "native-ctypes"])
+def worker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Both CPU workers: the native one validates in C first (its ids read by the extension,
+    or through ctypes), then asks the planner why."""
     reg = KVCacheRegistration([KVTensor(torch.zeros(16, 4, 8), "mla")])
     pool = HostPool(reg, 2, num_slots=4)
     if request.param == "python":
@@ -29,6 +30,10 @@ def worker(request: pytest.FixtureRequest) -> Any:
     elif library() is None:
         pytest.skip("the compiled copy engine cannot be built here")
     else:
+        if request.param == "native-ctypes":
+            monkeypatch.setattr("kvtier.transfer.native_worker.submit_extension", lambda: None)
+        elif submit_extension() is None:
+            pytest.skip("the submit extension cannot be built here (no Python headers?)")
         w = NativeCPUTransferWorker(reg, pool)
     yield w
     w.shutdown()
@@ -45,6 +50,10 @@ def worker(request: pytest.FixtureRequest) -> Any:
         (lambda w: w.submit_store(1, [[0, 1]], [0]), "1-D"),
         (lambda w: w.submit_store(1, [0.0, 1.0], [0]), "integers"),
         (lambda w: w.submit_store("a", [0, 1], [0]), "job_id"),
+        (lambda w: w.submit_store(1, [True, False], [0]), "dtype bool"),
+        (lambda w: w.submit_store(1, [2**70, 1], [0]), "must hold integers"),
+        (lambda w: w.submit_store(1, np.array([2**63, 1], np.uint64), [0]), "9223372036854775808,"),
+        (lambda w: w.submit_store(1, [0, 1], np.array([-1], np.int8)), "slots contains -1"),
         (lambda w: w.submit_load(1, [0, 1], [3]), "does not fit"),
         (lambda w: w.submit_load(1, [0], [3, 4, 5]), "does not fit"),
         (lambda w: w.submit_load(1, [0], [3, 3]), "repeats id 3"),

@@ -13,6 +13,10 @@ The library is compiled once per source version into `$KVTIER_CACHE_DIR` (defaul
 a read-only cache, or `KVTIER_NATIVE_COPY=0`) `library()` returns None: the CPU backend then
 runs its copies on a Python thread with libc `memmove` per row, and the CUDA backend through
 torch ops, which is correct but slower.
+
+A fourth source, `submitext.c`, is a CPython extension built beside the library where Python's
+headers are installed (`submit_extension()`): the CPU backend's submit call without ctypes.
+Without it submits go through ctypes, about 1.5 µs slower each.
 """
 
 from __future__ import annotations
@@ -24,8 +28,13 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
+import sysconfig
 from collections.abc import Callable
+from importlib.machinery import ExtensionFileLoader
+from importlib.util import module_from_spec, spec_from_file_location
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import numpy.typing as npt
@@ -76,8 +85,10 @@ class SubmitContext(ctypes.Structure):
 
 _SOURCES = tuple(Path(__file__).with_name(n) for n in ("rowcopy.c", "copyengine.c", "cudaengine.c"))
 _HEADER = Path(__file__).with_name("kvtier.h")
+_EXTENSION = Path(__file__).with_name("submitext.c")
 _UNSET = object()
 _cached: object = _UNSET
+_cached_extension: object = _UNSET
 _P, _SZ, _I64, _U64, _INT = (
     ctypes.c_void_p,
     ctypes.c_size_t,
@@ -175,25 +186,72 @@ def row_copier() -> RowCopy | None:
     return copy
 
 
+def submit_extension() -> ModuleType | None:
+    """The CPython extension `_kvtier_submit` (`submitext.c`): the CPU engine's submit call
+    without ctypes. None where the library is unavailable, Python's headers are not installed,
+    the interpreter is not CPython or the build fails; the worker then submits through ctypes."""
+    global _cached_extension
+    if _cached_extension is _UNSET:
+        _cached_extension = _load_extension() if library() is not None else None
+    return _cached_extension  # type: ignore[return-value]
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build(path: Path, cmd: list[str]) -> None:
+    """Run `cmd` (which writes `{output}`) into the cache unless `path` is there already."""
+    if path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    cmd = [str(tmp) if a == "{output}" else a for a in cmd]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    os.replace(tmp, path)  # atomic: concurrent first uses never load a partial file
+
+
+def _load_extension() -> ModuleType | None:
+    include = sysconfig.get_paths().get("include")
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    cc = _compiler()
+    if platform.python_implementation() != "CPython" or not include or not suffix or cc is None:
+        return None
+    if not (Path(include) / "Python.h").exists():
+        logger.info("kvtier: Python's headers are not installed; CPU submits go through ctypes")
+        return None
+    sources = (_EXTENSION, _HEADER)
+    key = b"".join(p.read_bytes() for p in sources) + sys.version.encode() + suffix.encode()
+    path = cache_dir() / f"kvtier-submit-{hashlib.sha256(key).hexdigest()[:16]}{suffix}"
+    try:
+        _build(path, [cc, "-O2", "-shared", "-fPIC", f"-I{include}", "-o", "{output}",
+                      str(_EXTENSION)])  # fmt: skip
+        spec = spec_from_file_location(
+            "_kvtier_submit", path, loader=ExtensionFileLoader("_kvtier_submit", str(path))
+        )
+        assert spec is not None and spec.loader is not None
+        module = module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (OSError, ImportError, subprocess.SubprocessError) as exc:
+        logger.info("kvtier: could not build %s (%s); CPU submits go through ctypes", path, exc)
+        return None
+    return module
+
+
 def _load() -> ctypes.CDLL | None:
     if os.environ.get("KVTIER_NATIVE_COPY", "1") == "0":
         return None
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None  # rowcopy.c uses SSE2 intrinsics
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = _compiler()
     if cc is None:
         logger.info("kvtier: no C compiler found; CPU copies run on a Python thread")
         return None
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*_SOURCES, _HEADER))).hexdigest()[:16]
     path = cache_dir() / f"kvtier-native-{digest}.so"
     try:
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            cmd = [cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(tmp), *map(str, _SOURCES),
-                   "-ldl"]  # fmt: skip
-            subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-            os.replace(tmp, path)  # atomic: concurrent first uses never load a partial file
+        _build(path, [cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", "{output}",
+                      *map(str, _SOURCES), "-ldl"])  # fmt: skip
         lib = ctypes.CDLL(str(path))
         for name, (args, res) in _SIGNATURES.items():
             fn = getattr(lib, name)

@@ -39,6 +39,7 @@ from kvtier.transfer.native import (
     library,
     segment_tables,
     submit_contexts,
+    submit_extension,
 )
 from kvtier.transfer.plan import Direction, IdsLike, Job
 from kvtier.transfer.registration import KVCacheRegistration
@@ -53,6 +54,10 @@ set `copy_threads` for a machine whose jobs are known to be large."""
 
 _POLL = 256
 """Results fetched per engine call."""
+
+_STOPPED, _REFUSED = -1, -2
+"""The extension's `submit` results besides a block count (submitext.c); -3, ids it does not
+read, is the remaining one."""
 
 
 @dataclass(slots=True)
@@ -170,6 +175,10 @@ class NativeCPUTransferWorker(TransferWorker):
         self._engine_thread: int | None = None
         self._poll_buffer = (EngineResult * _POLL)()
         self._staging = IdStaging()  # used under self._lock
+        # The submit call without ctypes, where the extension builds (native.py).
+        ext = submit_extension()
+        self._ext_submit = ext.submit if ext is not None else None
+        self._submit_fn = ctypes.cast(lib.kvt_engine_submit_ids, ctypes.c_void_p).value
         # A null hook pointer when there is no injector: the engine then never calls Python.
         self._hook = _hook(weakref.ref(self)) if fault_injector is not None else BeforeHook()
         # With a core to spare for the submitting thread, 512 KiB jobs gain from a split;
@@ -214,8 +223,51 @@ class NativeCPUTransferWorker(TransferWorker):
     ) -> None:  # fmt: skip
         """Queue a job whose validation and row maths run in C, without a `Job`: at 64 KiB
         pages the Python side of a submit held a burst of 1 MiB jobs to 76-79% of the copy
-        ceiling, against 91-94% with no planning at all (docs/bench/transfer.md). Arguments
-        the C side refuses go through the planner, which raises with its usual message."""
+        ceiling, against 91-94% with no planning at all (docs/bench/transfer.md). The ids go
+        to C through the extension where it is built, else through ctypes (`_submit_staged`).
+        Arguments the C side refuses go through the planner, which raises with its usual
+        message."""
+        submit = self._ext_submit
+        contexts = self._contexts.get(group)
+        store = direction is Direction.STORE
+        if submit is None or contexts is None:
+            self._submit_staged(job_id, direction, device_blocks, slots, group, skip, urgent)
+            return
+        with self._lock:
+            self._check_job_id(job_id)
+            lane = 1 if urgent else 0
+            seq = self._next_seq[lane]
+            # Recorded first: the engine may run the job (and its hook) before submit returns.
+            live = self._live[job_id] = _Live(lane, seq, 0, direction.value)
+            try:
+                n = submit(
+                    self._submit_fn, self._engine, contexts[0 if store else 1], job_id, lane,
+                    seq, device_blocks, slots, skip,
+                )  # fmt: skip
+            except BaseException:
+                del self._live[job_id]
+                raise
+            if n >= 0:
+                live.nbytes = n * self._planner.page_bytes[group]  # read under the lock only
+                self._next_seq[lane] = seq + 1
+                self._unreported.add(job_id)
+                return
+            del self._live[job_id]
+            if n == _STOPPED:
+                raise RuntimeError(f"the copy engine refused job {job_id} (stopped or no memory)")
+            if n == _REFUSED:
+                call = SubmitCall(job_id, direction, device_blocks, slots, group, skip, urgent)
+                self._plan_and_submit(call)  # raises, saying why
+                return
+        # Ids the extension does not read (numpy scalars, strided arrays): numpy converts them.
+        self._submit_staged(job_id, direction, device_blocks, slots, group, skip, urgent)
+
+    def _submit_staged(
+        self, job_id: int, direction: Direction, device_blocks: IdsLike, slots: IdsLike,
+        group: int, skip: int, urgent: bool,
+    ) -> None:  # fmt: skip
+        """`_submit_ids` through ctypes: the ids are converted with numpy and copied into one
+        staging buffer whose address is known."""
         store = direction is Direction.STORE
         ids = self._plain_ids(device_blocks, slots, group, skip)
         with self._lock:

@@ -58,6 +58,8 @@ def _ids(name: str, values: IdsLike, limit: int) -> IndexArray:
         if arr.size:
             raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
         return np.empty(0, dtype=np.int64)  # `[]` arrives as float64
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) >= limit:
+        raise ValueError(f"{name} contains {int(arr.max())}, outside 0..{limit - 1}")  # unwrapped
     arr = arr.astype(np.int64, copy=False)
     # One pass on the hot path: as unsigned, a negative id is larger than any limit.
     if arr.size and int(arr.view(np.uint64).max()) >= limit:

@@ -1,0 +1,160 @@
+"""Submit cost and throughput of the compiled CPU worker: the submit extension against ctypes.
+
+One worker, one process: for each (page, blocks per job) the two submit paths take turns
+burst by burst (the order swapped every round), so both see the same memory and the same
+moments of a noisy machine. A burst moves `--moved-mib` as jobs of random device blocks and
+random slots, submitted with nothing in flight, then waited for; before each pair of bursts
+the ceiling is the best of three contiguous copies of the same bytes between the same two
+memories (as in transfer_bw.py). Per path and direction it reports medians over the rounds:
+the share of the ceiling, the submit call's mean time within a burst, and the median job's
+copy time on the engine's thread (`TransferResult.seconds`). A burst is submit bound where
+the submit takes longer than the copy.
+
+    python benchmarks/cpu_submit.py
+    python benchmarks/cpu_submit.py --cases 64x1 256x1 64x16 --rounds 20 --json out/cpu_submit.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor, NativeCPUTransferWorker
+from kvtier.transfer.native import library, submit_extension
+
+KiB = 1 << 10
+
+
+def _case(text: str) -> tuple[int, int]:
+    page, _, blocks = text.partition("x")
+    try:
+        p, b = int(page), int(blocks)
+    except ValueError:
+        p = b = 0
+    if p < 1 or b < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected PAGE_KIBxBLOCKS with both at least 1, e.g. 64x1"
+        )
+    return p * KiB, b
+
+
+def bench_case(
+    page: int, blocks: int, moved: int, rounds: int, region: int, rng: np.random.Generator
+) -> list[dict[str, object]]:
+    """Rows for one (page, blocks per job): both submit paths, both directions."""
+    num_blocks = region // page
+    jobs = max(1, min(moved // (page * blocks), num_blocks // (2 * blocks)))
+    nbytes = jobs * blocks * page
+    dev = torch.empty(num_blocks, page, dtype=torch.uint8)
+    dev.fill_(7)
+    reg = KVCacheRegistration([KVTensor(dev, 0)])
+    pool = HostPool(reg, 1, num_slots=num_blocks)
+    pool.tensor.fill_(3)
+    d_flat, h_flat = dev.view(-1), pool.tensor.view(-1)
+    flat = {"store": (d_flat, h_flat), "load": (h_flat, d_flat)}
+    worker = NativeCPUTransferWorker(reg, pool)
+    paths = {"extension": worker._ext_submit, "ctypes": None}
+
+    def ceiling(direction: str) -> float:
+        src, dst = flat[direction]
+        best = float("inf")
+        for _ in range(3):
+            a = int(rng.integers(0, num_blocks * page - nbytes + 1)) // 4096 * 4096
+            b = int(rng.integers(0, num_blocks * page - nbytes + 1)) // 4096 * 4096
+            t = time.perf_counter()
+            dst[b : b + nbytes].copy_(src[a : a + nbytes])
+            best = min(best, time.perf_counter() - t)
+        return nbytes / best / 1e9
+
+    seen: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    next_id = 0
+    for r in range(rounds + 1):
+        order = list(paths) if r % 2 else list(reversed(paths))
+        for direction in ("store", "load"):
+            ceil = ceiling(direction)
+            time.sleep(0.05)  # let torch's copy threads go idle before the burst
+            for path in order:
+                worker._ext_submit = paths[path]
+                d = rng.permutation(num_blocks)[: jobs * blocks].reshape(jobs, blocks)
+                h = rng.permutation(num_blocks)[: jobs * blocks].reshape(jobs, blocks)
+                ids = list(range(next_id, next_id + jobs))
+                next_id += jobs
+                t0 = time.perf_counter()
+                for j, job_id in enumerate(ids):
+                    if direction == "store":
+                        worker.submit_store(job_id, d[j], h[j])
+                    else:
+                        worker.submit_load(job_id, h[j], d[j])
+                t1 = time.perf_counter()
+                worker.wait(ids)
+                wall = time.perf_counter() - t0
+                results = worker.get_finished()
+                assert len(results) == jobs and all(x.success for x in results), "a job failed"
+                if r:  # round 0 warms both paths up
+                    copy = statistics.median(x.seconds for x in results)
+                    seen.setdefault((path, direction), []).append(
+                        (nbytes / wall / 1e9 / ceil, (t1 - t0) / jobs, copy)
+                    )
+    worker.shutdown()
+    pool.close()
+    rows: list[dict[str, object]] = []
+    for (path, direction), values in sorted(seen.items()):
+        share, submit, copy = (statistics.median(v[i] for v in values) for i in range(3))
+        rows.append(
+            {
+                "path": path, "direction": direction, "page_bytes": page,
+                "blocks_per_job": blocks, "share_of_ceiling": share,
+                "share_min": min(v[0] for v in values), "share_max": max(v[0] for v in values),
+                "submit_us": submit * 1e6, "copy_us": copy * 1e6,
+            }
+        )  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse arguments, run every case, print the table, write JSON if asked."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", type=_case, nargs="+",
+                    default=[_case(c) for c in ("64x1", "256x1", "64x16", "16x16")],
+                    help="PAGE_KIBxBLOCKS per job")  # fmt: skip
+    ap.add_argument("--moved-mib", type=int, default=64, help="bytes moved per burst")
+    ap.add_argument("--rounds", type=int, default=9, help="timed rounds after a warm-up")
+    ap.add_argument("--region-mib", type=int, default=256, help="device and host memory each")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
+    args = ap.parse_args(argv)
+    if library() is None or submit_extension() is None:
+        ap.error("needs the compiled library and the submit extension (a C compiler, x86-64, "
+                 "Python's headers)")  # fmt: skip
+    if args.moved_mib < 1 or args.rounds < 1:
+        ap.error(f"--moved-mib={args.moved_mib} and --rounds={args.rounds} must be at least 1")
+    rng = np.random.default_rng(args.seed)
+    rows: list[dict[str, object]] = []
+    for page, blocks in args.cases:
+        rows += bench_case(page, blocks, args.moved_mib << 20, args.rounds,
+                           args.region_mib << 20, rng)  # fmt: skip
+    table = Table(title=f"CPU worker: submit paths side by side (medians of {args.rounds} rounds)")
+    for col in ("page", "blocks", "path", "dir", "share", "rounds", "submit µs", "copy µs"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(
+            f"{int(r['page_bytes']) // KiB} KiB", str(r["blocks_per_job"]), str(r["path"]),  # type: ignore[call-overload]
+            str(r["direction"]), f"{100 * float(r['share_of_ceiling']):.0f}%",  # type: ignore[arg-type]
+            f"{100 * float(r['share_min']):.0f}-{100 * float(r['share_max']):.0f}%",  # type: ignore[arg-type]
+            f"{r['submit_us']:.2f}", f"{r['copy_us']:.2f}",
+        )  # fmt: skip
+    Console().print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
