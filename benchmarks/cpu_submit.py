@@ -17,32 +17,16 @@ the submit takes longer than the copy.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import numpy as np
 import torch
-from rich.console import Console
 from rich.table import Table
 
+from _bench import KiB, parse_case, show_and_save
 from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor, NativeCPUTransferWorker
 from kvtier.transfer.native import library, submit_extension
-
-KiB = 1 << 10
-
-
-def _case(text: str) -> tuple[int, int]:
-    page, _, blocks = text.partition("x")
-    try:
-        p, b = int(page), int(blocks)
-    except ValueError:
-        p = b = 0
-    if p < 1 or b < 1:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected PAGE_KIBxBLOCKS with both at least 1, e.g. 64x1"
-        )
-    return p * KiB, b
 
 
 def bench_case(
@@ -121,8 +105,8 @@ def bench_case(
 def main(argv: list[str] | None = None) -> None:
     """Parse arguments, run every case, print the table, write JSON if asked."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", type=_case, nargs="+",
-                    default=[_case(c) for c in ("64x1", "256x1", "64x16", "16x16")],
+    ap.add_argument("--cases", type=parse_case, nargs="+",
+                    default=[parse_case(c) for c in ("64x1", "256x1", "64x16", "16x16")],
                     help="PAGE_KIBxBLOCKS per job")  # fmt: skip
     ap.add_argument("--moved-mib", type=int, default=64, help="bytes moved per burst")
     ap.add_argument("--rounds", type=int, default=9, help="timed rounds after a warm-up")
@@ -150,10 +134,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{100 * float(r['share_min']):.0f}-{100 * float(r['share_max']):.0f}%",  # type: ignore[arg-type]
             f"{r['submit_us']:.2f}", f"{r['copy_us']:.2f}",
         )  # fmt: skip
-    Console().print(table)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    show_and_save(table, rows, args.json)
 
 
 if __name__ == "__main__":

@@ -14,32 +14,16 @@ where the submit is longer than the GPU time.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import numpy as np
 import torch
-from rich.console import Console
 from rich.table import Table
 
+from _bench import KiB, parse_case, show_and_save
 from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor
 from kvtier.transfer.cuda_worker import CUDATransferWorker
-
-KiB = 1 << 10
-
-
-def _case(text: str) -> tuple[int, int]:
-    page, _, blocks = text.partition("x")
-    try:
-        p, b = int(page), int(blocks)
-    except ValueError:
-        p = b = 0
-    if p < 1 or b < 1:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected PAGE_KIBxBLOCKS with both at least 1, e.g. 256x16"
-        )
-    return p * KiB, b
 
 
 def bench_case(
@@ -102,8 +86,8 @@ def bench_case(
 def main(argv: list[str] | None = None) -> None:
     """Parse arguments, run every case, print the table, write JSON if asked."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", type=_case, nargs="+",
-                    default=[_case(c) for c in ("256x16", "1024x1", "64x16", "256x1", "16x128")],
+    cases = ("256x16", "1024x1", "64x16", "256x1", "16x128")
+    ap.add_argument("--cases", type=parse_case, nargs="+", default=[parse_case(c) for c in cases],
                     help="PAGE_KIBxBLOCKS per job")  # fmt: skip
     ap.add_argument("--jobs", type=int, default=256, help="jobs per burst")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds after a warm-up")
@@ -130,10 +114,7 @@ def main(argv: list[str] | None = None) -> None:
             str(r["direction"]), f"{r['submit_us']:.1f}", f"{r['wall_us']:.1f}",
             f"{r['gpu_us']:.1f}", f"{r['gbps']:.1f}",
         )  # fmt: skip
-    Console().print(table)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    show_and_save(table, rows, args.json)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ two so both see the same machine noise. Figures are medians.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -22,9 +21,9 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from rich.console import Console
 from rich.table import Table
 
+from _bench import KiB, show_and_save
 from kvtier.transfer import (
     CPUTransferWorker,
     HostPool,
@@ -34,7 +33,7 @@ from kvtier.transfer import (
     make_transfer_worker,
 )
 
-KiB, MiB = 1 << 10, 1 << 20
+MiB = 1 << 20
 
 
 def _sync(device: torch.device) -> None:
@@ -233,10 +232,7 @@ def main(argv: list[str] | None = None) -> None:
             str(r["direction"]), f"{int(r['page_bytes']) // KiB} KiB",  # type: ignore[call-overload]
             str(r["blocks_per_job"]), f"{gbps:.2f}", f"{ceil:.2f}", f"{gbps / ceil:.0%}",
         )  # fmt: skip
-    Console().print(table)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    show_and_save(table, rows, args.json)
 
 
 if __name__ == "__main__":
