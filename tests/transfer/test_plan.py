@@ -50,6 +50,8 @@ def worker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> A
         (lambda w: w.submit_store(1, [[0, 1]], [0]), "1-D"),
         (lambda w: w.submit_store(1, [0.0, 1.0], [0]), "integers"),
         (lambda w: w.submit_store("a", [0, 1], [0]), "job_id"),
+        (lambda w: w.submit_store(2**70, [0, 1], [0]), "does not fit in 64 bits"),
+        (lambda w: w.submit_load(-(2**63) - 1, [0], [3]), "does not fit in 64 bits"),
         (lambda w: w.submit_store(1, [True, False], [0]), "dtype bool"),
         (lambda w: w.submit_store(1, [2**70, 1], [0]), "must hold integers"),
         (lambda w: w.submit_store(1, np.array([2**63, 1], np.uint64), [0]), "9223372036854775808,"),

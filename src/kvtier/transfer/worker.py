@@ -50,6 +50,7 @@ def _int_ids(values: IdsLike) -> npt.NDArray[np.integer] | None:
 
 
 _EMPTY = np.empty(0, dtype=np.int64)
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 class IdStaging:
@@ -203,6 +204,9 @@ class TransferWorker(ABC):
             raise RuntimeError("the transfer worker is shut down")
         if isinstance(job_id, bool) or not isinstance(job_id, int):
             raise ValueError(f"job_id={job_id!r} must be an int")
+        if not _INT64_MIN <= job_id <= _INT64_MAX:
+            # Compiled code carries ids as int64; ctypes would truncate one silently.
+            raise ValueError(f"job_id={job_id} does not fit in 64 bits (signed)")
         if job_id in self._unreported:
             raise ValueError(f"job_id={job_id} is already in flight or not yet reported")
 
