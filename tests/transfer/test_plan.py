@@ -60,6 +60,11 @@ def worker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> A
         (lambda w: w.submit_load(1, [0], [3, 4, 5]), "does not fit"),
         (lambda w: w.submit_load(1, [0], [3, 3]), "repeats id 3"),
         (lambda w: w.submit_load(1, [0], [3], skip_blocks=2), "skip_blocks=2"),
+        (
+            lambda w: w.submit_load(1, [0], [3], skip_blocks=2**64),
+            "skip_blocks=18446744073709551616",
+        ),
+        (lambda w: w.submit_load(1, [0], [3], skip_blocks=2**64 + 1), "must be in 0..1"),
         (lambda w: w.submit_load(1, [0, 1, 2], [3, 4], skip_blocks=1), "does not fit"),
     ],
 )

@@ -185,8 +185,12 @@ class TransferWorker(ABC):
         page = self._planner.page_bytes.get(group)
         if dev is None or sl is None or page is None:
             return None
-        if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
-            return None
+        if (
+            isinstance(skip, bool)
+            or not isinstance(skip, int)
+            or not 0 <= skip < self.blocks_per_chunk
+        ):
+            return None  # out of range: ctypes would wrap 2**64 to 0, the planner explains it
         return dev, sl, page
 
     def _plan_and_submit(self, c: SubmitCall) -> None:
