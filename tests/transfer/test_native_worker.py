@@ -214,8 +214,8 @@ def test_large_jobs_split_over_helpers_are_byte_exact(threads: int, rows: int) -
         assert torch.equal(t[:20], b[:20]), "a load wrote outside its blocks"
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "4"])
-def test_copy_threads_must_be_a_positive_int(bad: object) -> None:
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "4", 1025, 2**32 + 1])
+def test_copy_threads_must_be_an_int_in_range(bad: object) -> None:
     _, reg, pool = _setup()
     with pytest.raises(ValueError, match="copy_threads"):
         NativeCPUTransferWorker(reg, pool, copy_threads=bad)  # type: ignore[arg-type]

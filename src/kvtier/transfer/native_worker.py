@@ -52,6 +52,10 @@ MAX_DEFAULT_COPY_THREADS = 8
 8 MiB+ jobs faster than 8 but 1 MiB jobs slower (then, when every helper was woken per job);
 set `copy_threads` for a machine whose jobs are known to be large."""
 
+MAX_COPY_THREADS = 1024
+"""A bound that no machine's memory bandwidth needs more threads than, and that keeps the value
+within the C int it is passed as."""
+
 _POLL = 256
 """Results fetched per engine call."""
 
@@ -154,8 +158,14 @@ class NativeCPUTransferWorker(TransferWorker):
             copy_threads = min(max(1, torch.get_num_threads()), MAX_DEFAULT_COPY_THREADS)
             if cpus:
                 copy_threads = min(copy_threads, len(cpus))
-        if isinstance(copy_threads, bool) or not isinstance(copy_threads, int) or copy_threads < 1:
-            raise ValueError(f"copy_threads={copy_threads!r} must be a positive int")
+        if (
+            isinstance(copy_threads, bool)
+            or not isinstance(copy_threads, int)
+            or not 1 <= copy_threads <= MAX_COPY_THREADS
+        ):
+            raise ValueError(
+                f"copy_threads={copy_threads!r} must be an int from 1 to {MAX_COPY_THREADS}"
+            )
         CPUTransferWorker._check_device(registration)
         super().__init__(registration, pool, fault_injector)
         del stage_bytes
