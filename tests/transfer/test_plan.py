@@ -48,6 +48,7 @@ def worker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> A
         (lambda w: w.submit_store(1, [0, 1, 2, 3], [1, 1]), "repeats id 1"),
         (lambda w: w.submit_store(1, [0, 1], [0], group=2), "group=2"),
         (lambda w: w.submit_store(1, [[0, 1]], [0]), "1-D"),
+        (lambda w: w.submit_store(1, b"\x00\x01", [0]), "1-D"),
         (lambda w: w.submit_store(1, [0.0, 1.0], [0]), "integers"),
         (lambda w: w.submit_store("a", [0, 1], [0]), "job_id"),
         (lambda w: w.submit_store(2**70, [0, 1], [0]), "does not fit in 64 bits"),

@@ -267,7 +267,7 @@ class NativeCPUTransferWorker(TransferWorker):
                 raise RuntimeError(f"the copy engine refused job {job_id} (stopped or no memory)")
             if n == _REFUSED:
                 call = SubmitCall(job_id, direction, device_blocks, slots, group, skip, urgent)
-                self._plan_and_submit(call)  # raises, saying why
+                self._plan_and_submit(call)  # raises, saying why (or runs what C was stricter on)
                 return
         # Ids the extension does not read (numpy scalars, strided arrays): numpy converts them.
         self._submit_staged(job_id, direction, device_blocks, slots, group, skip, urgent)

@@ -118,7 +118,7 @@ static int read_ids(PyObject *o, ids_t *ids) {
     ids->v = NULL;
     if (PyList_CheckExact(o) || PyTuple_CheckExact(o))
         return read_sequence(o, ids);
-    if (PyObject_CheckBuffer(o))
+    if (PyObject_CheckBuffer(o) && !PyBytes_Check(o)) /* numpy reads bytes as one string */
         return read_buffer(o, ids);
     return 1;
 }
