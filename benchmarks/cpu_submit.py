@@ -1,17 +1,21 @@
-"""Submit cost and throughput of the compiled CPU worker: the submit extension against ctypes.
+"""Two variants of the compiled CPU worker side by side: submit paths, or copy-thread placement.
 
-One worker, one process: for each (page, blocks per job) the two submit paths take turns
-burst by burst (the order swapped every round), so both see the same memory and the same
-moments of a noisy machine. A burst moves `--moved-mib` as jobs of random device blocks and
+`--compare submit` (default): the submit extension against ctypes, on one worker.
+`--compare placement`: `avoid_submitter_cpu` on against off, two workers on one host pool.
+One process: for each (page, blocks per job) the two variants take turns burst by burst (the
+order swapped every round), so both see the same memory and the same moments of a noisy
+machine. A burst moves `--moved-mib` as jobs of random device blocks and
 random slots, submitted with nothing in flight, then waited for; before each pair of bursts
 the ceiling is the best of three contiguous copies of the same bytes between the same two
 memories (as in transfer_bw.py). Per path and direction it reports medians over the rounds:
-the share of the ceiling, the submit call's mean time within a burst, and the median job's
-copy time on the engine's thread (`TransferResult.seconds`). A burst is submit bound where
-the submit takes longer than the copy.
+the share of the ceiling, the submit call's mean time within a burst, the median job's copy
+time on the engine's thread (`TransferResult.seconds`), and the burst's wall time per job
+(first submit to last job done; where the ceiling itself is noisy, compare these). A burst
+is submit bound where the submit takes longer than the copy.
 
     python benchmarks/cpu_submit.py
     python benchmarks/cpu_submit.py --cases 64x1 256x1 64x16 --rounds 20 --json out/cpu_submit.json
+    python benchmarks/cpu_submit.py --compare placement --cases 64x1 64x16 1024x16 --rounds 14
 """
 
 from __future__ import annotations
@@ -30,9 +34,15 @@ from kvtier.transfer.native import library, submit_extension
 
 
 def bench_case(
-    page: int, blocks: int, moved: int, rounds: int, region: int, rng: np.random.Generator
+    page: int,
+    blocks: int,
+    moved: int,
+    rounds: int,
+    region: int,
+    rng: np.random.Generator,
+    compare: str = "submit",
 ) -> list[dict[str, object]]:
-    """Rows for one (page, blocks per job): both submit paths, both directions."""
+    """Rows for one (page, blocks per job): both variants, both directions."""
     num_blocks = region // page
     jobs = max(1, min(moved // (page * blocks), num_blocks // (2 * blocks)))
     nbytes = jobs * blocks * page
@@ -43,8 +53,15 @@ def bench_case(
     pool.tensor.fill_(3)
     d_flat, h_flat = dev.view(-1), pool.tensor.view(-1)
     flat = {"store": (d_flat, h_flat), "load": (h_flat, d_flat)}
-    worker = NativeCPUTransferWorker(reg, pool)
-    paths = {"extension": worker._ext_submit, "ctypes": None}
+    # Per variant: the worker, and the submit function it is given before each burst.
+    variants: dict[str, tuple[NativeCPUTransferWorker, object]] = {}
+    if compare == "submit":
+        worker = NativeCPUTransferWorker(reg, pool)
+        variants = {"extension": (worker, worker._ext_submit), "ctypes": (worker, None)}
+    else:
+        for name, avoid in (("avoid", True), ("anywhere", False)):
+            w = NativeCPUTransferWorker(reg, pool, avoid_submitter_cpu=avoid)
+            variants[name] = (w, w._ext_submit)
 
     def ceiling(direction: str) -> float:
         src, dst = flat[direction]
@@ -57,15 +74,16 @@ def bench_case(
             best = min(best, time.perf_counter() - t)
         return nbytes / best / 1e9
 
-    seen: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    seen: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {}
     next_id = 0
     for r in range(rounds + 1):
-        order = list(paths) if r % 2 else list(reversed(paths))
+        order = list(variants) if r % 2 else list(reversed(variants))
         for direction in ("store", "load"):
             ceil = ceiling(direction)
             time.sleep(0.05)  # let torch's copy threads go idle before the burst
             for path in order:
-                worker._ext_submit = paths[path]
+                worker, submit = variants[path]
+                worker._ext_submit = submit  # type: ignore[assignment]
                 d = rng.permutation(num_blocks)[: jobs * blocks].reshape(jobs, blocks)
                 h = rng.permutation(num_blocks)[: jobs * blocks].reshape(jobs, blocks)
                 ids = list(range(next_id, next_id + jobs))
@@ -84,19 +102,20 @@ def bench_case(
                 if r:  # round 0 warms both paths up
                     copy = statistics.median(x.seconds for x in results)
                     seen.setdefault((path, direction), []).append(
-                        (nbytes / wall / 1e9 / ceil, (t1 - t0) / jobs, copy)
+                        (nbytes / wall / 1e9 / ceil, (t1 - t0) / jobs, copy, wall / jobs)
                     )
-    worker.shutdown()
+    for worker, _ in variants.values():
+        worker.shutdown()
     pool.close()
     rows: list[dict[str, object]] = []
     for (path, direction), values in sorted(seen.items()):
-        share, submit, copy = (statistics.median(v[i] for v in values) for i in range(3))
+        share, submit, copy, wall = (statistics.median(v[i] for v in values) for i in range(4))
         rows.append(
             {
                 "path": path, "direction": direction, "page_bytes": page,
                 "blocks_per_job": blocks, "share_of_ceiling": share,
                 "share_min": min(v[0] for v in values), "share_max": max(v[0] for v in values),
-                "submit_us": submit * 1e6, "copy_us": copy * 1e6,
+                "submit_us": submit * 1e6, "copy_us": copy * 1e6, "wall_us": wall * 1e6,
             }
         )  # fmt: skip
     return rows
@@ -108,6 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cases", type=parse_case, nargs="+",
                     default=[parse_case(c) for c in ("64x1", "256x1", "64x16", "16x16")],
                     help="PAGE_KIBxBLOCKS per job")  # fmt: skip
+    ap.add_argument("--compare", choices=["submit", "placement"], default="submit",
+                    help="the submit extension against ctypes, or avoid_submitter_cpu on "
+                    "against off")  # fmt: skip
     ap.add_argument("--moved-mib", type=int, default=64, help="bytes moved per burst")
     ap.add_argument("--rounds", type=int, default=9, help="timed rounds after a warm-up")
     ap.add_argument("--region-mib", type=int, default=256, help="device and host memory each")
@@ -123,16 +145,18 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict[str, object]] = []
     for page, blocks in args.cases:
         rows += bench_case(page, blocks, args.moved_mib << 20, args.rounds,
-                           args.region_mib << 20, rng)  # fmt: skip
-    table = Table(title=f"CPU worker: submit paths side by side (medians of {args.rounds} rounds)")
-    for col in ("page", "blocks", "path", "dir", "share", "rounds", "submit µs", "copy µs"):
+                           args.region_mib << 20, rng, args.compare)  # fmt: skip
+    what = "submit paths" if args.compare == "submit" else "copy-thread placement"
+    table = Table(title=f"CPU worker: {what} side by side (medians of {args.rounds} rounds)")
+    for col in ("page", "blocks", "variant", "dir", "share", "rounds", "submit µs", "copy µs",
+                "wall µs"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
             f"{int(r['page_bytes']) // KiB} KiB", str(r["blocks_per_job"]), str(r["path"]),  # type: ignore[call-overload]
             str(r["direction"]), f"{100 * float(r['share_of_ceiling']):.0f}%",  # type: ignore[arg-type]
             f"{100 * float(r['share_min']):.0f}-{100 * float(r['share_max']):.0f}%",  # type: ignore[arg-type]
-            f"{r['submit_us']:.2f}", f"{r['copy_us']:.2f}",
+            f"{r['submit_us']:.2f}", f"{r['copy_us']:.2f}", f"{r['wall_us']:.2f}",
         )  # fmt: skip
     show_and_save(table, rows, args.json)
 

@@ -451,3 +451,41 @@ def test_the_extension_rejects_a_wrong_call() -> None:
         ext.submit(1, 2, 3)
     with pytest.raises(ValueError, match="needs the engine"):
         ext.submit(0, 0, 0, 1, 0, 1, [0], [0], 0)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="thread affinity is Linux-only")
+@pytest.mark.parametrize("avoid", [True, False])
+def test_the_copy_thread_keeps_off_the_submitters_cpu_for_jobs_it_copies_alone(
+    avoid: bool,
+) -> None:
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("needs two CPUs")
+    mine = min(allowed)
+    gen = torch.Generator().manual_seed(4)
+    kv = torch.randint(0, 2**31 - 1, (16, 256 * 1024 // 4), generator=gen, dtype=torch.int32)
+    reg = KVCacheRegistration([KVTensor(kv, 0)])
+    pool = HostPool(reg, 1, num_slots=16)
+    before = _tasks()
+    w = NativeCPUTransferWorker(reg, pool, copy_threads=2, avoid_submitter_cpu=avoid)
+    os.sched_setaffinity(0, {mine})  # the submitting thread, on one known CPU
+    try:
+        threads = _tasks() - before
+        w.submit_store(1, [3], [5])  # 256 KiB: copied by the engine's thread alone
+        w.wait([1])
+        kept_off = [t for t in threads if os.sched_getaffinity(t) == allowed - {mine}]
+        assert len(kept_off) == (1 if avoid else 0)
+        w.submit_store(2, np.arange(16), np.arange(16)[::-1].copy())  # 4 MiB: split
+        w.wait([2])
+        assert all(os.sched_getaffinity(t) == allowed for t in threads)
+        assert [r.success for r in w.get_finished()] == [True, True]
+    finally:
+        os.sched_setaffinity(0, allowed)
+        w.shutdown()
+    assert torch.equal(pool.rows[15 - np.arange(16)], kv.view(torch.uint8).view(16, -1))
+
+
+def test_avoid_submitter_cpu_must_be_a_bool() -> None:
+    _, reg, pool = _setup()
+    with pytest.raises(ValueError, match="avoid_submitter_cpu=1"):
+        NativeCPUTransferWorker(reg, pool, avoid_submitter_cpu=1)  # type: ignore[arg-type]

@@ -74,6 +74,13 @@ typedef struct {
     int ncond; /* helper wake-ups initialised */
     pthread_t *helpers;
     kvt_helper_arg *helper_args;
+    /* Keeping the engine's thread off the submitting thread's CPU (`avoid`, see place()). */
+    int avoid;
+    int submit_cpu; /* where the latest submit ran, under mu (-1: not known) */
+    int avoided;    /* the CPU the engine's thread is kept off now (-1: none) */
+#ifdef __linux__
+    cpu_set_t allowed; /* the CPUs the engine's thread may use at all */
+#endif
 } kvt_engine;
 
 /* A large job is split by rows into slices of at least this many bytes, one per thread up
@@ -114,13 +121,17 @@ static void *help(void *arg) {
     }
 }
 
+static size_t row_bytes(const kvtier_segment *segs, size_t nseg) {
+    size_t row = 0;
+    for (size_t k = 0; k < nseg; k++)
+        row += (size_t)segs[k].width;
+    return row;
+}
+
 /* Copy a job, split over the helpers when it is large. */
 static void copy_job(kvt_engine *e, const kvt_job *j) {
-    size_t row = 0;
-    for (size_t k = 0; k < j->nseg; k++)
-        row += (size_t)j->segs[k].width;
     kvt_team *t = &e->team;
-    size_t bytes = row * j->n;
+    size_t bytes = row_bytes(j->segs, j->nseg) * j->n;
     size_t parts = bytes < e->min_split_bytes ? 1 : bytes / KVT_SLICE_BYTES;
     if (parts > (size_t)e->nhelpers + 1)
         parts = (size_t)e->nhelpers + 1;
@@ -158,6 +169,27 @@ static void push_result(kvt_engine *e, int64_t id, int ok, int lane, double seco
     e->outstanding--;
 }
 
+/* Before a job: keep the engine's thread off `cpu`, the submitter's, if it copies the job
+ * alone; let it anywhere for a job split over the helpers, which share out every CPU. Woken
+ * by a submit, the kernel tends to run the thread on the submitter's CPU, where the two then
+ * take turns: a burst of small jobs costs submit + copy per job instead of the longer of the
+ * two. The affinity changes only when the submitter's CPU or the kind of job does. */
+static void place(kvt_engine *e, const kvt_job *j, int cpu) {
+#ifdef __linux__
+    int split = e->nhelpers > 0 && row_bytes(j->segs, j->nseg) * j->n >= e->min_split_bytes;
+    int want = split ? -1 : cpu;
+    if (want == e->avoided)
+        return;
+    cpu_set_t set = e->allowed;
+    if (want >= 0 && want < CPU_SETSIZE)
+        CPU_CLR(want, &set);
+    if (CPU_COUNT(&set) > 0 && pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0)
+        e->avoided = want;
+#else
+    (void)e, (void)j, (void)cpu;
+#endif
+}
+
 static void *serve(void *arg) {
     kvt_engine *e = arg;
     for (;;) {
@@ -173,7 +205,10 @@ static void *serve(void *arg) {
         e->head[lane] = j->next;
         if (!j->next)
             e->tail[lane] = NULL;
+        int cpu = e->submit_cpu;
         pthread_mutex_unlock(&e->mu);
+        if (e->avoid)
+            place(e, j, cpu);
 
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -222,13 +257,21 @@ static void destroy(kvt_engine *e) {
 
 /* Start an engine whose threads are created with `attr`; NULL on failure. */
 static kvt_engine *start(kvt_before_fn before, int threads, size_t min_split_bytes,
-                         const pthread_attr_t *attr) {
+                         const pthread_attr_t *attr, int avoid) {
     kvt_engine *e = calloc(1, sizeof *e);
     if (!e)
         return NULL;
     e->before = before;
     e->wake_at[0] = e->wake_at[1] = UINT64_MAX;
     e->min_split_bytes = min_split_bytes;
+    e->submit_cpu = e->avoided = -1;
+#ifdef __linux__
+    /* Only where the thread may run on two CPUs or more: elsewhere there is nowhere to go. */
+    e->avoid = avoid && sched_getaffinity(0, sizeof e->allowed, &e->allowed) == 0 &&
+               CPU_COUNT(&e->allowed) >= 2;
+#else
+    (void)avoid;
+#endif
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->work, NULL);
     pthread_cond_init(&e->done, NULL);
@@ -278,16 +321,17 @@ static int confine(pthread_attr_t *attr, const int32_t *cpus, size_t ncpus) {
 }
 
 /* Start the engine's thread and `threads - 1` helpers for jobs of `min_split_bytes` or more;
- * with `ncpus` > 0 every thread runs only on `cpus` (see native_worker.py: `copy_cpus`).
- * NULL on failure, an affinity the system refuses included. */
+ * with `ncpus` > 0 every thread runs only on `cpus` (see native_worker.py: `copy_cpus`), else,
+ * with `avoid_submitter`, the engine's thread keeps off the submitting thread's CPU for jobs
+ * it copies alone (place()). NULL on failure, an affinity the system refuses included. */
 kvt_engine *kvt_engine_new(kvt_before_fn before, int threads, size_t min_split_bytes,
-                           const int32_t *cpus, size_t ncpus) {
+                           const int32_t *cpus, size_t ncpus, int avoid_submitter) {
     pthread_attr_t attr;
     if (pthread_attr_init(&attr) != 0)
         return NULL;
     kvt_engine *e = NULL;
     if (ncpus == 0 || confine(&attr, cpus, ncpus) == 0)
-        e = start(before, threads, min_split_bytes, &attr);
+        e = start(before, threads, min_split_bytes, &attr, ncpus == 0 && avoid_submitter);
     pthread_attr_destroy(&attr);
     return e;
 }
@@ -295,7 +339,13 @@ kvt_engine *kvt_engine_new(kvt_before_fn before, int threads, size_t min_split_b
 /* Queue `j` in `lane` (0 normal, 1 urgent). Returns 0, or -1 if stopping or out of memory,
  * in which case `j` is freed and nothing is queued. */
 static int enqueue(kvt_engine *e, kvt_job *j, int lane) {
+#ifdef __linux__
+    int cpu = e->avoid ? sched_getcpu() : -1;
+#else
+    int cpu = -1;
+#endif
     pthread_mutex_lock(&e->mu);
+    e->submit_cpu = cpu;
     size_t need = e->res_len + e->outstanding + 1;
     if (e->stopping) {
         pthread_mutex_unlock(&e->mu);

@@ -98,7 +98,7 @@ _P, _SZ, _I64, _U64, _INT = (
 )
 _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "kvtier_copy_indexed": ([_P, _SZ, _P, _P, _SZ], None),
-    "kvt_engine_new": ([BeforeHook, _INT, _SZ, _P, _SZ], _P),
+    "kvt_engine_new": ([BeforeHook, _INT, _SZ, _P, _SZ, _INT], _P),
     "kvt_engine_submit": ([_P, _I64, _INT, _U64, _P, _SZ, _P, _P, _SZ], _INT),
     "kvt_engine_submit_ids": ([_P, _P, _I64, _INT, _U64, _P, _SZ, _P, _SZ, _SZ], _INT),
     "kvt_engine_poll": ([_P, _P, _SZ], _SZ),
