@@ -78,6 +78,7 @@ typedef struct {
     int avoid;
     int submit_cpu; /* where the latest submit ran, under mu (-1: not known) */
     int avoided;    /* the CPU the engine's thread is kept off now (-1: none) */
+    int place_off;  /* the system refused an affinity: placing stopped (engine's thread only) */
 #ifdef __linux__
     cpu_set_t allowed; /* the CPUs the engine's thread may use at all */
 #endif
@@ -183,8 +184,12 @@ static void place(kvt_engine *e, const kvt_job *j, int cpu) {
     cpu_set_t set = e->allowed;
     if (want >= 0 && want < CPU_SETSIZE)
         CPU_CLR(want, &set);
-    if (CPU_COUNT(&set) > 0 && pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0)
+    if (CPU_COUNT(&set) == 0)
+        return;
+    if (pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0)
         e->avoided = want;
+    else
+        e->place_off = 1; /* refused (a cpuset changed under us): stop asking at every job */
 #else
     (void)e, (void)j, (void)cpu;
 #endif
@@ -207,7 +212,7 @@ static void *serve(void *arg) {
             e->tail[lane] = NULL;
         int cpu = e->submit_cpu;
         pthread_mutex_unlock(&e->mu);
-        if (e->avoid)
+        if (e->avoid && !e->place_off)
             place(e, j, cpu);
 
         struct timespec t0, t1;
