@@ -51,6 +51,7 @@ def test_defaults() -> None:
         "max_pending_events": 100_000,
         "transfer_backend": "auto",
         "transfer_cpus": None,
+        "transfer_avoid_submitter_cpu": True,
         "pin_memory": None,
         "offload_prompt_only": True,
     }
@@ -107,6 +108,7 @@ def test_only_kvtier_variables_are_read() -> None:
         ("KVTIER_TRANSFER_CPUS", "6,2-3", "transfer_cpus", (2, 3, 6)),
         ("KVTIER_TRANSFER_CPUS", " 1 ", "transfer_cpus", (1,)),
         ("KVTIER_TRANSFER_CPUS", "none", "transfer_cpus", None),
+        ("KVTIER_TRANSFER_AVOID_SUBMITTER_CPU", "off", "transfer_avoid_submitter_cpu", False),
         ("KVTIER_PIN_MEMORY", "auto", "pin_memory", None),
         ("KVTIER_PIN_MEMORY", "off", "pin_memory", False),
         ("KVTIER_OFFLOAD_PROMPT_ONLY", "false", "offload_prompt_only", False),
@@ -151,6 +153,7 @@ def test_env_values_are_parsed_per_type(var: str, text: str, field: str, value: 
         ("transfer_cpus", [1, -2]),
         ("transfer_cpus", [True]),
         ("transfer_cpus", 1),
+        ("transfer_avoid_submitter_cpu", "sometimes"),
         ("pin_memory", "sometimes"),
         ("offload_prompt_only", None),
     ],

@@ -224,6 +224,7 @@ _PARSERS: Final[dict[str, Callable[[object], Any]]] = {
     "max_pending_events": _int_parser(1),
     "transfer_backend": _choice_parser(("auto", "cpu", "cuda")),
     "transfer_cpus": _parse_cpus,
+    "transfer_avoid_submitter_cpu": _parse_bool,
     "pin_memory": _parse_pin_memory,
     "offload_prompt_only": _parse_bool,
 }
@@ -263,6 +264,7 @@ class KVTierConfig:
     max_pending_events: int = 100_000
     transfer_backend: Literal["auto", "cpu", "cuda"] = "auto"
     transfer_cpus: tuple[int, ...] | None = None
+    transfer_avoid_submitter_cpu: bool = True
     pin_memory: bool | None = None
     offload_prompt_only: bool = True
 

@@ -219,6 +219,9 @@ class NativeCPUTransferWorker(TransferWorker):
         self._engine: int = handle
         self.copy_cpus: tuple[int, ...] | None = tuple(cpus) or None
         """The CPUs the copy threads are confined to (None: wherever the kernel puts them)."""
+        self.avoid_submitter_cpu = avoid_submitter_cpu and not cpus
+        """Whether the engine's thread keeps off the submitting thread's CPU (not with
+        `copy_cpus`; Linux, where the process may use two CPUs or more)."""
         self._finalizer = weakref.finalize(self, _release, lib, handle, self._hook)
         # The engine's thread may call the fault injector: stop it before the interpreter goes.
         atexit.register(self.shutdown)

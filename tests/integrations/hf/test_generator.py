@@ -171,6 +171,23 @@ def test_a_failed_generation_frees_its_blocks_and_request(model: Any) -> None:
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="thread affinity is Linux-only")
+def test_transfer_avoid_submitter_cpu_reaches_the_worker(model: Any) -> None:
+    from kvtier.transfer import NativeCPUTransferWorker
+    from kvtier.transfer.native import library
+
+    if library() is None:
+        pytest.skip("the compiled engine cannot be built")
+    for avoid in (True, False):
+        config = KVTierConfig(transfer_avoid_submitter_cpu=avoid)
+        with KVTierGenerator(model, config, block_size=BS, max_blocks=8) as gen:
+            assert isinstance(gen.transfer, NativeCPUTransferWorker)
+            assert gen.transfer.avoid_submitter_cpu is avoid
+            prompt = _ids(40, 22)
+            gen.generate_one(prompt, 2)
+            gen.flush()
+            _assert_matches_recompute(model, prompt, gen.generate_one(prompt, 2))
+
+
 def test_transfer_cpus_place_the_copy_threads(model: Any) -> None:
     from kvtier.transfer import NativeCPUTransferWorker
     from kvtier.transfer.native import library
@@ -184,6 +201,7 @@ def test_transfer_cpus_place_the_copy_threads(model: Any) -> None:
         started = set(os.listdir("/proc/self/task")) - before
         assert isinstance(gen.transfer, NativeCPUTransferWorker)
         assert started and all(os.sched_getaffinity(int(t)) == {cpu} for t in started)
+        assert not gen.transfer.avoid_submitter_cpu
         prompt = _ids(40, 21)
         gen.generate_one(prompt, 2)
         gen.flush()

@@ -131,6 +131,26 @@ def test_transfer_cpus_reach_the_copy_threads(vllm_loaded: None) -> None:
     transfer = engine.worker.worker_side.transfer
     assert isinstance(transfer, NativeCPUTransferWorker)
     assert transfer.copy_cpus == (cpu,)
+    assert not transfer.avoid_submitter_cpu  # pinned threads stay where they were put
+    store_a_then_forget_on_device(engine)
+    engine.add("b", [*PROMPT, 900])
+    step_until_running(engine, "b")
+    expect_loaded(engine, "b", [*PROMPT, 900], 4 * BLOCK_SIZE)
+    engine.run_until(["b"])
+    assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("avoid", [True, False])
+def test_transfer_avoid_submitter_cpu_reaches_the_worker(vllm_loaded: None, avoid: bool) -> None:
+    from kvtier.transfer import NativeCPUTransferWorker
+    from kvtier.transfer.native import library
+
+    if library() is None:
+        pytest.skip("needs the compiled engine")
+    engine = make_engine("KVTierConnector", {**EXTRA, "transfer_avoid_submitter_cpu": avoid})
+    transfer = engine.worker.worker_side.transfer
+    assert isinstance(transfer, NativeCPUTransferWorker)
+    assert transfer.avoid_submitter_cpu is avoid
     store_a_then_forget_on_device(engine)
     engine.add("b", [*PROMPT, 900])
     step_until_running(engine, "b")

@@ -126,6 +126,7 @@ class KVTierGenerator:
             config.transfer_backend,
             fault_injector=fault_injector,
             copy_cpus=config.transfer_cpus,
+            avoid_submitter_cpu=config.transfer_avoid_submitter_cpu,
         )
         self.worker = OffloadingWorker(self.transfer)
         self.stats = GeneratorStats()

@@ -95,11 +95,18 @@ class KVTierWorkerSide:
             pin=cfg.pin_memory,
         )
         self.transfer = make_transfer_worker(
-            registration, pool, cfg.transfer_backend, copy_cpus=cfg.transfer_cpus
+            registration,
+            pool,
+            cfg.transfer_backend,
+            copy_cpus=cfg.transfer_cpus,
+            avoid_submitter_cpu=cfg.transfer_avoid_submitter_cpu,
         )
         self._worker = OffloadingWorker(self.transfer)
         path = getattr(self.transfer, "copy_path", None)
-        where = getattr(self.transfer, "copy_cpus", None) or "any"
+        where = getattr(self.transfer, "copy_cpus", None) or (
+            "any, off the submitter's" if getattr(self.transfer, "avoid_submitter_cpu", False)
+            else "any"
+        )  # fmt: skip
         logger.info(
             "kvtier: worker registered %d KV tensors on %s (%s), host pool %d slots x %d bytes "
             "(%.2f GiB, pinned=%s), %s transfer backend (%s)",
