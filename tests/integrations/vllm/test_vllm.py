@@ -118,6 +118,16 @@ def test_second_request_loads_the_stored_bytes(vllm_loaded: None, num_groups: in
     assert_no_leaks(engine)
 
 
+def _b_loads_what_a_stored(engine: Engine) -> None:
+    """The worker moves the right bytes: "b" extends "a", whose KV was stored, then dropped."""
+    store_a_then_forget_on_device(engine)
+    engine.add("b", [*PROMPT, 900])
+    step_until_running(engine, "b")
+    expect_loaded(engine, "b", [*PROMPT, 900], 4 * BLOCK_SIZE)
+    engine.run_until(["b"])
+    assert_no_leaks(engine)
+
+
 def test_transfer_cpus_reach_the_copy_threads(vllm_loaded: None) -> None:
     """`transfer_cpus` in kv_connector_extra_config places the worker's copy threads, and
     the worker still moves the right bytes."""
@@ -132,12 +142,7 @@ def test_transfer_cpus_reach_the_copy_threads(vllm_loaded: None) -> None:
     assert isinstance(transfer, NativeCPUTransferWorker)
     assert transfer.copy_cpus == (cpu,)
     assert not transfer.avoid_submitter_cpu  # pinned threads stay where they were put
-    store_a_then_forget_on_device(engine)
-    engine.add("b", [*PROMPT, 900])
-    step_until_running(engine, "b")
-    expect_loaded(engine, "b", [*PROMPT, 900], 4 * BLOCK_SIZE)
-    engine.run_until(["b"])
-    assert_no_leaks(engine)
+    _b_loads_what_a_stored(engine)
 
 
 @pytest.mark.parametrize("avoid", [True, False])
@@ -151,12 +156,7 @@ def test_transfer_avoid_submitter_cpu_reaches_the_worker(vllm_loaded: None, avoi
     transfer = engine.worker.worker_side.transfer
     assert isinstance(transfer, NativeCPUTransferWorker)
     assert transfer.avoid_submitter_cpu is avoid
-    store_a_then_forget_on_device(engine)
-    engine.add("b", [*PROMPT, 900])
-    step_until_running(engine, "b")
-    expect_loaded(engine, "b", [*PROMPT, 900], 4 * BLOCK_SIZE)
-    engine.run_until(["b"])
-    assert_no_leaks(engine)
+    _b_loads_what_a_stored(engine)
 
 
 def test_preemption_waits_for_stores_in_flight(vllm_loaded: None) -> None:
