@@ -16,7 +16,8 @@ torch ops, which is correct but slower.
 
 A fourth source, `submitext.c`, is a CPython extension built beside the library where Python's
 headers are installed (`submit_extension()`): the CPU backend's submit call without ctypes.
-Without it submits go through ctypes, about 1.5 µs slower each.
+Without it submits go through ctypes, which cost 1.3-6 µs more each on the 2-core machine
+(docs/bench/transfer.md).
 """
 
 from __future__ import annotations
