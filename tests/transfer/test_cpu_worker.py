@@ -289,3 +289,32 @@ def test_submit_does_not_wait_for_copies(worker_cls: CPUWorker) -> None:
         assert w.get_finished() == []
         gate.set()
         assert len(_drain(w, range(5))) == 5
+
+
+def test_threads_submitting_at_once_each_get_their_own_jobs(worker_cls: CPUWorker) -> None:
+    """Several threads submit at the same time (an engine with a thread per request batch):
+    every job runs once, with its own bytes, and its result names its own id."""
+    kv = torch.arange(64 * 256, dtype=torch.int32).view(64, 256)
+    reg = KVCacheRegistration([KVTensor(kv, 0)])
+    pool = HostPool(reg, 1, num_slots=64)
+    errors: list[BaseException] = []
+    with worker_cls(reg, pool) as w:
+
+        def submit(first: int) -> None:
+            try:
+                for b in range(first, 64, 4):  # thread t stores blocks t, t + 4, ...
+                    w.submit_store(b, [b], [63 - b])
+            except BaseException as exc:  # reported by the main thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=submit, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        w.wait(range(64))
+        results = w.get_finished()
+    assert errors == []
+    assert sorted(r.job_id for r in results) == list(range(64))
+    assert all(r.success and r.bytes == 1024 for r in results)
+    assert torch.equal(pool.rows[63 - torch.arange(64)], kv.view(torch.uint8).view(64, -1))
