@@ -127,3 +127,35 @@ def test_cuda_engine_refuses_to_start_and_says_why(
         reason in err.value.decode()
         for reason in ("cannot open libcuda.so.1", "no current CUDA context", "cuModuleLoadData")
     ), err.value
+
+
+@needs_compiler
+def test_the_submit_extension_builds_into_the_cache_and_loads(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import sysconfig
+
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
+        pytest.skip("no Python headers here")
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
+    ext = native._load_extension()
+    assert ext is not None and callable(ext.submit)
+    assert list((tmp_path / "cache").glob("kvtier-submit-*.so")), "extension not in the cache"
+
+
+@needs_compiler
+def test_the_submit_extension_is_optional(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Without Python's headers, or with nowhere to build, submits go through ctypes."""
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
+    real = native.sysconfig.get_paths
+
+    def no_headers() -> dict[str, str]:
+        return {**real(), "include": str(tmp_path / "no-include")}
+
+    monkeypatch.setattr(native.sysconfig, "get_paths", no_headers)
+    assert native._load_extension() is None
+    monkeypatch.setattr(native.sysconfig, "get_paths", real)
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the cache directory should be")
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(blocker / "sub"))
+    assert native._load_extension() is None
