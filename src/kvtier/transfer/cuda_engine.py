@@ -77,7 +77,9 @@ class CUDAEngine:
     ) -> None:
         lib = library()
         if lib is None:
-            raise RuntimeError("the native library is unavailable (no C compiler, or not x86-64)")
+            raise RuntimeError(
+                "the native library is unavailable (no C compiler, or its build failed)"
+            )
         if max(registration.num_blocks, host_rows) > 1 << 32:
             raise RuntimeError("the kernel takes 32-bit row numbers")
         device = registration.device

@@ -8,11 +8,13 @@ Three sources make one library (their shared types and prototypes are in `kvtier
 - `cudaengine.c` is the CUDA backend's submit path (`cuda_worker`): it reaches the driver
   with dlopen, so it builds without CUDA and does nothing where CUDA is absent.
 
-The library is compiled once per source version into `$KVTIER_CACHE_DIR` (default
-`~/.cache/kvtier`) and loaded with ctypes. Where that cannot happen (not x86-64, no C compiler,
-a read-only cache, or `KVTIER_NATIVE_COPY=0`) `library()` returns None: the CPU backend then
-runs its copies on a Python thread with libc `memmove` per row, and the CUDA backend through
-torch ops, which is correct but slower.
+The library is compiled once per source version and machine into `$KVTIER_CACHE_DIR`
+(default `~/.cache/kvtier`) and loaded with ctypes. On x86-64 `rowcopy.c` copies with SSE2
+streaming stores; elsewhere (Arm servers such as Grace) it copies each row with memcpy, as it
+does everywhere with `KVTIER_PORTABLE_COPY=1`. Where the library cannot be built (no C
+compiler, a read-only cache, or `KVTIER_NATIVE_COPY=0`) `library()` returns None: the CPU
+backend then runs its copies on a Python thread with libc `memmove` per row, and the CUDA
+backend through torch ops, which is correct but slower.
 
 A fourth source, `submitext.c`, is a CPython extension built beside the library where Python's
 headers are installed (`submit_extension()`): the CPU backend's submit call without ctypes.
@@ -242,16 +244,20 @@ def _load_extension() -> ModuleType | None:
 def _load() -> ctypes.CDLL | None:
     if os.environ.get("KVTIER_NATIVE_COPY", "1") == "0":
         return None
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None  # rowcopy.c uses SSE2 intrinsics
     cc = _compiler()
     if cc is None:
         logger.info("kvtier: no C compiler found; CPU copies run on a Python thread")
         return None
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*_SOURCES, _HEADER))).hexdigest()[:16]
-    path = cache_dir() / f"kvtier-native-{digest}.so"
+    # Streaming stores where the compiler targets SSE2 (x86-64); memcpy per row elsewhere,
+    # or everywhere with KVTIER_PORTABLE_COPY=1 (rowcopy.c).
+    flags = ["-DKVT_PORTABLE_COPY"] if os.environ.get("KVTIER_PORTABLE_COPY") == "1" else []
+    # The machine is in the key: a home directory shared by x86-64 and Arm hosts must not
+    # hand one the other's build.
+    key = b"".join(p.read_bytes() for p in (*_SOURCES, _HEADER))
+    key += " ".join([platform.machine(), *flags]).encode()
+    path = cache_dir() / f"kvtier-native-{hashlib.sha256(key).hexdigest()[:16]}.so"
     try:
-        _build(path, [cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", "{output}",
+        _build(path, [cc, "-O2", "-shared", "-fPIC", "-pthread", *flags, "-o", "{output}",
                       *map(str, _SOURCES), "-ldl"])  # fmt: skip
         lib = ctypes.CDLL(str(path))
         for name, (args, res) in _SIGNATURES.items():

@@ -182,7 +182,7 @@ class NativeCPUTransferWorker(TransferWorker):
         if lib is None:
             raise RuntimeError(
                 "the compiled copy engine is unavailable (KVTIER_NATIVE_COPY=0, no C compiler, "
-                "or not x86-64); use CPUTransferWorker"
+                "or the build failed: see the INFO log); use CPUTransferWorker"
             )
         self._lib = lib
         # Kept alive: the engine reads them.

@@ -10,13 +10,20 @@
  * ordinary stores would first read every destination cache line (read-for-ownership), which
  * costs about a third of the bandwidth at 64-256 KiB rows. Other rows use memcpy.
  */
-#include <emmintrin.h>
 #include <stddef.h>
-#include <xmmintrin.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "kvtier.h"
+
+/* Streaming stores need SSE2 (every x86-64 has it). Elsewhere, or built with
+ * KVT_PORTABLE_COPY (KVTIER_PORTABLE_COPY=1, which lets the tests run this path on x86-64),
+ * rows are copied with memcpy. */
+#if defined(__SSE2__) && !defined(KVT_PORTABLE_COPY)
+#define KVT_STREAMING 1
+#include <emmintrin.h>
+#include <xmmintrin.h>
+#endif
 
 
 /* Software prefetch distance. The hardware prefetchers restart at every row of a scattered
@@ -25,6 +32,7 @@
  * (1 and 2 KiB ahead, or within the row only, gained less). */
 #define KVT_PREFETCH 4096
 
+#ifdef KVT_STREAMING
 static void copy_row(char *d, const char *s, size_t width, const char *next) {
     if (((uintptr_t)d | (uintptr_t)s | width) & 63) {
         memcpy(d, s, width);
@@ -47,6 +55,12 @@ static void copy_row(char *d, const char *s, size_t width, const char *next) {
         _mm_stream_si128((__m128i *)(d + off + 48), e);
     }
 }
+#else
+static void copy_row(char *d, const char *s, size_t width, const char *next) {
+    (void)next; /* the hardware prefetchers of the hosts this path serves follow memcpy */
+    memcpy(d, s, width);
+}
+#endif
 
 void kvtier_copy_indexed(const kvtier_segment *segs, size_t nseg, const int64_t *dst_idx,
                          const int64_t *src_idx, size_t n) {
@@ -63,6 +77,8 @@ void kvtier_copy_indexed(const kvtier_segment *segs, size_t nseg, const int64_t 
             copy_row(d, s, (size_t)g->width, next);
         }
     }
+#ifdef KVT_STREAMING
     /* Streaming stores are weakly ordered: make them visible before the job is reported. */
     _mm_sfence();
+#endif
 }
