@@ -63,3 +63,14 @@ def test_bad_sizes_are_refused(kwargs: dict[str, int], match: str) -> None:
 def test_bad_blocks_per_chunk_is_refused() -> None:
     with pytest.raises(ValueError, match="blocks_per_chunk"):
         HostPool(_reg(), 0, num_slots=4)
+
+
+def test_a_pool_too_large_to_map_says_how_large() -> None:
+    # 2**53 slots of 576 bytes: past any address space, so the kernel refuses it at once.
+    with pytest.raises(MemoryError, match="could not allocate the host pool: 9007199254740992"):
+        HostPool(_reg(), 1, num_slots=2**53)
+
+
+def test_a_pool_beyond_any_address_space_is_refused_before_mapping() -> None:
+    with pytest.raises(ValueError, match="more than any address space"):
+        HostPool(_reg(), 2**70, num_slots=4)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import sys
 import warnings
 import weakref
 
@@ -61,13 +62,25 @@ class HostPool:
         self.slot_bytes = blocks_per_chunk * self.row_bytes
         self.num_slots = num_slots
         self.nbytes = num_slots * self.slot_bytes
+        if self.nbytes > sys.maxsize:
+            raise ValueError(
+                f"num_slots={num_slots} x {self.slot_bytes}-byte slots (blocks_per_chunk="
+                f"{blocks_per_chunk}) is {self.nbytes} bytes, more than any address space"
+            )
         # An anonymous mapping is page-aligned and exactly this size; torch's pinned allocator
         # would round the request up to a power of two.
         # MAP_POPULATE faults every page in now: a first write into a never-touched page costs a
         # kernel fault and zero-fill (a 4 MiB store into fresh slots took 10-20x longer than
         # into used ones), which would otherwise land on the first requests to reach each slot.
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        self._mmap: mmap.mmap | None = mmap.mmap(-1, self.nbytes, flags=flags)
+        try:
+            self._mmap: mmap.mmap | None = mmap.mmap(-1, self.nbytes, flags=flags)
+        except OSError as exc:
+            raise MemoryError(
+                f"could not allocate the host pool: {num_slots} slots x {self.slot_bytes} bytes "
+                f"= {self.nbytes / 2**30:.2f} GiB ({exc.strerror}); give a smaller num_slots "
+                f"or byte budget (cpu_bytes)"
+            ) from exc
         flat = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self.tensor: torch.Tensor = flat.view(num_slots, self.slot_bytes)
         """The pool as a uint8 `(num_slots, slot_bytes)` tensor."""
