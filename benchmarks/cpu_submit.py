@@ -26,6 +26,7 @@ import time
 
 import numpy as np
 import torch
+from rich.console import Console
 from rich.table import Table
 
 from _bench import KiB, parse_case, show_and_save
@@ -143,9 +144,11 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--moved-mib={args.moved_mib} and --rounds={args.rounds} must be at least 1")
     rng = np.random.default_rng(args.seed)
     rows: list[dict[str, object]] = []
+    console = Console(stderr=True)
     for page, blocks in args.cases:
         rows += bench_case(page, blocks, args.moved_mib << 20, args.rounds,
                            args.region_mib << 20, rng, args.compare)  # fmt: skip
+        console.log(f"{page // KiB} KiB x {blocks}: done")  # a case takes a minute or so
     what = "submit paths" if args.compare == "submit" else "copy-thread placement"
     table = Table(title=f"CPU worker: {what} side by side (medians of {args.rounds} rounds)")
     for col in ("page", "blocks", "variant", "dir", "share", "rounds", "submit µs", "copy µs",
