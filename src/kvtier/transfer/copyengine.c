@@ -122,22 +122,24 @@ static void *help(void *arg) {
     }
 }
 
-static size_t row_bytes(const kvtier_segment *segs, size_t nseg) {
+/* How many slices `j` is copied in: 1 (the engine's thread alone) below `min_split_bytes`,
+ * else one per 256 KiB up to the threads there are, never more than its rows. */
+static size_t job_parts(const kvt_engine *e, const kvt_job *j) {
     size_t row = 0;
-    for (size_t k = 0; k < nseg; k++)
-        row += (size_t)segs[k].width;
-    return row;
-}
-
-/* Copy a job, split over the helpers when it is large. */
-static void copy_job(kvt_engine *e, const kvt_job *j) {
-    kvt_team *t = &e->team;
-    size_t bytes = row_bytes(j->segs, j->nseg) * j->n;
+    for (size_t k = 0; k < j->nseg; k++)
+        row += (size_t)j->segs[k].width;
+    size_t bytes = row * j->n;
     size_t parts = bytes < e->min_split_bytes ? 1 : bytes / KVT_SLICE_BYTES;
     if (parts > (size_t)e->nhelpers + 1)
         parts = (size_t)e->nhelpers + 1;
     if (parts > j->n)
         parts = j->n;
+    return parts < 1 ? 1 : parts;
+}
+
+/* Copy a job in `parts` slices (job_parts), split over the helpers when more than one. */
+static void copy_job(kvt_engine *e, const kvt_job *j, size_t parts) {
+    kvt_team *t = &e->team;
     if (parts < 2) {
         kvtier_copy_indexed(j->segs, j->nseg, j->dst, j->src, j->n);
         return;
@@ -175,9 +177,8 @@ static void push_result(kvt_engine *e, int64_t id, int ok, int lane, double seco
  * by a submit, the kernel tends to run the thread on the submitter's CPU, where the two then
  * take turns: a burst of small jobs costs submit + copy per job instead of the longer of the
  * two. The affinity changes only when the submitter's CPU or the kind of job does. */
-static void place(kvt_engine *e, const kvt_job *j, int cpu) {
+static void place(kvt_engine *e, int split, int cpu) {
 #ifdef __linux__
-    int split = e->nhelpers > 0 && row_bytes(j->segs, j->nseg) * j->n >= e->min_split_bytes;
     int want = split ? -1 : cpu;
     if (want == e->avoided)
         return;
@@ -191,7 +192,7 @@ static void place(kvt_engine *e, const kvt_job *j, int cpu) {
     else
         e->place_off = 1; /* refused (a cpuset changed under us): stop asking at every job */
 #else
-    (void)e, (void)j, (void)cpu;
+    (void)e, (void)split, (void)cpu;
 #endif
 }
 
@@ -212,14 +213,15 @@ static void *serve(void *arg) {
             e->tail[lane] = NULL;
         int cpu = e->submit_cpu;
         pthread_mutex_unlock(&e->mu);
+        size_t parts = job_parts(e, j);
         if (e->avoid && !e->place_off)
-            place(e, j, cpu);
+            place(e, parts > 1, cpu);
 
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
         int ok = e->before ? e->before(j->id) == 0 : 1;
         if (ok)
-            copy_job(e, j);
+            copy_job(e, j, parts);
         clock_gettime(CLOCK_MONOTONIC, &t1);
         double seconds = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
 
