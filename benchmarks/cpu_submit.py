@@ -29,7 +29,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from _bench import KiB, parse_case, show_and_save
+from _bench import KiB, parse_case, run_burst, show_and_save
 from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor, NativeCPUTransferWorker
 from kvtier.transfer.native import library, submit_extension
 
@@ -84,27 +84,17 @@ def bench_case(
             time.sleep(0.05)  # let torch's copy threads go idle before the burst
             for path in order:
                 worker, submit = variants[path]
-                worker._ext_submit = submit  # type: ignore[assignment]
+                worker._ext_submit = submit
                 d = rng.permutation(num_blocks)[: jobs * blocks].reshape(jobs, blocks)
                 h = rng.permutation(num_blocks)[: jobs * blocks].reshape(jobs, blocks)
-                ids = list(range(next_id, next_id + jobs))
+                burst = run_burst(worker, direction, d, h, next_id)
                 next_id += jobs
-                t0 = time.perf_counter()
-                for j, job_id in enumerate(ids):
-                    if direction == "store":
-                        worker.submit_store(job_id, d[j], h[j])
-                    else:
-                        worker.submit_load(job_id, h[j], d[j])
-                t1 = time.perf_counter()
-                worker.wait(ids)
-                wall = time.perf_counter() - t0
-                results = worker.get_finished()
-                assert len(results) == jobs and all(x.success for x in results), "a job failed"
                 if r:  # round 0 warms both paths up
-                    copy = statistics.median(x.seconds for x in results)
+                    copy = statistics.median(x.seconds for x in burst.results)
                     seen.setdefault((path, direction), []).append(
-                        (nbytes / wall / 1e9 / ceil, (t1 - t0) / jobs, copy, wall / jobs)
-                    )
+                        (nbytes / burst.wall / 1e9 / ceil, burst.submit / jobs, copy,
+                         burst.wall / jobs)
+                    )  # fmt: skip
     for worker, _ in variants.values():
         worker.shutdown()
     pool.close()

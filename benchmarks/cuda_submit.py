@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import numpy as np
 import torch
 from rich.table import Table
 
-from _bench import KiB, parse_case, show_and_save
+from _bench import KiB, parse_case, run_burst, show_and_save
 from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor
 from kvtier.transfer.cuda_worker import CUDATransferWorker
 
@@ -48,24 +47,12 @@ def bench_case(
                 d = rng.permutation(num_blocks)[: jobs * blocks].reshape(jobs, blocks)
                 h = rng.permutation(num_blocks)[: jobs * blocks].reshape(jobs, blocks)
                 torch.cuda.synchronize()
-                ids, submits = list(range(next_id, next_id + jobs)), []
+                burst = run_burst(w, direction, d, h, next_id, time_each=True)
                 next_id += jobs
-                t0 = time.perf_counter()
-                for j, job_id in enumerate(ids):
-                    t = time.perf_counter()
-                    if direction == "store":
-                        w.submit_store(job_id, d[j], h[j])
-                    else:
-                        w.submit_load(job_id, h[j], d[j])
-                    submits.append(time.perf_counter() - t)
-                w.wait(ids)
-                wall = time.perf_counter() - t0
-                results = w.get_finished()
-                assert len(results) == jobs and all(x.success for x in results), "a job failed"
                 if r:  # round 0 warms both paths up
-                    gpu = statistics.median(x.seconds for x in results)
+                    gpu = statistics.median(x.seconds for x in burst.results)
                     seen.setdefault((path, direction), []).append(
-                        (statistics.median(submits), wall / jobs, gpu)
+                        (statistics.median(burst.each), burst.wall / jobs, gpu)
                     )
     for w in workers.values():
         w.shutdown()
