@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
     args = ap.parse_args(argv)
     if library() is None or submit_extension() is None:
-        ap.error("needs the compiled library and the submit extension (a C compiler, x86-64, "
+        ap.error("needs the compiled library and the submit extension (a C compiler and "
                  "Python's headers)")  # fmt: skip
     if args.moved_mib < 1 or args.rounds < 1:
         ap.error(f"--moved-mib={args.moved_mib} and --rounds={args.rounds} must be at least 1")

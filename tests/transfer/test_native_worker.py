@@ -398,6 +398,7 @@ def _id_forms() -> list[tuple[str, Callable[[list[int]], object], bool]]:
         ("array.array", lambda v: array.array("q", v), True),
         ("memoryview", lambda v: memoryview(array.array("i", v)), True),
         ("numpy scalars", lambda v: [np.int64(x) for x in v], False),
+        ("big-endian", lambda v: np.array(v, ">i8"), False),  # read in C only on such hosts
         ("strided", lambda v: np.repeat(np.array(v, np.int64), 2)[::2], False),
         ("torch", lambda v: torch.tensor(v), False),
     ]

@@ -75,8 +75,9 @@ static int read_buffer(PyObject *o, ids_t *ids) {
     }
     int rc = 1;
     const char *f = b.format ? b.format : "B";
-    if (*f == '@' || *f == '=' || *f == '<')
-        f++; /* native order: the library builds for x86-64 only */
+    /* Native byte order only ('<' or '>' where it is the machine's); the rest goes to numpy. */
+    if (*f == '@' || *f == '=' || *f == (PY_LITTLE_ENDIAN ? '<' : '>'))
+        f++;
     char k = f[0];
     int ok_format = k != '\0' && f[1] == '\0' && strchr("bBhHiIlLqQnN", k) != NULL;
     if (ok_format && b.ndim == 1 && (b.itemsize == 1 || b.itemsize == 2 || b.itemsize == 4 ||
