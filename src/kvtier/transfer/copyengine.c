@@ -42,6 +42,11 @@ typedef struct {
     const kvtier_segment *segs;
     size_t nseg, n;
     const int64_t *dst, *src;
+    /* Or, when njobs > 0, a batch of whole jobs (share_batch()): slices are ranges of jobs,
+     * and a job whose `ok` is 0 is skipped. */
+    kvt_job *const *jobs;
+    const int *ok;
+    size_t njobs;
 } kvt_team;
 
 /* Each helper has its own wake-up, so that a job split in k slices wakes k - 1 helpers, not
@@ -50,6 +55,7 @@ typedef struct {
     kvt_team *team;
     pthread_cond_t go;
     unsigned long gen; /* bumped under team->mu to wake this helper */
+    int avoided;       /* the CPU this helper is kept off now (-1: none); engine's thread only */
 } kvt_helper_arg;
 
 typedef struct {
@@ -76,6 +82,8 @@ typedef struct {
     kvt_helper_arg *helper_args;
     /* Keeping the engine's thread off the submitting thread's CPU (`avoid`, see place()). */
     int avoid;
+    int share; /* copy a waiter's backlog of small jobs with the helpers (share_batch()) */
+    uint64_t shared_jobs; /* jobs copied so, under mu */
     int submit_cpu; /* where the latest submit ran, under mu (-1: not known) */
     int avoided;    /* the CPU the engine's thread is kept off now (-1: none) */
     int place_off;  /* the system refused an affinity: placing stopped (engine's thread only) */
@@ -94,10 +102,18 @@ typedef struct {
 static void copy_slices(kvt_team *t) {
     while (t->claimed < t->parts) {
         int part = t->claimed++;
-        size_t a = t->n * (size_t)part / (size_t)t->parts;
-        size_t b = t->n * (size_t)(part + 1) / (size_t)t->parts;
+        size_t n = t->njobs ? t->njobs : t->n;
+        size_t a = n * (size_t)part / (size_t)t->parts;
+        size_t b = n * (size_t)(part + 1) / (size_t)t->parts;
         pthread_mutex_unlock(&t->mu);
-        kvtier_copy_indexed(t->segs, t->nseg, t->dst + a, t->src + a, b - a);
+        if (t->njobs) {
+            for (size_t k = a; k < b; k++)
+                if (t->ok[k])
+                    kvtier_copy_indexed(t->jobs[k]->segs, t->jobs[k]->nseg, t->jobs[k]->dst,
+                                        t->jobs[k]->src, t->jobs[k]->n);
+        } else {
+            kvtier_copy_indexed(t->segs, t->nseg, t->dst + a, t->src + a, b - a);
+        }
         pthread_mutex_lock(&t->mu);
         if (++t->finished == t->parts)
             pthread_cond_signal(&t->fin);
@@ -122,19 +138,66 @@ static void *help(void *arg) {
     }
 }
 
-/* How many slices `j` is copied in: 1 (the engine's thread alone) below `min_split_bytes`,
- * else one per 256 KiB up to the threads there are, never more than its rows. */
-static size_t job_parts(const kvt_engine *e, const kvt_job *j) {
+static size_t job_bytes(const kvt_job *j) {
     size_t row = 0;
     for (size_t k = 0; k < j->nseg; k++)
         row += (size_t)j->segs[k].width;
-    size_t bytes = row * j->n;
+    return row * j->n;
+}
+
+/* How many slices `j` is copied in: 1 (the engine's thread alone) below `min_split_bytes`,
+ * else one per 256 KiB up to the threads there are, never more than its rows. */
+static size_t job_parts(const kvt_engine *e, const kvt_job *j) {
+    size_t bytes = job_bytes(j);
     size_t parts = bytes < e->min_split_bytes ? 1 : bytes / KVT_SLICE_BYTES;
     if (parts > (size_t)e->nhelpers + 1)
         parts = (size_t)e->nhelpers + 1;
     if (parts > j->n)
         parts = j->n;
     return parts < 1 ? 1 : parts;
+}
+
+/* Keep `thread` off CPU `want` (-1: let it anywhere it may run); `avoided` is its state. */
+static void keep_off(kvt_engine *e, pthread_t thread, int *avoided, int want) {
+#ifdef __linux__
+    if (want == *avoided)
+        return;
+    cpu_set_t set = e->allowed;
+    if (want >= 0 && want < CPU_SETSIZE)
+        CPU_CLR(want, &set);
+    if (CPU_COUNT(&set) == 0)
+        return;
+    if (pthread_setaffinity_np(thread, sizeof set, &set) == 0)
+        *avoided = want;
+    else
+        e->place_off = 1; /* refused (a cpuset changed under us): stop asking at every job */
+#else
+    (void)e, (void)thread, (void)avoided, (void)want;
+#endif
+}
+
+/* Before a job: keep the engine's thread off `cpu`, the submitter's, if it copies the job
+ * alone; let it anywhere for a job split over the helpers, which share out every CPU. Woken
+ * by a submit, the kernel tends to run the thread on the submitter's CPU, where the two then
+ * take turns: a burst of small jobs costs submit + copy per job instead of the longer of the
+ * two. The affinity changes only when the submitter's CPU or the kind of job does. */
+static void place(kvt_engine *e, int split, int cpu) {
+    keep_off(e, pthread_self(), &e->avoided, split ? -1 : cpu);
+}
+
+/* Keep the first `n` helpers off the CPU the engine's thread runs on, before they are woken
+ * for a split job or a shared batch. The kernel tends to wake them there (as it does the
+ * engine's thread on the submitter's CPU), and there the threads took turns: a 256-job batch
+ * copied by two threads took as long as by one, and a 2 MiB job of 16 KiB rows 226 µs instead
+ * of 151 (docs/bench/transfer.md). Changed only when that CPU does. */
+static void place_helpers(kvt_engine *e, size_t n) {
+#ifdef __linux__
+    int want = sched_getcpu();
+    for (size_t i = 0; i < n && i < (size_t)e->nhelpers && !e->place_off; i++)
+        keep_off(e, e->helpers[i], &e->helper_args[i].avoided, want);
+#else
+    (void)e, (void)n;
+#endif
 }
 
 /* Copy a job in `parts` slices (job_parts), split over the helpers when more than one. */
@@ -144,6 +207,8 @@ static void copy_job(kvt_engine *e, const kvt_job *j, size_t parts) {
         kvtier_copy_indexed(j->segs, j->nseg, j->dst, j->src, j->n);
         return;
     }
+    if (e->avoid && !e->place_off)
+        place_helpers(e, parts - 1);
     pthread_mutex_lock(&t->mu);
     t->segs = j->segs;
     t->nseg = j->nseg;
@@ -152,6 +217,7 @@ static void copy_job(kvt_engine *e, const kvt_job *j, size_t parts) {
     t->n = j->n;
     t->parts = (int)parts;
     t->claimed = t->finished = 0;
+    t->njobs = 0;
     for (size_t i = 0; i + 1 < parts; i++) {
         e->helper_args[i].gen++;
         pthread_cond_signal(&e->helper_args[i].go);
@@ -160,6 +226,67 @@ static void copy_job(kvt_engine *e, const kvt_job *j, size_t parts) {
     while (t->finished < t->parts)
         pthread_cond_wait(&t->fin, &t->mu);
     pthread_mutex_unlock(&t->mu);
+}
+
+/* A waiter's backlog (share_batch()) is taken at most this many jobs and bytes at a time:
+ * its results are reported together, when the last of them is copied. */
+#define KVT_BATCH_JOBS 256
+#define KVT_BATCH_BYTES ((size_t)16 << 20)
+
+/* Pop, under e->mu, the jobs behind `j` in `lane` that may be copied alongside it into
+ * `batch` (j first); returns how many. Only while a thread waits for a later job of the lane:
+ * that thread sleeps, and its CPU is free for a helper. (While the submitter runs, a second
+ * copy thread competes with it for the cores, which cost more than it saved on two vCPUs:
+ * docs/bench/transfer.md.) Taken: jobs up to the waiter's, each copied alone (below
+ * `min_split_bytes`), of the same group and direction (segment table) as `j`. */
+static size_t gather(kvt_engine *e, int lane, kvt_job *j, kvt_job **batch) {
+    batch[0] = j;
+    size_t nb = 1, bytes = job_bytes(j);
+    if (!e->share || e->nhelpers == 0 || e->wake_at[lane] == UINT64_MAX ||
+        bytes >= e->min_split_bytes)
+        return 1;
+    for (kvt_job *k = e->head[lane]; k && nb < KVT_BATCH_JOBS; k = e->head[lane]) {
+        size_t b = job_bytes(k);
+        if (k->seq > e->wake_at[lane] || k->segs != j->segs || k->nseg != j->nseg ||
+            b >= e->min_split_bytes || bytes + b > KVT_BATCH_BYTES)
+            break;
+        bytes += b;
+        batch[nb++] = k;
+        e->head[lane] = k->next;
+        if (!k->next)
+            e->tail[lane] = NULL;
+    }
+    return nb;
+}
+
+/* 1 if no two jobs of `batch` (one segment table) write the same row, else 0 (also when out
+ * of memory): only then may they be copied in parallel. A hash set of the destination rows,
+ * linear in their number: a batch may hold thousands. */
+static int writes_disjoint(kvt_job *const *batch, size_t nb) {
+    size_t rows = 0;
+    for (size_t k = 0; k < nb; k++)
+        rows += batch[k]->n;
+    size_t cap = 16;
+    while (cap < 2 * rows)
+        cap *= 2;
+    int64_t *set = malloc(cap * sizeof *set);
+    if (!set)
+        return 0;
+    for (size_t i = 0; i < cap; i++)
+        set[i] = -1; /* rows are never negative (kvt_plan_rows, plan.py) */
+    int ok = 1;
+    for (size_t k = 0; k < nb && ok; k++) {
+        for (size_t i = 0; i < batch[k]->n && ok; i++) {
+            int64_t r = batch[k]->dst[i];
+            size_t h = (size_t)((uint64_t)r * 0x9E3779B97F4A7C15ull >> 17) & (cap - 1);
+            while (set[h] != -1 && set[h] != r)
+                h = (h + 1) & (cap - 1);
+            ok = set[h] != r;
+            set[h] = r;
+        }
+    }
+    free(set);
+    return ok;
 }
 
 static void push_result(kvt_engine *e, int64_t id, int ok, int lane, double seconds) {
@@ -172,28 +299,77 @@ static void push_result(kvt_engine *e, int64_t id, int ok, int lane, double seco
     e->outstanding--;
 }
 
-/* Before a job: keep the engine's thread off `cpu`, the submitter's, if it copies the job
- * alone; let it anywhere for a job split over the helpers, which share out every CPU. Woken
- * by a submit, the kernel tends to run the thread on the submitter's CPU, where the two then
- * take turns: a burst of small jobs costs submit + copy per job instead of the longer of the
- * two. The affinity changes only when the submitter's CPU or the kind of job does. */
-static void place(kvt_engine *e, int split, int cpu) {
-#ifdef __linux__
-    int want = split ? -1 : cpu;
-    if (want == e->avoided)
-        return;
-    cpu_set_t set = e->allowed;
-    if (want >= 0 && want < CPU_SETSIZE)
-        CPU_CLR(want, &set);
-    if (CPU_COUNT(&set) == 0)
-        return;
-    if (pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0)
-        e->avoided = want;
-    else
-        e->place_off = 1; /* refused (a cpuset changed under us): stop asking at every job */
-#else
-    (void)e, (void)split, (void)cpu;
-#endif
+
+static double since(const struct timespec *t0) {
+    struct timespec t1;
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    return (double)(t1.tv_sec - t0->tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0->tv_nsec);
+}
+
+/* Copy a batch from gather() (more than one job) with the helpers, in slices of whole jobs,
+ * where no two jobs write the same row; report every job when all are done, in order, each
+ * with its share of the time by bytes. */
+static void share_batch(kvt_engine *e, int lane, kvt_job **batch, size_t nb, int cpu) {
+    int ok[KVT_BATCH_JOBS];
+    size_t bytes = 0;
+    for (size_t k = 0; k < nb; k++)
+        bytes += job_bytes(batch[k]);
+    size_t parts = bytes / KVT_SLICE_BYTES;
+    if (parts > nb)
+        parts = nb;
+    if (parts >= 2 && !writes_disjoint(batch, nb))
+        parts = 1;
+    if (e->avoid && !e->place_off) {
+        place(e, 0, cpu); /* the waiting submitter's CPU is the helper's */
+        if (parts > 1)
+            place_helpers(e, parts - 1);
+    }
+
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (size_t k = 0; k < nb; k++)
+        ok[k] = e->before ? e->before(batch[k]->id) == 0 : 1;
+    kvt_team *t = &e->team;
+    if (parts < 2) {
+        for (size_t k = 0; k < nb; k++)
+            if (ok[k])
+                kvtier_copy_indexed(batch[k]->segs, batch[k]->nseg, batch[k]->dst,
+                                    batch[k]->src, batch[k]->n);
+    } else {
+        /* More slices than threads: one that wakes late still takes a share. */
+        pthread_mutex_lock(&t->mu);
+        t->jobs = batch;
+        t->ok = ok;
+        t->njobs = nb;
+        t->parts = (int)parts;
+        t->claimed = t->finished = 0;
+        for (size_t i = 0; i + 1 < parts && i < (size_t)e->nhelpers; i++) {
+            e->helper_args[i].gen++;
+            pthread_cond_signal(&e->helper_args[i].go);
+        }
+        copy_slices(t);
+        while (t->finished < t->parts)
+            pthread_cond_wait(&t->fin, &t->mu);
+        t->njobs = 0;
+        pthread_mutex_unlock(&t->mu);
+    }
+    double seconds = since(&t0);
+
+    pthread_mutex_lock(&e->mu);
+    for (size_t k = 0; k < nb; k++)
+        push_result(e, batch[k]->id, ok[k], lane,
+                    bytes ? seconds * (double)job_bytes(batch[k]) / (double)bytes : 0.0);
+    if (parts > 1)
+        e->shared_jobs += nb;
+    uint64_t last = batch[nb - 1]->seq;
+    e->done_seq[lane] = last;
+    if (last >= e->wake_at[lane]) {
+        e->wake_at[lane] = UINT64_MAX;
+        pthread_cond_broadcast(&e->done);
+    }
+    pthread_mutex_unlock(&e->mu);
+    for (size_t k = 0; k < nb; k++)
+        free(batch[k]);
 }
 
 static void *serve(void *arg) {
@@ -212,18 +388,23 @@ static void *serve(void *arg) {
         if (!j->next)
             e->tail[lane] = NULL;
         int cpu = e->submit_cpu;
-        pthread_mutex_unlock(&e->mu);
+        kvt_job *batch[KVT_BATCH_JOBS];
         size_t parts = job_parts(e, j);
+        size_t nb = parts == 1 ? gather(e, lane, j, batch) : 1;
+        pthread_mutex_unlock(&e->mu);
+        if (nb > 1) {
+            share_batch(e, lane, batch, nb, cpu);
+            continue;
+        }
         if (e->avoid && !e->place_off)
             place(e, parts > 1, cpu);
 
-        struct timespec t0, t1;
+        struct timespec t0;
         clock_gettime(CLOCK_MONOTONIC, &t0);
         int ok = e->before ? e->before(j->id) == 0 : 1;
         if (ok)
             copy_job(e, j, parts);
-        clock_gettime(CLOCK_MONOTONIC, &t1);
-        double seconds = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+        double seconds = since(&t0);
 
         pthread_mutex_lock(&e->mu);
         push_result(e, j->id, ok, lane, seconds);
@@ -271,6 +452,7 @@ static kvt_engine *start(kvt_before_fn before, int threads, size_t min_split_byt
     e->before = before;
     e->wake_at[0] = e->wake_at[1] = UINT64_MAX;
     e->min_split_bytes = min_split_bytes;
+    e->share = 1;
     e->submit_cpu = e->avoided = -1;
 #ifdef __linux__
     /* Only where the thread may run on two CPUs or more: elsewhere there is nowhere to go. */
@@ -293,6 +475,7 @@ static kvt_engine *start(kvt_before_fn before, int threads, size_t min_split_byt
     }
     for (int i = 0; i < want; i++) {
         e->helper_args[i].team = &e->team;
+        e->helper_args[i].avoided = -1;
         pthread_cond_init(&e->helper_args[i].go, NULL);
         e->ncond = i + 1;
     }
@@ -331,6 +514,22 @@ static int confine(pthread_attr_t *attr, const int32_t *cpus, size_t ncpus) {
  * with `ncpus` > 0 every thread runs only on `cpus` (see native_worker.py: `copy_cpus`), else,
  * with `avoid_submitter`, the engine's thread keeps off the submitting thread's CPU for jobs
  * it copies alone (place()). NULL on failure, an affinity the system refuses included. */
+/* Whether a waiter's backlog of small jobs is copied with the helpers (gather()); on from
+ * the start. Kept as a switch for side-by-side measurements (benchmarks/cpu_submit.py). */
+void kvt_engine_share_backlog(kvt_engine *e, int on) {
+    pthread_mutex_lock(&e->mu);
+    e->share = on != 0;
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* How many jobs were copied in shared batches so far. */
+uint64_t kvt_engine_shared_jobs(kvt_engine *e) {
+    pthread_mutex_lock(&e->mu);
+    uint64_t n = e->shared_jobs;
+    pthread_mutex_unlock(&e->mu);
+    return n;
+}
+
 kvt_engine *kvt_engine_new(kvt_before_fn before, int threads, size_t min_split_bytes,
                            const int32_t *cpus, size_t ncpus, int avoid_submitter) {
     pthread_attr_t attr;

@@ -106,6 +106,8 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "kvt_engine_submit_ids": ([_P, _P, _I64, _INT, _U64, _P, _SZ, _P, _SZ, _SZ], _INT),
     "kvt_engine_poll": ([_P, _P, _SZ], _SZ),
     "kvt_engine_wait": ([_P, _INT, _U64], None),
+    "kvt_engine_share_backlog": ([_P, _INT], None),
+    "kvt_engine_shared_jobs": ([_P], _U64),
     "kvt_engine_stop": ([_P], None),
     "kvt_engine_free": ([_P], None),
     "kvt_cuda_new": ([_P, _P, _P, _INT, _U64, ctypes.c_uint, ctypes.c_char_p, _SZ], _P),

@@ -144,9 +144,17 @@ class NativeCPUTransferWorker(TransferWorker):
     does. On the 2-core machine single 64 KiB blocks went from 66 / 68% of the copy ceiling
     (load / store) to 83 / 88% with it (docs/bench/transfer.md); a split job is unaffected.
 
+    `share_backlog` (default on; needs `copy_threads` of 2 or more): while a thread waits in
+    `wait()`, the jobs it waits for that are queued behind the running one, small ones of one
+    group and direction, are copied together by every copy thread, in slices of whole jobs,
+    and reported together, in order. The waiting thread's CPU is free then; while submits
+    run, a second copy thread would compete with them (the reason small jobs are not split).
+    Jobs that write the same row are copied one after the other. `shared_jobs` counts the
+    jobs copied so.
+
     `stage_bytes` is accepted for compatibility and unused: rows are copied directly.
     Raises RuntimeError if the compiled library is unavailable, ValueError for a bad
-    `copy_threads`, `copy_cpus` or `avoid_submitter_cpu`.
+    `copy_threads`, `copy_cpus`, `avoid_submitter_cpu` or `share_backlog`.
     """
 
     def __init__(
@@ -159,10 +167,15 @@ class NativeCPUTransferWorker(TransferWorker):
         copy_threads: int | None = None,
         copy_cpus: Sequence[int] | None = None,
         avoid_submitter_cpu: bool = True,
+        share_backlog: bool = True,
     ) -> None:
         cpus = _check_cpus(copy_cpus)
-        if not isinstance(avoid_submitter_cpu, bool):
-            raise ValueError(f"avoid_submitter_cpu={avoid_submitter_cpu!r} must be a bool")
+        for name, flag in (
+            ("avoid_submitter_cpu", avoid_submitter_cpu),
+            ("share_backlog", share_backlog),
+        ):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name}={flag!r} must be a bool")
         if copy_threads is None:
             copy_threads = min(max(1, torch.get_num_threads()), MAX_DEFAULT_COPY_THREADS)
             if cpus:
@@ -217,6 +230,10 @@ class NativeCPUTransferWorker(TransferWorker):
                 raise ValueError(f"copy_cpus={copy_cpus!r}: the system refused threads there")
             raise RuntimeError("could not start the copy engine's threads")
         self._engine: int = handle
+        if not share_backlog:
+            lib.kvt_engine_share_backlog(handle, 0)
+        self.share_backlog = share_backlog and copy_threads > 1
+        """Whether a waiter's backlog of small jobs is copied by every copy thread."""
         self.copy_cpus: tuple[int, ...] | None = tuple(cpus) or None
         """The CPUs the copy threads are confined to (None: wherever the kernel puts them)."""
         self.avoid_submitter_cpu = avoid_submitter_cpu and not cpus
@@ -225,6 +242,11 @@ class NativeCPUTransferWorker(TransferWorker):
         self._finalizer = weakref.finalize(self, _release, lib, handle, self._hook)
         # The engine's thread may call the fault injector: stop it before the interpreter goes.
         atexit.register(self.shutdown)
+
+    @property
+    def shared_jobs(self) -> int:
+        """Jobs copied so far in a waiter's backlog shared over the copy threads."""
+        return int(self._lib.kvt_engine_shared_jobs(self._engine))
 
     def _before(self, job_id: int) -> int:
         """The engine's hook: run the fault injector; an exception fails the job."""

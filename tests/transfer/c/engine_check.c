@@ -1,12 +1,14 @@
 /* kvtier's C library without Python, built by test_native_c.py for this machine and for
  * aarch64 (run under qemu), which the tests cannot otherwise reach. Checks one row-copy call,
  * then a copy engine with a helper thread (store jobs of one to three 64 KiB rows, those over
- * 128 KiB split): rows byte-exact, results in order. Prints "ok: ..." and exits 0, or says
- * what differs and exits 1. */
+ * 128 KiB split), then single-row loads queued behind a waiter (copied in a shared batch):
+ * rows byte-exact, results in order. Prints "ok: ..." and exits 0, or says what differs and
+ * exits 1. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "kvtier.h"
 
@@ -20,6 +22,16 @@ int kvt_engine_submit_ids(kvt_engine *e, const kvt_submit_ctx *x, int64_t id, in
 size_t kvt_engine_poll(kvt_engine *e, kvt_result *out, size_t max);
 void kvt_engine_wait(kvt_engine *e, int lane, uint64_t seq);
 void kvt_engine_free(kvt_engine *e);
+uint64_t kvt_engine_shared_jobs(kvt_engine *e);
+
+/* Holds the first load (id 1000) until the main thread has queued the rest and waits. */
+static int hold_first(int64_t id) {
+    if (id == 1000) {
+        struct timespec pause = {0, 200 * 1000 * 1000};
+        nanosleep(&pause, NULL);
+    }
+    return 0;
+}
 
 enum { ROWS = 64, WIDTH = 65536 + 64 };
 
@@ -89,6 +101,46 @@ int main(void) {
     if (check(host, dev, "engine"))
         return 1;
     kvt_engine_free(e);
-    printf("ok: %zu jobs, %d rows of %d bytes\n", got, ROWS, WIDTH);
+
+    /* Back, one row a job: host row ROWS - 1 - i into row i of `back`. */
+    unsigned char *back = calloc(ROWS, WIDTH);
+    if (!back)
+        return 1;
+    e = kvt_engine_new((void *)hold_first, 2, 128 << 10, NULL, 0, 1);
+    if (!e) {
+        printf("the second engine did not start\n");
+        return 1;
+    }
+    kvtier_segment load = {(uint64_t)(uintptr_t)back, WIDTH, (uint64_t)(uintptr_t)host, WIDTH,
+                           WIDTH};
+    kvt_submit_ctx y = {&load, 1, 0, 1, ROWS, ROWS, 1, WIDTH};
+    for (int64_t i = 0; i < ROWS; i++) {
+        int64_t block = i, slot = ROWS - 1 - i;
+        if (kvt_engine_submit_ids(e, &y, 1000 + i, 0, (uint64_t)i + 1, &block, 1, &slot, 1, 0)) {
+            printf("load %lld refused\n", (long long)i);
+            return 1;
+        }
+    }
+    kvt_engine_wait(e, 0, ROWS);
+    got = kvt_engine_poll(e, res, ROWS);
+    for (size_t i = 0; i < got; i++)
+        if (!res[i].ok || res[i].id != 1000 + (int64_t)i) {
+            printf("load result %zu: job %lld, ok %d\n", i, (long long)res[i].id, res[i].ok);
+            return 1;
+        }
+    uint64_t shared = kvt_engine_shared_jobs(e);
+    kvt_engine_free(e);
+    if (got != ROWS || memcmp(back, dev, (size_t)ROWS * WIDTH)) {
+        printf("loads: %zu results, rows %s\n", got,
+               memcmp(back, dev, (size_t)ROWS * WIDTH) ? "differ" : "match");
+        return 1;
+    }
+    if (shared < ROWS - 1) { /* the first as well, where the wait came before it was taken */
+        printf("%llu of %d queued loads copied in a shared batch\n", (unsigned long long)shared,
+               ROWS - 1);
+        return 1;
+    }
+    printf("ok: %zu jobs, %d rows of %d bytes; %d loads, %llu shared\n", got, ROWS, WIDTH, ROWS,
+           (unsigned long long)shared);
     return 0;
 }
