@@ -2,6 +2,7 @@
 
 `--compare submit` (default): the submit extension against ctypes, on one worker.
 `--compare placement`: `avoid_submitter_cpu` on against off, two workers on one host pool.
+`--compare backlog`: `share_backlog` on against off, two workers on one host pool.
 One process: for each (page, blocks per job) the two variants take turns burst by burst (the
 order swapped every round), so both see the same memory and the same moments of a noisy
 machine. A burst moves `--moved-mib` as jobs of random device blocks and
@@ -59,9 +60,13 @@ def bench_case(
     if compare == "submit":
         worker = NativeCPUTransferWorker(reg, pool)
         variants = {"extension": (worker, worker._ext_submit), "ctypes": (worker, None)}
-    else:
+    elif compare == "placement":
         for name, avoid in (("avoid", True), ("anywhere", False)):
             w = NativeCPUTransferWorker(reg, pool, avoid_submitter_cpu=avoid)
+            variants[name] = (w, w._ext_submit)
+    else:
+        for name, share in (("shared", True), ("alone", False)):
+            w = NativeCPUTransferWorker(reg, pool, share_backlog=share)
             variants[name] = (w, w._ext_submit)
 
     def ceiling(direction: str) -> float:
@@ -118,9 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cases", type=parse_case, nargs="+",
                     default=[parse_case(c) for c in ("64x1", "256x1", "64x16", "16x16")],
                     help="PAGE_KIBxBLOCKS per job")  # fmt: skip
-    ap.add_argument("--compare", choices=["submit", "placement"], default="submit",
-                    help="the submit extension against ctypes, or avoid_submitter_cpu on "
-                    "against off")  # fmt: skip
+    ap.add_argument("--compare", choices=["submit", "placement", "backlog"], default="submit",
+                    help="the submit extension against ctypes, avoid_submitter_cpu on "
+                    "against off, or share_backlog on against off")  # fmt: skip
     ap.add_argument("--moved-mib", type=int, default=64, help="bytes moved per burst")
     ap.add_argument("--rounds", type=int, default=9, help="timed rounds after a warm-up")
     ap.add_argument("--region-mib", type=int, default=256, help="device and host memory each")
@@ -139,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
         rows += bench_case(page, blocks, args.moved_mib << 20, args.rounds,
                            args.region_mib << 20, rng, args.compare)  # fmt: skip
         console.log(f"{page // KiB} KiB x {blocks}: done")  # a case takes a minute or so
-    what = "submit paths" if args.compare == "submit" else "copy-thread placement"
+    what = {"submit": "submit paths", "placement": "copy-thread placement",
+            "backlog": "a waiter's backlog shared or not"}[args.compare]  # fmt: skip
     table = Table(title=f"CPU worker: {what} side by side (medians of {args.rounds} rounds)")
     for col in ("page", "blocks", "variant", "dir", "share", "rounds", "submit µs", "copy µs",
                 "wall µs"):  # fmt: skip
