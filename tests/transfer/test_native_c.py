@@ -1,10 +1,13 @@
-"""The C library on its own, built by a C harness (c/engine_check.c): for this machine, and for
-aarch64 (Arm servers such as Grace) run under qemu where the cross tools are installed
-(Debian: `apt-get install gcc-aarch64-linux-gnu qemu-user`; skipped elsewhere).
+"""The C library on its own, built by C harnesses: for this machine, and for aarch64 (Arm
+servers such as Grace) run under qemu where the cross tools are installed (Debian:
+`apt-get install gcc-aarch64-linux-gnu qemu-user`; skipped elsewhere).
 
-On Arm `rowcopy.c` copies rows with memcpy (no SSE2); test_native.py runs that loop on this
-machine too (KVTIER_PORTABLE_COPY=1), and this test runs it, with the engine's threads, on the
-architecture itself.
+- c/engine_check.c: the CPU engine. On Arm `rowcopy.c` copies rows with memcpy (no SSE2);
+  test_native.py runs that loop on this machine too (KVTIER_PORTABLE_COPY=1), and this test
+  runs it, with the engine's threads, on the architecture itself.
+- c/cuda_check.c: the CUDA submit path (`cudaengine.c`) against c/fake_cuda.c, a stand-in
+  for the driver on host memory (the one thing here that needs a GPU), built as the
+  `libcuda.so.1` that cudaengine.c opens. The same paths run on a GPU in test_cuda_worker.py.
 """
 
 from __future__ import annotations
@@ -19,20 +22,31 @@ import pytest
 import kvtier.transfer
 
 SOURCES = Path(kvtier.transfer.__file__).parent
-CHECK = Path(__file__).with_name("c") / "engine_check.c"
+HARNESSES = Path(__file__).with_name("c")
 SYSROOT = Path("/usr/aarch64-linux-gnu")
 HOST_CC = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 ARM_CC, QEMU = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
 
 
-def _build_and_run(cc: str, tmp_path: Path, runner: list[str], env: dict[str, str]) -> str:
-    exe = tmp_path / "engine_check"
+def _cc(cc: str, *args: str | Path) -> None:
+    flags = ["-O2", "-Wall", "-Werror", "-pthread", f"-I{SOURCES}"]
+    out = subprocess.run([cc, *flags, *map(str, args)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+
+
+def _build_and_run(
+    cc: str, tmp_path: Path, runner: list[str], env: dict[str, str], harness: str = "engine_check"
+) -> str:
+    """Build `harness` with the library's sources (and, for cuda_check, the fake driver as
+    tmp_path/libcuda.so.1, found first by its run path) and run it."""
+    exe = tmp_path / harness
     sources = [SOURCES / n for n in ("rowcopy.c", "copyengine.c", "cudaengine.c")]
-    subprocess.run(
-        [cc, "-O2", "-Wall", "-Werror", "-pthread", f"-I{SOURCES}", "-o", str(exe), str(CHECK),
-         *map(str, sources), "-ldl"],
-        check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
+    link: list[str | Path] = []
+    if harness == "cuda_check":
+        _cc(cc, "-fPIC", "-shared", "-Wl,-soname,libcuda.so.1", "-o", tmp_path / "libcuda.so.1",
+            HARNESSES / "fake_cuda.c")  # fmt: skip
+        link = [f"-L{tmp_path}", "-l:libcuda.so.1", f"-Wl,-rpath,{tmp_path}"]
+    _cc(cc, "-o", exe, HARNESSES / f"{harness}.c", *sources, *link, "-ldl")
     out = subprocess.run(
         [*runner, str(exe)], capture_output=True, text=True, timeout=300, env={**os.environ, **env}
     )
@@ -44,6 +58,16 @@ def _build_and_run(cc: str, tmp_path: Path, runner: list[str], env: dict[str, st
 def test_the_library_copies_byte_exact_without_python(tmp_path: Path) -> None:
     assert HOST_CC is not None
     assert _build_and_run(HOST_CC, tmp_path, [], {}).startswith("ok:")
+
+
+@pytest.mark.skipif(HOST_CC is None, reason="needs a C compiler")
+def test_the_cuda_submit_path_against_a_fake_driver(tmp_path: Path) -> None:
+    """Kernels and batched copies byte-exact (also at 2-byte alignment), loads mid-chunk, the
+    wait for compute before stores and loads, each lane's order and borrowed start events
+    across the ring's growth, refused launches and arguments, no event leaked."""
+    assert HOST_CC is not None
+    out = _build_and_run(HOST_CC, tmp_path, [], {}, "cuda_check")
+    assert out.startswith("ok:"), out
 
 
 def _arm_tools_work(tmp_path: Path) -> bool:
@@ -69,3 +93,11 @@ def test_the_library_builds_and_copies_byte_exact_on_aarch64(tmp_path: Path) -> 
     assert ARM_CC is not None and QEMU is not None
     out = _build_and_run(ARM_CC, tmp_path, [QEMU], {"QEMU_LD_PREFIX": str(SYSROOT)})
     assert out.startswith("ok:")
+
+
+def test_the_cuda_submit_path_on_aarch64(tmp_path: Path) -> None:
+    if not _arm_tools_work(tmp_path):
+        pytest.skip("needs a working gcc-aarch64-linux-gnu and qemu-user")
+    assert ARM_CC is not None and QEMU is not None
+    env = {"QEMU_LD_PREFIX": str(SYSROOT)}
+    assert _build_and_run(ARM_CC, tmp_path, [QEMU], env, "cuda_check").startswith("ok:")

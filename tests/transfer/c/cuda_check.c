@@ -1,0 +1,357 @@
+/* cudaengine.c against fake_cuda.c (a driver on host memory), built and run by
+ * test_cuda_c.py: the CUDA submit path's logic where there is no GPU. Each check prints what
+ * differs and the program exits 1; it prints "ok: ..." and exits 0 when all pass.
+ *
+ * "Device" blocks are host buffers of two segments (K and V, as two registered tensors);
+ * the pool holds chunks of two blocks per slot. Lanes: 0 stores, 1 loads, 2 urgent loads.
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvtier.h"
+
+typedef struct kvt_cuda kvt_cuda;
+kvt_cuda *kvt_cuda_new(const void *image, const uint64_t *streams, void *batch, int batch13,
+                       uint64_t dma_min, unsigned sm_count, char *err, size_t errlen);
+int kvt_cuda_add_table(kvt_cuda *c, const kvtier_segment *segs, size_t nseg, uint64_t dev_segs,
+                       int store, int device);
+int kvt_cuda_submit(kvt_cuda *c, int lane, uint64_t compute, int64_t id, int fail, int table,
+                    uint64_t nbytes, const int64_t *dst, const int64_t *src, size_t n);
+int kvt_cuda_submit_ids(kvt_cuda *c, const kvt_submit_ctx *x, int lane, uint64_t compute,
+                        int64_t id, const int64_t *blocks, size_t nblocks, const int64_t *slots,
+                        size_t nslots, size_t skip);
+size_t kvt_cuda_poll(kvt_cuda *c, kvt_result *out, size_t max);
+uint64_t kvt_cuda_end_event(kvt_cuda *c, int lane, uint64_t seq);
+int kvt_cuda_event_sync(kvt_cuda *c, uint64_t event);
+int kvt_cuda_sync(kvt_cuda *c);
+void kvt_cuda_free(kvt_cuda *c);
+
+/* fake_cuda.c's controls */
+int fake_run(void);
+int fake_launches(void);
+int fake_batches(void);
+int fake_live_events(void);
+int fake_sticky(void);
+void fake_fail_launch(int n);
+void fake_hold(uintptr_t stream, int held);
+void fake_host(uintptr_t stream, void (*fn)(void *), void *arg);
+int fake_memcpy_batch(uint64_t *, uint64_t *, size_t *, size_t, void *, size_t *, size_t,
+                      void *);
+
+#define FAIL(...)                                                                               \
+    do {                                                                                        \
+        printf(__VA_ARGS__);                                                                    \
+        printf("\n");                                                                           \
+        exit(1);                                                                                \
+    } while (0)
+
+enum { NB = 1400, NS = 700, BPC = 2, COMPUTE = 9 };
+static const uint64_t STREAMS[3] = {1, 2, 3};
+
+typedef struct {
+    size_t wk, wv, row; /* segment widths, host row bytes */
+    unsigned char *k, *v, *host;
+    kvtier_segment store[2], load[2];
+    kvt_submit_ctx sx, lx;
+    kvt_cuda *c;
+    uint64_t seq[3];
+} rig;
+
+static uint64_t rnd_state = 88172645463325252ull;
+static uint64_t rnd(void) {
+    rnd_state ^= rnd_state << 13, rnd_state ^= rnd_state >> 7, rnd_state ^= rnd_state << 17;
+    return rnd_state;
+}
+
+/* The first `n` of a random permutation of 0..m-1. */
+static void pick(int64_t *out, size_t n, size_t m) {
+    int64_t *all = malloc(m * sizeof *all);
+    for (size_t i = 0; i < m; i++)
+        all[i] = (int64_t)i;
+    for (size_t i = 0; i < n; i++) {
+        size_t j = i + rnd() % (m - i);
+        int64_t t = all[i];
+        all[i] = all[j], all[j] = t;
+        out[i] = all[i];
+    }
+    free(all);
+}
+
+/* An engine over fresh buffers; `batch`: give it the batched copy; `wk`/`wv` decide the
+ * access width of its kernels. */
+static void rig_up(rig *r, size_t wk, size_t wv, int batch, uint64_t dma_min) {
+    memset(r, 0, sizeof *r);
+    r->wk = wk, r->wv = wv, r->row = wk + wv;
+    r->k = malloc(NB * wk), r->v = malloc(NB * wv), r->host = calloc(NS * BPC, r->row);
+    for (size_t i = 0; i < NB * wk; i++)
+        r->k[i] = (unsigned char)rnd();
+    for (size_t i = 0; i < NB * wv; i++)
+        r->v[i] = (unsigned char)rnd();
+    uint64_t h = (uint64_t)(uintptr_t)r->host, k = (uint64_t)(uintptr_t)r->k,
+             v = (uint64_t)(uintptr_t)r->v;
+    r->store[0] = (kvtier_segment){h, r->row, k, wk, wk};
+    r->store[1] = (kvtier_segment){h + wk, r->row, v, wv, wv};
+    r->load[0] = (kvtier_segment){k, wk, h, r->row, wk};
+    r->load[1] = (kvtier_segment){v, wv, h + wk, r->row, wv};
+    char err[256] = "";
+    r->c = kvt_cuda_new("image", STREAMS, batch ? (void *)fake_memcpy_batch : NULL, 1, dma_min,
+                        2, err, sizeof err);
+    if (!r->c)
+        FAIL("kvt_cuda_new: %s", err);
+    /* The kernel reads the table where dev_segs points: here, host memory. */
+    int st = kvt_cuda_add_table(r->c, r->store, 2, (uint64_t)(uintptr_t)r->store, 1, 0);
+    int ld = kvt_cuda_add_table(r->c, r->load, 2, (uint64_t)(uintptr_t)r->load, 0, 0);
+    if (st != 0 || ld != 1)
+        FAIL("tables %d %d", st, ld);
+    r->sx = (kvt_submit_ctx){r->store, 2, 1, BPC, NB, NS, 0, r->row};
+    r->lx = (kvt_submit_ctx){r->load, 2, 0, BPC, NB, NS, 1, r->row};
+}
+
+static void rig_down(rig *r, const char *what) {
+    if (fake_sticky())
+        FAIL("%s: the context was poisoned (CUresult %d): a misaligned or bad launch", what,
+             fake_sticky());
+    kvt_cuda_free(r->c);
+    if (fake_live_events())
+        FAIL("%s: %d events outlived the engine", what, fake_live_events());
+    free(r->k), free(r->v), free(r->host);
+}
+
+static void store(rig *r, int64_t id, const int64_t *blocks, size_t nb, const int64_t *slots) {
+    int rc = kvt_cuda_submit_ids(r->c, &r->sx, 0, COMPUTE, id, blocks, nb, slots, nb / BPC, 0);
+    if (rc)
+        FAIL("store %lld refused: %d", (long long)id, rc);
+    r->seq[0]++;
+}
+
+static void load(rig *r, int lane, int64_t id, const int64_t *slots, size_t ns,
+                 const int64_t *blocks, size_t nb, size_t skip) {
+    int rc =
+        kvt_cuda_submit_ids(r->c, &r->lx, lane, COMPUTE, id, blocks, nb, slots, ns, skip);
+    if (rc)
+        FAIL("load %lld refused: %d", (long long)id, rc);
+    r->seq[lane]++;
+}
+
+/* Poll until `want` results, after running everything queued; checks each lane's order. */
+static size_t collect(rig *r, kvt_result *out, size_t want, const char *what) {
+    if (kvt_cuda_sync(r->c))
+        FAIL("%s: sync failed", what);
+    size_t got = kvt_cuda_poll(r->c, out, want + 1);
+    if (got != want)
+        FAIL("%s: %zu results, want %zu", what, got, want);
+    int64_t last[3] = {-1, -1, -1};
+    for (size_t i = 0; i < got; i++) {
+        if (out[i].id <= last[out[i].lane])
+            FAIL("%s: lane %d reported job %lld after %lld", what, out[i].lane,
+                 (long long)out[i].id, (long long)last[out[i].lane]);
+        last[out[i].lane] = out[i].id;
+    }
+    return got;
+}
+
+/* Device block `b` (both segments) equals host row `row`. */
+static int same(const rig *r, int64_t b, int64_t row) {
+    const unsigned char *h = r->host + (size_t)row * r->row;
+    return !memcmp(h, r->k + (size_t)b * r->wk, r->wk) &&
+           !memcmp(h + r->wk, r->v + (size_t)b * r->wv, r->wv);
+}
+
+/* Stores of 600 (three launches of up to 480 rows, or one batched copy), 30 and 2 blocks,
+ * then loads of them back into other blocks starting mid-chunk, one urgent: every byte where
+ * it belongs. Returns the launches and batched copies it took. */
+static void round_trip(size_t wk, size_t wv, int batch, uint64_t dma_min, int *launches,
+                       int *batches, const char *what) {
+    rig r;
+    rig_up(&r, wk, wv, batch, dma_min);
+    int l0 = fake_launches(), b0 = fake_batches();
+    static const size_t sizes[3] = {600, 30, 2};
+    int64_t blocks[632], slots[316], *bp = blocks, *sp = slots;
+    pick(blocks, 632, NB / 2); /* the lower half: loads go to the upper */
+    pick(slots, 316, NS);
+    for (int j = 0; j < 3; j++) {
+        store(&r, j, bp, sizes[j], sp);
+        bp += sizes[j], sp += sizes[j] / BPC;
+    }
+    kvt_result res[8];
+    collect(&r, res, 3, what);
+    for (int j = 0; j < 632; j++)
+        if (!same(&r, blocks[j], slots[j / BPC] * BPC + j % BPC))
+            FAIL("%s: store of block %lld differs", what, (long long)blocks[j]);
+    /* Back: each job from its slots' second block on (skip 1), into the upper half. */
+    int64_t dst[632];
+    pick(dst, 632, NB / 2);
+    for (int j = 0; j < 632; j++)
+        dst[j] += NB / 2;
+    bp = dst, sp = slots;
+    for (int j = 0; j < 3; j++) {
+        size_t ns = sizes[j] / BPC, nb = ns * BPC - 1;
+        load(&r, j == 2 ? 2 : 1, 10 + j, sp, ns, bp, nb, 1);
+        bp += nb, sp += ns;
+    }
+    collect(&r, res, 3, what);
+    bp = dst, sp = slots;
+    for (int j = 0; j < 3; j++) {
+        size_t ns = sizes[j] / BPC, nb = ns * BPC - 1;
+        for (size_t i = 0; i < nb; i++)
+            if (!same(&r, bp[i], sp[(1 + i) / BPC] * BPC + (int64_t)((1 + i) % BPC)))
+                FAIL("%s: load %d block %zu differs", what, j, i);
+        bp += nb, sp += ns;
+    }
+    *launches = fake_launches() - l0, *batches = fake_batches() - b0;
+    rig_down(&r, what);
+}
+
+static void check_paths(void) {
+    int launches, batches;
+    /* Kernels only: 600 rows take two launches of up to 480 rows; 30 and 2 the small kernel. */
+    round_trip(4096, 4096, 0, 0, &launches, &batches, "kernel");
+    if (launches != 8 || batches != 0) /* stores 2 + 1 + 1, loads 2 + 1 + 1 */
+        FAIL("kernel: %d launches and %d batched copies, want 8 and 0", launches, batches);
+    /* Widths of 2 mod 4 and 6 mod 8: the kernels must move 2 bytes at a time (16 would be
+     * misaligned, which the fake reports). */
+    round_trip(4098, 2054, 0, 0, &launches, &batches, "narrow");
+    /* Every job batched (dma_min 0). */
+    round_trip(4096, 4096, 1, 0, &launches, &batches, "dma");
+    if (launches != 0 || batches != 6)
+        FAIL("dma: %d launches and %d batched copies, want 0 and 6", launches, batches);
+    /* "auto": 600 blocks of 8 KiB (about 4.9 MB) batched, the small jobs on kernels. */
+    round_trip(4096, 4096, 1, 1 << 20, &launches, &batches, "auto");
+    if (launches != 4 || batches != 2)
+        FAIL("auto: %d launches and %d batched copies, want 4 and 2", launches, batches);
+}
+
+static unsigned char *compute_block;
+static unsigned char compute_seen[4096];
+static void compute_writes(void *arg) { memset(compute_block, *(int *)arg, 4096); }
+static void compute_reads(void *arg) {
+    (void)arg;
+    memcpy(compute_seen, compute_block, 4096);
+}
+
+/* A store reads what the compute queued before it writes; a load overwrites a block only after
+ * the compute queued before it has read it. */
+static void check_compute_order(void) {
+    rig r;
+    rig_up(&r, 4096, 4096, 0, 0);
+    kvt_result res[4];
+    int value = 0x5a;
+    compute_block = r.k + 7 * 4096;
+    fake_hold(COMPUTE, 1);
+    fake_host(COMPUTE, compute_writes, &value);
+    int64_t blocks[2] = {7, 8}, slot = 3;
+    store(&r, 1, blocks, 2, &slot);
+    fake_run();
+    if (kvt_cuda_poll(r.c, res, 4) != 0 || r.host[3 * BPC * r.row] != 0)
+        FAIL("compute order: the store ran before the compute queued ahead of it");
+    fake_hold(COMPUTE, 0);
+    collect(&r, res, 1, "compute order");
+    if (r.host[3 * BPC * r.row] != 0x5a || !same(&r, 7, 3 * BPC))
+        FAIL("compute order: the store did not copy what the compute wrote");
+
+    /* Block 20 is read by compute (held), then loaded over: compute must see the old bytes. */
+    unsigned char old[4096];
+    compute_block = r.k + 20 * 4096;
+    memcpy(old, compute_block, sizeof old);
+    fake_hold(COMPUTE, 1);
+    fake_host(COMPUTE, compute_reads, NULL);
+    int64_t dst = 20;
+    load(&r, 1, 2, &slot, 1, &dst, 1, 0);
+    fake_run();
+    if (memcmp(compute_block, old, sizeof old))
+        FAIL("compute order: a load overwrote a block the compute had not read yet");
+    fake_hold(COMPUTE, 0);
+    collect(&r, res, 1, "compute order");
+    if (memcmp(compute_seen, old, sizeof old) || !same(&r, 20, 3 * BPC))
+        FAIL("compute order: the compute or the load saw the wrong bytes");
+    rig_down(&r, "compute order");
+}
+
+/* Each job's seconds must be its own copy time on the fake clock (1 ms per MB). */
+static void check_seconds(const kvt_result *res, size_t n, double bytes, const char *what) {
+    double want = bytes / 1e9;
+    for (size_t i = 0; i < n; i++)
+        if (!res[i].ok || res[i].seconds < want * 0.999 || res[i].seconds > want * 1.001)
+            FAIL("%s: job %lld took %g s on the fake clock, want %g", what, (long long)res[i].id,
+                 res[i].seconds, want);
+}
+
+static void submit_pairs(rig *r, int64_t *id, int n) {
+    for (int j = 0; j < n; j++, (*id)++) {
+        int64_t b[2] = {(2 * *id) % NB, (2 * *id + 1) % NB}, s = *id % NS;
+        store(r, *id, b, 2, &s);
+    }
+}
+
+/* Jobs queued behind an unfinished one borrow its end event as their start, across the ring's
+ * growth and wrap: each job's seconds are its own copy time, not its predecessor's too. */
+static void check_ring_and_timing(void) {
+    rig r;
+    rig_up(&r, 4096, 4096, 0, 0);
+    kvt_result res[200];
+    int64_t id = 0;
+    /* 60 jobs, half polled: the oldest unpolled one borrowed its start from a polled one's
+     * end. 34 more reach that event's slot in the 64-slot ring, which must not be reused. */
+    submit_pairs(&r, &id, 60);
+    if (kvt_cuda_sync(r.c) || kvt_cuda_poll(r.c, res, 30) != 30)
+        FAIL("ring: 30 of 60 jobs not reported");
+    check_seconds(res, 30, 2.0 * 8192, "ring");
+    submit_pairs(&r, &id, 34);
+    check_seconds(res, collect(&r, res, 64, "ring"), 2.0 * 8192, "ring");
+    submit_pairs(&r, &id, 150); /* past 128 slots */
+    check_seconds(res, collect(&r, res, 150, "ring"), 2.0 * 8192, "ring");
+    /* A waiter's event: before polling it is the job's end; after, 0. */
+    int64_t b[2] = {0, 1}, s = 0;
+    store(&r, id, b, 2, &s);
+    uint64_t ev = kvt_cuda_end_event(r.c, 0, r.seq[0]);
+    if (!ev || kvt_cuda_event_sync(r.c, ev) != 0)
+        FAIL("ring: no end event to wait on, or the wait failed");
+    if (kvt_cuda_poll(r.c, res, 4) != 1 || kvt_cuda_end_event(r.c, 0, r.seq[0]) != 0)
+        FAIL("ring: the waited-for job was not reported once, or its event stayed");
+    rig_down(&r, "ring");
+}
+
+/* A refused launch fails its job (nothing written) and not the next; invalid ids queue
+ * nothing; a job submitted failed (the fault hook) copies nothing. */
+static void check_failures(void) {
+    rig r;
+    rig_up(&r, 4096, 4096, 0, 0);
+    kvt_result res[4];
+    int64_t b1[2] = {4, 5}, b2[2] = {6, 7}, s1 = 1, s2 = 2;
+    fake_fail_launch(0);
+    store(&r, 1, b1, 2, &s1);
+    store(&r, 2, b2, 2, &s2);
+    collect(&r, res, 2, "failures");
+    if (res[0].ok || !res[1].ok)
+        FAIL("failures: refused launch reported %d, the next job %d", res[0].ok, res[1].ok);
+    static const unsigned char zero[8192];
+    if (memcmp(r.host + 1 * BPC * r.row, zero, r.row) || !same(&r, 6, 2 * BPC))
+        FAIL("failures: the refused job wrote, or the next did not");
+
+    int64_t bad[2] = {4, NB}; /* NB is out of range */
+    if (kvt_cuda_submit_ids(r.c, &r.sx, 0, COMPUTE, 3, bad, 2, &s1, 1, 0) != 1)
+        FAIL("failures: an out-of-range block was not refused");
+    int64_t dup[2] = {4, 4};
+    if (kvt_cuda_submit_ids(r.c, &r.lx, 1, COMPUTE, 3, dup, 2, &s1, 1, 0) != 1 ||
+        kvt_cuda_submit_ids(r.c, &r.lx, 1, COMPUTE, 3, b1, 1, &s2, 1, 2) != 1)
+        FAIL("failures: a repeated block or a skip past the chunk was not refused");
+
+    int64_t rows_d[2] = {2 * BPC, 2 * BPC + 1}, rows_s[2] = {8, 9};
+    if (kvt_cuda_submit(r.c, 0, COMPUTE, 4, 1, 0, 2 * r.row, rows_d, rows_s, 2) != 0)
+        FAIL("failures: a job submitted failed was not queued");
+    collect(&r, res, 1, "failures");
+    if (res[0].id != 4 || res[0].ok || !same(&r, 6, 2 * BPC))
+        FAIL("failures: the failed job was reported good, or copied");
+    rig_down(&r, "failures");
+}
+
+int main(void) {
+    check_paths();
+    check_compute_order();
+    check_ring_and_timing();
+    check_failures();
+    printf("ok: %d launches, %d batched copies\n", fake_launches(), fake_batches());
+    return 0;
+}
