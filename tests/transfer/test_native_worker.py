@@ -514,9 +514,11 @@ def _held_backlog(
     return ids
 
 
-def _small_rows(n: int, seed: int) -> tuple[torch.Tensor, KVCacheRegistration, HostPool]:
+def _small_rows(
+    n: int, seed: int, kib: int = 16
+) -> tuple[torch.Tensor, KVCacheRegistration, HostPool]:
     gen = torch.Generator().manual_seed(seed)
-    kv = torch.randint(0, 2**31 - 1, (n, 16 * 1024 // 4), generator=gen, dtype=torch.int32)
+    kv = torch.randint(0, 2**31 - 1, (n, kib * 1024 // 4), generator=gen, dtype=torch.int32)
     reg = KVCacheRegistration([KVTensor(kv, 0)])
     return kv, reg, HostPool(reg, 1, num_slots=n)
 
@@ -608,3 +610,51 @@ def test_a_backlog_keeps_direction_order_and_isolates_a_failure() -> None:
     for j in range(40):
         expect = torch.zeros_like(want[0]) if j == 7 else want[j]
         assert torch.equal(rows[50 + j % 46], expect), f"load {j}"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_backlogs_match_a_sequential_model(seed: int) -> None:
+    """Random stores and loads, in runs of one direction, over few enough rows that jobs in a
+    backlog often write or read what another writes, waited for at random points while the
+    engine is held: whatever is batched, and however, the final bytes are those of running
+    every job in submission order."""
+    rng = np.random.default_rng(seed)
+    kv, reg, pool = _small_rows(160, seed, kib=64)
+    rows = kv.view(torch.uint8).view(160, -1)
+    pool.tensor.copy_(torch.from_numpy(rng.integers(0, 256, pool.tensor.shape, dtype=np.uint8)))
+    dev, host = rows.clone(), pool.rows.clone()
+    gates = [threading.Event() for _ in range(4)]
+    held = {int(j): g for j, g in zip(rng.choice(300, 4, replace=False), gates, strict=True)}
+
+    def hold(job_id: int, direction: str) -> None:
+        if job_id in held:
+            held[job_id].wait(5)
+
+    with NativeCPUTransferWorker(reg, pool, copy_threads=2, fault_injector=hold) as w:
+        pending: list[int] = []
+        storing = True
+        for j in range(300):
+            n = int(rng.integers(1, 4))
+            blocks, slots = rng.choice(160, n, replace=False), rng.choice(160, n, replace=False)
+            storing ^= bool(rng.random() < 0.15)
+            if storing:
+                w.submit_store(j, blocks, slots)
+                host[torch.from_numpy(slots)] = dev[torch.from_numpy(blocks)]
+            else:
+                w.submit_load(j, slots, blocks)
+                dev[torch.from_numpy(blocks)] = host[torch.from_numpy(slots)]
+            pending.append(j)
+            if rng.random() < 0.05 or j == 299:
+                for g in gates:  # a held job, if queued, lets go while we wait
+                    threading.Timer(0.05, g.set).start()
+                w.wait(pending)
+                results = w.get_finished()
+                assert [r.job_id for r in results] == pending
+                assert all(r.success for r in results)
+                pending = []
+                for g in gates:
+                    g.clear()
+        shared = w.shared_jobs
+    assert torch.equal(rows, dev)
+    assert torch.equal(pool.rows, host)
+    assert shared > 0, "no backlog was shared: the test did not exercise batches"
