@@ -247,8 +247,14 @@ def test_shutdown_with_jobs_in_flight_reports_each_job_once(worker_cls: CPUWorke
     threading.Timer(0.05, gate.set).start()
     w.shutdown()
     w.shutdown()  # idempotent
+    # Waiting for a cancelled job before collecting its result returns (it once hung).
+    waiter = threading.Thread(target=w.wait, args=([19],), daemon=True)
+    waiter.start()
+    waiter.join(5)
+    assert not waiter.is_alive(), "wait() for a cancelled job hung after shutdown"
     results = w.get_finished()
-    assert sorted(r.job_id for r in results) == list(range(20))
+    # In submission order: the running job's result first, then the cancelled ones.
+    assert [r.job_id for r in results] == list(range(20))
     assert {r.job_id for r in results if r.success} == {0}
     w.wait(range(20))  # nothing left in flight: returns at once
     with pytest.raises(RuntimeError, match="shut down"):

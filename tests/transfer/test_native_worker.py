@@ -272,7 +272,9 @@ def test_long_jobs_and_narrow_id_types(dtype: type) -> None:
 def test_concurrent_waiters_each_wake_when_their_job_is_done() -> None:
     """The engine wakes waiters only once a lane reaches the lowest job one of them needs:
     a waiter for a later job, registered first, must not hold back one for an earlier job,
-    and each must find its job's bytes in place when it returns."""
+    and each must find its job's bytes in place when it returns. (Without shared backlogs:
+    a batch taken for the first waiter is reported whole, so an earlier job in it returns
+    with the batch.)"""
     kv = torch.arange(32 * 1024, dtype=torch.int32).view(32, 1024)
     reg = KVCacheRegistration([KVTensor(kv, 0)])
     pool = HostPool(reg, 1, num_slots=32)
@@ -283,7 +285,7 @@ def test_concurrent_waiters_each_wake_when_their_job_is_done() -> None:
         started[job] = time.perf_counter()
         time.sleep(0.02)
 
-    w = NativeCPUTransferWorker(reg, pool, fault_injector=slow)
+    w = NativeCPUTransferWorker(reg, pool, fault_injector=slow, share_backlog=False)
     for j in range(16):
         w.submit_store(j, [j], [j])
     w.submit_load(100, [30], [20], urgent=True)  # the urgent lane, ahead of the stores

@@ -716,10 +716,22 @@ void kvt_engine_wait(kvt_engine *e, int lane, uint64_t seq) {
     pthread_mutex_unlock(&e->mu);
 }
 
-/* Report queued jobs failed, let the running one finish, join the thread. Idempotent. */
+/* Let the running job (or shared batch) finish, join the threads, then report the queued jobs
+ * failed: after the running job's result, so that each lane's results stay in submission
+ * order, and each lane's done_seq only grows (a waiter for a cancelled job returns). The
+ * first call does it all; later calls return at once. */
 void kvt_engine_stop(kvt_engine *e) {
     pthread_mutex_lock(&e->mu);
     e->stopping = 1;
+    pthread_cond_broadcast(&e->work);
+    int join = !e->joined;
+    e->joined = 1;
+    pthread_mutex_unlock(&e->mu);
+    if (!join)
+        return;
+    pthread_join(e->thread, NULL); /* no job is forked to the helpers after this */
+    stop_helpers(e, e->nhelpers);
+    pthread_mutex_lock(&e->mu);
     for (int lane = 1; lane >= 0; lane--) {
         for (kvt_job *j = e->head[lane], *next; j; j = next) {
             next = j->next;
@@ -729,15 +741,8 @@ void kvt_engine_stop(kvt_engine *e) {
         }
         e->head[lane] = e->tail[lane] = NULL;
     }
-    pthread_cond_broadcast(&e->work);
     pthread_cond_broadcast(&e->done);
-    int join = !e->joined;
-    e->joined = 1;
     pthread_mutex_unlock(&e->mu);
-    if (join) {
-        pthread_join(e->thread, NULL); /* no job is forked to the helpers after this */
-        stop_helpers(e, e->nhelpers);
-    }
 }
 
 /* Stop (if not yet) and release the engine; unpolled results are lost. */

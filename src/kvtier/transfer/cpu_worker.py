@@ -103,22 +103,22 @@ class CPUTransferWorker(TransferWorker):
             self._wanted -= ids
 
     def shutdown(self) -> None:
-        """Cancel queued jobs (reported failed), let the running one finish, stop the thread."""
+        """Let the running job finish, stop the thread, then report queued jobs failed (after
+        the running one, so that results stay in submission order)."""
         atexit.unregister(self.shutdown)
         with self._cv:
             if self._closed:
                 return
             self._closed = True
             self._stopping = True
+            self._cv.notify_all()
+        self._thread.join()
+        with self._cv:
             for job in (*self._urgent, *self._queue):
                 self._results.append(TransferResult(job.job_id, False))
                 self._in_flight.discard(job.job_id)
             self._urgent.clear()
             self._queue.clear()
-            self._cv.notify_all()
-            self._done_cv.notify_all()
-        self._thread.join()
-        with self._lock:
             self._done_cv.notify_all()
 
     def _serve(self) -> None:

@@ -390,7 +390,8 @@ class NativeCPUTransferWorker(TransferWorker):
                 self._lib.kvt_engine_wait(self._engine, lane, seq)  # releases the GIL
 
     def shutdown(self) -> None:
-        """Cancel queued jobs (reported failed), let the running one finish, stop the thread."""
+        """Let the running job finish, stop the threads, then report queued jobs failed (after
+        the running one, so that results stay in submission order)."""
         atexit.unregister(self.shutdown)
         with self._lock:
             if self._closed:
