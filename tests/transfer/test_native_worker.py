@@ -378,12 +378,14 @@ def test_the_factory_passes_copy_cpus_and_the_fallback_ignores_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _, reg, pool = _setup()
-    with make_transfer_worker(reg, pool, "cpu", copy_cpus=[0]) as w:
-        assert isinstance(w, NativeCPUTransferWorker)
+    with make_transfer_worker(reg, pool, "cpu", copy_cpus=[0], share_backlog=False) as w:
+        assert isinstance(w, NativeCPUTransferWorker) and not w.share_backlog
     with pytest.raises(ValueError, match="copy_cpus"):
         make_transfer_worker(reg, pool, "cpu", copy_cpus=[-1])
     monkeypatch.setattr("kvtier.transfer.factory.library", lambda: None)
-    with make_transfer_worker(reg, pool, "cpu", copy_cpus=[-1], copy_threads=3) as w:
+    with make_transfer_worker(
+        reg, pool, "cpu", copy_cpus=[-1], copy_threads=3, share_backlog=False
+    ) as w:
         assert type(w) is CPUTransferWorker
 
 

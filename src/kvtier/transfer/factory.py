@@ -26,10 +26,10 @@ def make_transfer_worker(
     back to bounce buffers on a background thread and logs a warning.
 
     Extra keyword arguments (`stage_bytes`, `fault_injector`, for CUDA `copy_mode` and
-    `compiled`, for the CPU `copy_threads`, `copy_cpus` and `avoid_submitter_cpu`) go to the
-    backend. `copy_cpus` is ignored on CUDA, the CUDA ones by the pageable fallback and on the
-    CPU, and the CPU ones by the Python-thread fallback, which splits large jobs over torch's
-    threads.
+    `compiled`, for the CPU `copy_threads`, `copy_cpus`, `avoid_submitter_cpu` and
+    `share_backlog`) go to the backend. The CPU ones are ignored on CUDA, the CUDA ones by the
+    pageable fallback and on the CPU, and the CPU ones by the Python-thread fallback, which
+    splits large jobs over torch's threads.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is unknown; expected one of {BACKENDS}")
@@ -38,6 +38,7 @@ def make_transfer_worker(
     if backend == "cuda":
         kwargs.pop("copy_cpus", None)  # no copy threads of its own to place
         kwargs.pop("avoid_submitter_cpu", None)
+        kwargs.pop("share_backlog", None)
         # Imported here only so that a CPU-only install never touches torch.cuda set-up.
         from kvtier.transfer.cuda_worker import CUDATransferWorker
         from kvtier.transfer.pageable import PageableCUDATransferWorker
@@ -53,4 +54,5 @@ def make_transfer_worker(
     kwargs.pop("copy_threads", None)
     kwargs.pop("copy_cpus", None)
     kwargs.pop("avoid_submitter_cpu", None)
+    kwargs.pop("share_backlog", None)
     return CPUTransferWorker(registration, pool, **kwargs)
