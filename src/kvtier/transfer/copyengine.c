@@ -32,6 +32,14 @@ typedef struct kvt_job {
     size_t n;
 } kvt_job;
 
+/* The CPUs `copy_cpus` confines the threads to, if it does. */
+typedef struct {
+    int confined;
+#ifdef __linux__
+    cpu_set_t set;
+#endif
+} kvt_cpus;
+
 /* Helpers that copy slices of one large job alongside the engine's thread. Slices are
  * claimed, not assigned: the engine's thread claims them too, so a helper that is slow to
  * wake (an idle vCPU can take milliseconds) costs its slice's time, never a wait for it. */
@@ -80,15 +88,16 @@ typedef struct {
     int ncond; /* helper wake-ups initialised */
     pthread_t *helpers;
     kvt_helper_arg *helper_args;
-    /* Keeping the engine's thread off the submitting thread's CPU (`avoid`, see place()). */
-    int avoid;
+    /* Keeping the engine's thread off the submitting thread's CPU (`avoid`, see place()), and
+     * the helpers off the engine's thread's (`spread`, place_helpers()). */
+    int avoid, spread;
     int share; /* copy a waiter's backlog of small jobs with the helpers (share_batch()) */
     uint64_t shared_jobs; /* jobs copied so, under mu */
     int submit_cpu; /* where the latest submit ran, under mu (-1: not known) */
     int avoided;    /* the CPU the engine's thread is kept off now (-1: none) */
     int place_off;  /* the system refused an affinity: placing stopped (engine's thread only) */
 #ifdef __linux__
-    cpu_set_t allowed; /* the CPUs the engine's thread may use at all */
+    cpu_set_t allowed; /* the CPUs the engine's threads may use at all */
 #endif
 } kvt_engine;
 
@@ -207,7 +216,7 @@ static void copy_job(kvt_engine *e, const kvt_job *j, size_t parts) {
         kvtier_copy_indexed(j->segs, j->nseg, j->dst, j->src, j->n);
         return;
     }
-    if (e->avoid && !e->place_off)
+    if (e->spread && !e->place_off)
         place_helpers(e, parts - 1);
     pthread_mutex_lock(&t->mu);
     t->segs = j->segs;
@@ -319,11 +328,10 @@ static void share_batch(kvt_engine *e, int lane, kvt_job **batch, size_t nb, int
         parts = nb;
     if (parts >= 2 && !writes_disjoint(batch, nb))
         parts = 1;
-    if (e->avoid && !e->place_off) {
+    if (e->avoid && !e->place_off)
         place(e, 0, cpu); /* the waiting submitter's CPU is the helper's */
-        if (parts > 1)
-            place_helpers(e, parts - 1);
-    }
+    if (e->spread && !e->place_off && parts > 1)
+        place_helpers(e, parts - 1);
 
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -443,9 +451,10 @@ static void destroy(kvt_engine *e) {
     free(e);
 }
 
-/* Start an engine whose threads are created with `attr`; NULL on failure. */
+/* Start an engine whose threads are created with `attr`, confined to `cpus` if it has any
+ * (Linux); NULL on failure. */
 static kvt_engine *start(kvt_before_fn before, int threads, size_t min_split_bytes,
-                         const pthread_attr_t *attr, int avoid) {
+                         const pthread_attr_t *attr, int avoid, const kvt_cpus *cpus) {
     kvt_engine *e = calloc(1, sizeof *e);
     if (!e)
         return NULL;
@@ -455,11 +464,16 @@ static kvt_engine *start(kvt_before_fn before, int threads, size_t min_split_byt
     e->share = 1;
     e->submit_cpu = e->avoided = -1;
 #ifdef __linux__
-    /* Only where the thread may run on two CPUs or more: elsewhere there is nowhere to go. */
-    e->avoid = avoid && sched_getaffinity(0, sizeof e->allowed, &e->allowed) == 0 &&
-               CPU_COUNT(&e->allowed) >= 2;
+    /* Only where the threads may run on two CPUs or more: elsewhere there is nowhere to go. */
+    int known = 1;
+    if (cpus->confined)
+        e->allowed = cpus->set;
+    else
+        known = sched_getaffinity(0, sizeof e->allowed, &e->allowed) == 0;
+    e->spread = known && CPU_COUNT(&e->allowed) >= 2;
+    e->avoid = avoid && !cpus->confined && e->spread;
 #else
-    (void)avoid;
+    (void)avoid, (void)cpus;
 #endif
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->work, NULL);
@@ -495,25 +509,22 @@ static kvt_engine *start(kvt_before_fn before, int threads, size_t min_split_byt
     return e;
 }
 
-/* Confine threads created with `attr` to `cpus`; 0, or -1 where the system refuses. */
-static int confine(pthread_attr_t *attr, const int32_t *cpus, size_t ncpus) {
+/* Confine threads created with `attr` to `cpus` (kept in `out`); 0, or -1 where the system
+ * refuses. */
+static int confine(pthread_attr_t *attr, const int32_t *cpus, size_t ncpus, kvt_cpus *out) {
 #ifdef __linux__
-    cpu_set_t set;
-    CPU_ZERO(&set);
+    CPU_ZERO(&out->set);
     for (size_t i = 0; i < ncpus; i++)
         if (cpus[i] >= 0 && cpus[i] < CPU_SETSIZE)
-            CPU_SET(cpus[i], &set);
-    return pthread_attr_setaffinity_np(attr, sizeof set, &set) == 0 ? 0 : -1;
+            CPU_SET(cpus[i], &out->set);
+    out->confined = 1;
+    return pthread_attr_setaffinity_np(attr, sizeof out->set, &out->set) == 0 ? 0 : -1;
 #else
-    (void)attr, (void)cpus, (void)ncpus;
+    (void)attr, (void)cpus, (void)ncpus, (void)out;
     return -1; /* no thread affinity here */
 #endif
 }
 
-/* Start the engine's thread and `threads - 1` helpers for jobs of `min_split_bytes` or more;
- * with `ncpus` > 0 every thread runs only on `cpus` (see native_worker.py: `copy_cpus`), else,
- * with `avoid_submitter`, the engine's thread keeps off the submitting thread's CPU for jobs
- * it copies alone (place()). NULL on failure, an affinity the system refuses included. */
 /* Whether a waiter's backlog of small jobs is copied with the helpers (gather()); on from
  * the start. Kept as a switch for side-by-side measurements (benchmarks/cpu_submit.py). */
 void kvt_engine_share_backlog(kvt_engine *e, int on) {
@@ -530,14 +541,21 @@ uint64_t kvt_engine_shared_jobs(kvt_engine *e) {
     return n;
 }
 
+/* Start the engine's thread and `threads - 1` helpers for jobs of `min_split_bytes` or more;
+ * with `ncpus` > 0 every thread runs only on `cpus` (see native_worker.py: `copy_cpus`), else,
+ * with `avoid_submitter`, the engine's thread keeps off the submitting thread's CPU for jobs
+ * it copies alone (place()). Either way, where the threads may use two CPUs or more, helpers
+ * are kept off the engine's thread's CPU (place_helpers()). NULL on failure, an affinity the
+ * system refuses included. */
 kvt_engine *kvt_engine_new(kvt_before_fn before, int threads, size_t min_split_bytes,
                            const int32_t *cpus, size_t ncpus, int avoid_submitter) {
     pthread_attr_t attr;
     if (pthread_attr_init(&attr) != 0)
         return NULL;
     kvt_engine *e = NULL;
-    if (ncpus == 0 || confine(&attr, cpus, ncpus) == 0)
-        e = start(before, threads, min_split_bytes, &attr, ncpus == 0 && avoid_submitter);
+    kvt_cpus set = {0};
+    if (ncpus == 0 || confine(&attr, cpus, ncpus, &set) == 0)
+        e = start(before, threads, min_split_bytes, &attr, ncpus == 0 && avoid_submitter, &set);
     pthread_attr_destroy(&attr);
     return e;
 }

@@ -152,6 +152,10 @@ class NativeCPUTransferWorker(TransferWorker):
     Jobs that write the same row are copied one after the other. `shared_jobs` counts the
     jobs copied so.
 
+    Where the copy threads may use two CPUs or more (within `copy_cpus` where given), the
+    helpers are kept off the engine's thread's CPU before they are woken for a split job or a
+    shared batch (Linux): woken there by the kernel, they took turns with it.
+
     `stage_bytes` is accepted for compatibility and unused: rows are copied directly.
     Raises RuntimeError if the compiled library is unavailable, ValueError for a bad
     `copy_threads`, `copy_cpus`, `avoid_submitter_cpu` or `share_backlog`.
