@@ -323,10 +323,7 @@ def _tasks() -> set[int]:
 def test_copy_cpus_confine_every_copy_thread() -> None:
     """The engine's thread and its helpers run only on `copy_cpus`, and copy correctly."""
     cpu = max(os.sched_getaffinity(0))
-    gen = torch.Generator().manual_seed(3)
-    kv = torch.randint(0, 2**31 - 1, (16, 256 * 1024 // 4), generator=gen, dtype=torch.int32)
-    reg = KVCacheRegistration([KVTensor(kv, 0)])
-    pool = HostPool(reg, 1, num_slots=16)
+    kv, reg, pool = _small_rows(16, 3, kib=256)
     before = _tasks()
     w = NativeCPUTransferWorker(reg, pool, copy_threads=3, copy_cpus=[cpu])
     try:
@@ -350,10 +347,7 @@ def test_copy_cpus_of_two_keep_the_helper_off_the_engines_cpu() -> None:
     if len(allowed) < 2:
         pytest.skip("needs two CPUs")
     cpus = allowed[-2:]
-    gen = torch.Generator().manual_seed(5)
-    kv = torch.randint(0, 2**31 - 1, (16, 256 * 1024 // 4), generator=gen, dtype=torch.int32)
-    reg = KVCacheRegistration([KVTensor(kv, 0)])
-    pool = HostPool(reg, 1, num_slots=16)
+    kv, reg, pool = _small_rows(16, 5, kib=256)
     before = _tasks()
     w = NativeCPUTransferWorker(reg, pool, copy_threads=2, copy_cpus=cpus)
     try:
@@ -493,10 +487,7 @@ def test_the_copy_thread_keeps_off_the_submitters_cpu_for_jobs_it_copies_alone(
     if len(allowed) < 2:
         pytest.skip("needs two CPUs")
     mine = min(allowed)
-    gen = torch.Generator().manual_seed(4)
-    kv = torch.randint(0, 2**31 - 1, (16, 256 * 1024 // 4), generator=gen, dtype=torch.int32)
-    reg = KVCacheRegistration([KVTensor(kv, 0)])
-    pool = HostPool(reg, 1, num_slots=16)
+    kv, reg, pool = _small_rows(16, 4, kib=256)
     before = _tasks()
     w = NativeCPUTransferWorker(reg, pool, copy_threads=2, avoid_submitter_cpu=avoid)
     os.sched_setaffinity(0, {mine})  # the submitting thread, on one known CPU
