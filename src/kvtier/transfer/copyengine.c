@@ -308,7 +308,6 @@ static void push_result(kvt_engine *e, int64_t id, int ok, int lane, double seco
     e->outstanding--;
 }
 
-
 static double since(const struct timespec *t0) {
     struct timespec t1;
     clock_gettime(CLOCK_MONOTONIC, &t1);
