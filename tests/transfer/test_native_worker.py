@@ -510,6 +510,41 @@ def test_the_copy_thread_keeps_off_the_submitters_cpu_for_jobs_it_copies_alone(
     assert torch.equal(pool.rows[15 - np.arange(16)], kv.view(torch.uint8).view(16, -1))
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="thread affinity is Linux-only")
+def test_the_copy_thread_moves_at_once_when_the_submitter_moves_onto_its_cpu() -> None:
+    """A submit from a CPU the copy thread is kept on moves the thread off it there and then,
+    not when the thread next gets to run: on two CPUs it would run only when the submitter
+    sleeps."""
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("needs two CPUs")
+    a, b = sorted(allowed)[:2]
+    _, reg, pool = _small_rows(8, 6)
+    gate = threading.Event()
+    hold = lambda j, d: gate.wait(5) if j == 2 else None  # noqa: E731
+    before = _tasks()
+    w = NativeCPUTransferWorker(reg, pool, copy_threads=1, fault_injector=hold)
+    (engine,) = _tasks() - before
+    try:
+        os.sched_setaffinity(0, {a})
+        w.submit_store(1, [1], [1])
+        w.wait([1])
+        assert a not in os.sched_getaffinity(engine)
+        w.submit_store(2, [2], [2])  # the engine's thread now waits in the hook
+        while w._engine_thread is None:
+            time.sleep(0.001)
+        os.sched_setaffinity(0, {b})
+        w.submit_store(3, [3], [3])  # queued behind job 2: only the submit can move the thread
+        assert os.sched_getaffinity(engine) == allowed - {b}
+        gate.set()
+        w.wait([2, 3])
+        assert [r.success for r in w.get_finished()] == [True, True, True]
+    finally:
+        os.sched_setaffinity(0, allowed)
+        gate.set()
+        w.shutdown()
+
+
 def test_avoid_submitter_cpu_must_be_a_bool() -> None:
     _, reg, pool = _setup()
     with pytest.raises(ValueError, match="avoid_submitter_cpu=1"):

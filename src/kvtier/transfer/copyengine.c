@@ -94,8 +94,9 @@ typedef struct {
     int share; /* copy a waiter's backlog of small jobs with the helpers (share_batch()) */
     uint64_t shared_jobs; /* jobs copied so, under mu */
     int submit_cpu; /* where the latest submit ran, under mu (-1: not known) */
-    int avoided;    /* the CPU the engine's thread is kept off now (-1: none) */
-    int place_off;  /* the system refused an affinity: placing stopped (engine's thread only) */
+    int avoided;    /* the CPU the engine's thread is kept off now (-1: none), under mu */
+    int place_off;  /* the system refused an affinity: placing stopped, under mu */
+    int helpers_off; /* the same for the helpers (engine's thread only) */
 #ifdef __linux__
     cpu_set_t allowed; /* the CPUs the engine's threads may use at all */
 #endif
@@ -166,8 +167,9 @@ static size_t job_parts(const kvt_engine *e, const kvt_job *j) {
     return parts < 1 ? 1 : parts;
 }
 
-/* Keep `thread` off CPU `want` (-1: let it anywhere it may run); `avoided` is its state. */
-static void keep_off(kvt_engine *e, pthread_t thread, int *avoided, int want) {
+/* Keep `thread` off CPU `want` (-1: let it anywhere it may run); `avoided` is its state, and
+ * `off` is set if the system refuses (a cpuset changed under us: stop asking at every job). */
+static void keep_off(const kvt_engine *e, pthread_t thread, int *avoided, int want, int *off) {
 #ifdef __linux__
     if (want == *avoided)
         return;
@@ -179,9 +181,9 @@ static void keep_off(kvt_engine *e, pthread_t thread, int *avoided, int want) {
     if (pthread_setaffinity_np(thread, sizeof set, &set) == 0)
         *avoided = want;
     else
-        e->place_off = 1; /* refused (a cpuset changed under us): stop asking at every job */
+        *off = 1;
 #else
-    (void)e, (void)thread, (void)avoided, (void)want;
+    (void)e, (void)thread, (void)avoided, (void)want, (void)off;
 #endif
 }
 
@@ -191,7 +193,7 @@ static void keep_off(kvt_engine *e, pthread_t thread, int *avoided, int want) {
  * take turns: a burst of small jobs costs submit + copy per job instead of the longer of the
  * two. The affinity changes only when the submitter's CPU or the kind of job does. */
 static void place(kvt_engine *e, int split, int cpu) {
-    keep_off(e, pthread_self(), &e->avoided, split ? -1 : cpu);
+    keep_off(e, e->thread, &e->avoided, split ? -1 : cpu, &e->place_off);
 }
 
 /* Keep the first `n` helpers off the CPU the engine's thread runs on, before they are woken
@@ -202,8 +204,8 @@ static void place(kvt_engine *e, int split, int cpu) {
 static void place_helpers(kvt_engine *e, size_t n) {
 #ifdef __linux__
     int want = sched_getcpu();
-    for (size_t i = 0; i < n && i < (size_t)e->nhelpers && !e->place_off; i++)
-        keep_off(e, e->helpers[i], &e->helper_args[i].avoided, want);
+    for (size_t i = 0; i < n && i < (size_t)e->nhelpers && !e->helpers_off; i++)
+        keep_off(e, e->helpers[i], &e->helper_args[i].avoided, want, &e->helpers_off);
 #else
     (void)e, (void)n;
 #endif
@@ -216,7 +218,7 @@ static void copy_job(kvt_engine *e, const kvt_job *j, size_t parts) {
         kvtier_copy_indexed(j->segs, j->nseg, j->dst, j->src, j->n);
         return;
     }
-    if (e->spread && !e->place_off)
+    if (e->spread && !e->helpers_off)
         place_helpers(e, parts - 1);
     pthread_mutex_lock(&t->mu);
     t->segs = j->segs;
@@ -317,7 +319,7 @@ static double since(const struct timespec *t0) {
 /* Copy a batch from gather() (more than one job) with the helpers, in slices of whole jobs,
  * where no two jobs write the same row; report every job when all are done, in order, each
  * with its share of the time by bytes. */
-static void share_batch(kvt_engine *e, int lane, kvt_job **batch, size_t nb, int cpu) {
+static void share_batch(kvt_engine *e, int lane, kvt_job **batch, size_t nb) {
     int ok[KVT_BATCH_JOBS];
     size_t bytes = 0;
     for (size_t k = 0; k < nb; k++)
@@ -327,9 +329,7 @@ static void share_batch(kvt_engine *e, int lane, kvt_job **batch, size_t nb, int
         parts = nb;
     if (parts >= 2 && !writes_disjoint(batch, nb))
         parts = 1;
-    if (e->avoid && !e->place_off)
-        place(e, 0, cpu); /* the waiting submitter's CPU is the helper's */
-    if (e->spread && !e->place_off && parts > 1)
+    if (e->spread && !e->helpers_off && parts > 1)
         place_helpers(e, parts - 1);
 
     struct timespec t0;
@@ -394,17 +394,18 @@ static void *serve(void *arg) {
         e->head[lane] = j->next;
         if (!j->next)
             e->tail[lane] = NULL;
-        int cpu = e->submit_cpu;
         kvt_job *batch[KVT_BATCH_JOBS];
         size_t parts = job_parts(e, j);
         size_t nb = parts == 1 ? gather(e, lane, j, batch) : 1;
+        /* Under mu: a submit may move this thread too (enqueue()). A shared batch keeps off
+         * the waiting submitter's CPU, which is the helper's. */
+        if (e->avoid && !e->place_off)
+            place(e, parts > 1 && nb == 1, e->submit_cpu);
         pthread_mutex_unlock(&e->mu);
         if (nb > 1) {
-            share_batch(e, lane, batch, nb, cpu);
+            share_batch(e, lane, batch, nb);
             continue;
         }
-        if (e->avoid && !e->place_off)
-            place(e, parts > 1, cpu);
 
         struct timespec t0;
         clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -569,6 +570,12 @@ static int enqueue(kvt_engine *e, kvt_job *j, int lane) {
 #endif
     pthread_mutex_lock(&e->mu);
     e->submit_cpu = cpu;
+    /* The submitter moved onto a CPU the engine's thread is kept on: move that thread now.
+     * Left to the thread itself, the move waited for its next job, and a thread woken on the
+     * submitter's CPU (its only one, on two) got none until the submitter slept: whole
+     * bursts of single 64 KiB blocks queued up uncopied until wait(). */
+    if (e->avoid && !e->place_off && cpu >= 0 && e->avoided >= 0 && cpu != e->avoided)
+        place(e, 0, cpu);
     size_t need = e->res_len + e->outstanding + 1;
     if (e->stopping) {
         pthread_mutex_unlock(&e->mu);
