@@ -569,6 +569,12 @@ static int enqueue(kvt_engine *e, kvt_job *j, int lane) {
     int cpu = -1;
 #endif
     pthread_mutex_lock(&e->mu);
+    size_t need = e->res_len + e->outstanding + 1;
+    if (e->stopping) { /* checked first: after it the engine's thread may be gone */
+        pthread_mutex_unlock(&e->mu);
+        free(j);
+        return -1;
+    }
     e->submit_cpu = cpu;
     /* The submitter moved onto a CPU the engine's thread is kept on: move that thread now.
      * Left to the thread itself, the move waited for its next job, and a thread woken on the
@@ -576,12 +582,6 @@ static int enqueue(kvt_engine *e, kvt_job *j, int lane) {
      * bursts of single 64 KiB blocks queued up uncopied until wait(). */
     if (e->avoid && !e->place_off && cpu >= 0 && e->avoided >= 0 && cpu != e->avoided)
         place(e, 0, cpu);
-    size_t need = e->res_len + e->outstanding + 1;
-    if (e->stopping) {
-        pthread_mutex_unlock(&e->mu);
-        free(j);
-        return -1;
-    }
     if (e->res_head == e->res_len) { /* everything polled: reuse the buffer from the start */
         e->res_head = e->res_len = 0;
         need = e->outstanding + 1;
