@@ -526,7 +526,8 @@ static int confine(pthread_attr_t *attr, const int32_t *cpus, size_t ncpus, kvt_
 }
 
 /* Whether a waiter's backlog of small jobs is copied with the helpers (gather()); on from
- * the start. Kept as a switch for side-by-side measurements (benchmarks/cpu_submit.py). */
+ * the start. `share_backlog=False` (native_worker.py) turns it off, as does
+ * benchmarks/cpu_submit.py for one of the two workers it compares. */
 void kvt_engine_share_backlog(kvt_engine *e, int on) {
     pthread_mutex_lock(&e->mu);
     e->share = on != 0;
