@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -24,10 +26,19 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(params=["compiled", "torch"])
-def compiled(request: pytest.FixtureRequest) -> bool:
-    """Both submit paths of CUDATransferWorker; "compiled" fails where it cannot be built."""
-    return bool(request.param == "compiled")
+PATHS: dict[str, dict[str, Any]] = {
+    "compiled": {"compiled": True},
+    "coalesced": {"compiled": True, "coalesce_depth": 2},
+    "torch": {"compiled": False},
+}
+
+
+@pytest.fixture(params=list(PATHS))
+def path(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """CUDATransferWorker's submit paths as its keyword arguments: compiled (each job launched
+    by its submitter; fails where it cannot be built), compiled with launch threads that
+    coalesce queued jobs, and torch ops."""
+    return PATHS[request.param]
 
 
 def _round_trip(
@@ -37,7 +48,7 @@ def _round_trip(
     stage_bytes: int = 32 << 20,
     pin: bool = True,
     copy_mode: str = "kernel",
-    compiled: bool = True,
+    path: dict[str, Any] | None = None,
 ) -> None:
     rng = np.random.default_rng(seed)
     reg = KVCacheRegistration(kvs)
@@ -48,7 +59,7 @@ def _round_trip(
     src_space, dst_space = rng.permutation(half), half + rng.permutation(NUM_BLOCKS - half)
     slots = rng.permutation(pool.num_slots)
     per_job = 2 * bpc
-    kwargs = {"copy_mode": copy_mode, "compiled": compiled} if pin else {}
+    kwargs = {"copy_mode": copy_mode, **(path or PATHS["compiled"])} if pin else {}
     with make_transfer_worker(reg, pool, "cuda", stage_bytes=stage_bytes, **kwargs) as w:
         for j in range(3):
             w.submit_store(j, src_space[j * per_job : (j + 1) * per_job], slots[2 * j : 2 * j + 2])
@@ -72,25 +83,25 @@ def _round_trip(
 
 
 @pytest.mark.parametrize("bpc", [1, 2, 4])
-def test_round_trip_every_layout(layout: str, bpc: int, compiled: bool) -> None:
-    _round_trip(make_layout(layout, torch.float16, "cuda", seed=bpc), bpc, bpc, compiled=compiled)
+def test_round_trip_every_layout(layout: str, bpc: int, path: dict[str, Any]) -> None:
+    _round_trip(make_layout(layout, torch.float16, "cuda", seed=bpc), bpc, bpc, path=path)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_round_trip_every_dtype(dtype: torch.dtype, compiled: bool) -> None:
-    _round_trip(make_layout("flash", dtype, "cuda", seed=1), 2, 5, compiled=compiled)
+def test_round_trip_every_dtype(dtype: torch.dtype, path: dict[str, Any]) -> None:
+    _round_trip(make_layout("flash", dtype, "cuda", seed=1), 2, 5, path=path)
 
 
 def test_round_trip_through_many_stage_pieces() -> None:
     kvs = make_layout("cross_layer", torch.bfloat16, "cuda", seed=2)
-    _round_trip(kvs, 2, 9, stage_bytes=1, compiled=False)
+    _round_trip(kvs, 2, 9, stage_bytes=1, path=PATHS["torch"])
 
 
 @pytest.mark.skipif(not cuda_dma.available(), reason="driver has no cuMemcpyBatchAsync")
 @pytest.mark.parametrize("bpc", [1, 4])
-def test_round_trip_on_the_copy_engines(layout: str, bpc: int, compiled: bool) -> None:
+def test_round_trip_on_the_copy_engines(layout: str, bpc: int, path: dict[str, Any]) -> None:
     kvs = make_layout(layout, torch.bfloat16, "cuda", seed=bpc)
-    _round_trip(kvs, bpc, bpc, copy_mode="dma", compiled=compiled)
+    _round_trip(kvs, bpc, bpc, copy_mode="dma", path=path)
 
 
 @pytest.mark.parametrize("width", [1, 2, 6, 12, 40])
@@ -101,10 +112,10 @@ def test_compiled_kernel_copies_rows_of_any_alignment(width: int) -> None:
     base = torch.empty(1 + size, dtype=torch.uint8, device="cuda")
     kv = base[1:].view(NUM_BLOCKS, 3, width)
     fill_random_bytes(kv, width)
-    _round_trip([KVTensor(kv, "mla")], 2, width, compiled=True)
+    _round_trip([KVTensor(kv, "mla")], 2, width, path=PATHS["compiled"])
     kv = base[:size].view(NUM_BLOCKS, 3, width)
     fill_random_bytes(kv, width + 1)
-    _round_trip([KVTensor(kv, "mla")], 1, width, compiled=True)
+    _round_trip([KVTensor(kv, "mla")], 1, width, path=PATHS["coalesced"])
 
 
 @pytest.mark.parametrize("mode", ["kernel", "dma"])
@@ -153,7 +164,9 @@ def test_compiled_path_is_the_default_and_refuses_bad_ids_like_the_planner() -> 
 
 
 @pytest.mark.parametrize("mode", ["auto", "kernel", "dma"])
-def test_large_and_small_jobs_round_trip_in_every_copy_mode(mode: str, compiled: bool) -> None:
+def test_large_and_small_jobs_round_trip_in_every_copy_mode(
+    mode: str, path: dict[str, Any]
+) -> None:
     if mode == "dma" and not cuda_dma.available():
         pytest.skip("driver has no cuMemcpyBatchAsync")
     # 1 MiB pages in two segments: a 17-block job is over DMA_MIN_JOB_BYTES, a 2-block one under.
@@ -163,7 +176,7 @@ def test_large_and_small_jobs_round_trip_in_every_copy_mode(mode: str, compiled:
     pool = HostPool(reg, 1, num_slots=19)
     before = snapshot(kvs, 40)
     big, small = list(range(3, 20)), [30, 1]
-    with make_transfer_worker(reg, pool, "cuda", copy_mode=mode, compiled=compiled) as w:
+    with make_transfer_worker(reg, pool, "cuda", copy_mode=mode, **path) as w:
         w.submit_store(1, big, list(range(17))[::-1])
         w.submit_store(2, small, [17, 18])
         w.wait([1, 2])
@@ -190,7 +203,9 @@ def test_pageable_pool_gets_the_bounce_buffer_worker() -> None:
         CUDATransferWorker(reg, pool)
 
 
-@pytest.mark.parametrize("mode", ["compiled-kernel", "compiled-dma", "kernel", "dma", "pageable"])
+@pytest.mark.parametrize(
+    "mode", ["compiled-kernel", "compiled-dma", "coalesced-kernel", "kernel", "dma", "pageable"]
+)
 def test_store_waits_for_the_compute_that_wrote_the_block(mode: str) -> None:
     if mode.endswith("dma") and not cuda_dma.available():
         pytest.skip("driver has no cuMemcpyBatchAsync")
@@ -199,7 +214,8 @@ def test_store_waits_for_the_compute_that_wrote_the_block(mode: str) -> None:
     pool = HostPool(reg, 1, num_slots=4, pin=mode != "pageable")
     kwargs: dict[str, object] = {}
     if mode != "pageable":
-        kwargs = {"copy_mode": mode.split("-")[-1], "compiled": mode.startswith("compiled")}
+        submit_path = mode.split("-")[0] if "-" in mode else "torch"
+        kwargs = {"copy_mode": mode.split("-")[-1], **PATHS[submit_path]}
     a = torch.randn(2048, 2048, device="cuda")
     with make_transfer_worker(reg, pool, "cuda", **kwargs) as w:
         for _ in range(20):  # keep the compute stream busy for a while
@@ -213,13 +229,13 @@ def test_store_waits_for_the_compute_that_wrote_the_block(mode: str) -> None:
     pool.close()
 
 
-@pytest.mark.parametrize("pin", ["compiled", "torch", "pageable"])
+@pytest.mark.parametrize("pin", ["compiled", "coalesced", "torch", "pageable"])
 def test_failed_job_on_cuda_is_reported_failed(pin: str) -> None:
     kvs = make_layout("mla", torch.float16, "cuda")
     reg = KVCacheRegistration(kvs)
     pool = HostPool(reg, 1, num_slots=4, pin=pin != "pageable")
     before = snapshot(kvs)
-    kwargs = {"compiled": pin == "compiled"} if pin != "pageable" else {}
+    kwargs = PATHS[pin] if pin != "pageable" else {}
 
     def fail_two(job_id: int, direction: str) -> None:
         if job_id == 2:
@@ -264,10 +280,12 @@ def test_without_the_compiled_engine_the_worker_falls_back_to_torch_ops(
     pool.close()
 
 
-def test_compiled_path_reports_long_bursts_in_order_with_their_times() -> None:
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_compiled_path_reports_long_bursts_in_order_with_their_times(depth: int) -> None:
     # Hundreds of jobs queued behind each other (each then starts when the one before it
     # ends, and is timed from there), collected while more are queued: the lanes' rings grow
     # and wrap. Every job is reported once, in order, with a plausible time and exact bytes.
+    # With launch threads (depth 1, 2) most of them leave in merged batches.
     kv = torch.empty(600, 8, 1024, dtype=torch.uint8, device="cuda")
     fill_random_bytes(kv, 11)
     kvs = [KVTensor(kv, "mla")]
@@ -277,7 +295,7 @@ def test_compiled_path_reports_long_bursts_in_order_with_their_times() -> None:
     rng = np.random.default_rng(5)
     slots = rng.permutation(600)
     results = []
-    with CUDATransferWorker(reg, pool, compiled=True) as w:
+    with CUDATransferWorker(reg, pool, compiled=True, coalesce_depth=depth) as w:
         for j in range(300):
             w.submit_store(j, [j], [int(slots[j])])
             if j % 97 == 96:
@@ -299,7 +317,7 @@ def test_compiled_path_reports_long_bursts_in_order_with_their_times() -> None:
     pool.close()
 
 
-def test_multiple_groups_use_their_own_tables(compiled: bool) -> None:
+def test_multiple_groups_use_their_own_tables(path: dict[str, Any]) -> None:
     # A hybrid model: two KV-cache groups of different page sizes share the pool's slots.
     a = make_layout("flash", torch.float16, "cuda", seed=1)
     b = [
@@ -310,7 +328,7 @@ def test_multiple_groups_use_their_own_tables(compiled: bool) -> None:
     assert reg.page_bytes(0) != reg.page_bytes(1)
     pool = HostPool(reg, 2, num_slots=6)
     before_a, before_b = snapshot(a), snapshot(b)
-    with CUDATransferWorker(reg, pool, compiled=compiled) as w:
+    with CUDATransferWorker(reg, pool, **path) as w:
         w.submit_store(1, [5, 6, 7, 8], [0, 1], group=0)
         w.submit_store(2, [20, 3], [2], group=1)
         w.wait([1, 2])

@@ -7,7 +7,10 @@ servers such as Grace) run under qemu where the cross tools are installed (Debia
   runs it, with the engine's threads, on the architecture itself.
 - c/cuda_check.c: the CUDA submit path (`cudaengine.c`) against c/fake_cuda.c, a stand-in
   for the driver on host memory (the one thing here that needs a GPU), built as the
-  `libcuda.so.1` that cudaengine.c opens. The same paths run on a GPU in test_cuda_worker.py.
+  `libcuda.so.1` that cudaengine.c opens: jobs launched by the submitter, and by launch
+  threads that coalesce them. The same paths run on a GPU in test_cuda_worker.py.
+- c/ext_check.py: the same engine over the same fake, called from Python the way the CUDA
+  worker calls it (the submit extension, the ctypes signatures).
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import kvtier.transfer
+from kvtier.transfer import native
 
 SOURCES = Path(kvtier.transfer.__file__).parent
 HARNESSES = Path(__file__).with_name("c")
@@ -68,6 +73,24 @@ def test_the_cuda_submit_path_against_a_fake_driver(tmp_path: Path) -> None:
     assert HOST_CC is not None
     out = _build_and_run(HOST_CC, tmp_path, [], {}, "cuda_check")
     assert out.startswith("ok:"), out
+
+
+@pytest.mark.skipif(HOST_CC is None, reason="needs a C compiler")
+@pytest.mark.parametrize("depth", [0, 2])
+def test_the_cuda_engine_from_python_against_a_fake_driver(tmp_path: Path, depth: int) -> None:
+    """c/ext_check.py: the submit extension and ctypes calls that CUDATransferWorker makes,
+    into the library's CUDA engine over the fake driver (found first on LD_LIBRARY_PATH)."""
+    if native.library() is None or native.submit_extension() is None:
+        pytest.skip("the library or the submit extension does not build here")
+    assert HOST_CC is not None
+    _cc(HOST_CC, "-fPIC", "-shared", "-Wl,-soname,libcuda.so.1", "-o", tmp_path / "libcuda.so.1",
+        HARNESSES / "fake_cuda.c")  # fmt: skip
+    env = {**os.environ, "LD_LIBRARY_PATH": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, str(HARNESSES / "ext_check.py"), str(depth)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr
 
 
 def _arm_tools_work(tmp_path: Path) -> bool:

@@ -409,6 +409,20 @@ def test_the_factory_passes_copy_cpus_and_the_fallback_ignores_them(
         assert type(w) is CPUTransferWorker
 
 
+@pytest.mark.parametrize("depth", [True, -1, 9, 2.0, "2"])
+def test_the_cuda_worker_refuses_a_bad_coalesce_depth_before_touching_cuda(depth: object) -> None:
+    from kvtier.transfer.cuda_worker import CUDATransferWorker
+
+    _, reg, pool = _setup()
+    with pytest.raises(ValueError, match=f"coalesce_depth={depth!r} is not valid.*0 .off. to 8"):
+        CUDATransferWorker(reg, pool, coalesce_depth=depth)  # type: ignore[arg-type]
+    # A valid depth gets as far as the device check; the CPU backends ignore the option.
+    with pytest.raises(ValueError, match="needs KV tensors on a CUDA device"):
+        CUDATransferWorker(reg, pool, coalesce_depth=2)
+    with make_transfer_worker(reg, pool, "cpu", coalesce_depth=2) as w:
+        assert isinstance(w, NativeCPUTransferWorker)
+
+
 def _id_forms() -> list[tuple[str, Callable[[list[int]], object], bool]]:
     """(name, ids -> that form, whether the extension reads it without numpy)."""
     return [

@@ -1,9 +1,12 @@
 """The compiled submit path of the CUDA backend: `cudaengine.c` driving `gather.cu`'s kernel.
 
-A job is one call from Python: C validates its ids and computes its rows, makes its lane's
-stream wait for the caller's compute stream, records a start event, launches one kernel per
-480 rows (the row numbers ride in the launch parameters: no index upload, no staging buffer)
-or, for large jobs, queues one batched call to the copy engines, and records an end event.
+A job is one call from Python: C validates its ids and computes its rows, records an event on
+the caller's compute stream, and queues the job in its lane. Its launch makes the lane's stream
+wait for that event, records a start event, launches one kernel per 480 rows (the row numbers
+ride in the launch parameters: no index upload, no staging buffer) or, for large jobs, queues
+one batched call to the copy engines, and records an end event. The submitting thread launches
+each job at once, or, with `coalesce_depth`, a thread per lane launches the jobs that waited
+while the lane had that many batches queued on the GPU as one batch.
 `CUDATransferWorker` uses it wherever the native library builds (`native.library()`) and NVRTC
 compiles the kernel (`nvrtc.cubin()`); elsewhere it copies with torch ops.
 """
@@ -32,6 +35,8 @@ from kvtier.transfer.registration import KVCacheRegistration
 logger = logging.getLogger(__name__)
 
 LANES = ("store", "load", "urgent")
+MAX_COALESCE_DEPTH = 8
+"""cudaengine.c's KVT_DEPTH_MAX."""
 _POLL = 256
 
 
@@ -61,7 +66,7 @@ def _close(lib: ctypes.CDLL, handle: int, keep: object) -> None:
 class CUDAEngine:
     """One compiled engine for a registration and a pinned pool at `host_address`.
 
-    Not thread-safe except `event_sync`: the worker calls it under its lock.
+    Not thread-safe except `wait`: the worker calls the rest under its lock.
     Raises RuntimeError (with the reason) where it cannot be built.
     """
 
@@ -74,7 +79,13 @@ class CUDAEngine:
         streams: list[torch.cuda.Stream],
         copy_mode: str,
         dma_min_bytes: int,
+        coalesce_depth: int = 0,
     ) -> None:
+        if not 0 <= coalesce_depth <= MAX_COALESCE_DEPTH:
+            raise ValueError(
+                f"coalesce_depth={coalesce_depth!r} is out of range; expected 0 (off) to "
+                f"{MAX_COALESCE_DEPTH}"
+            )
         lib = library()
         if lib is None:
             raise RuntimeError(
@@ -126,6 +137,25 @@ class CUDAEngine:
         torch.cuda.synchronize(device)  # the tables' uploads, before any kernel reads them
         self._poll_buffer = (EngineResult * _POLL)()
         self._finalizer = weakref.finalize(self, _close, lib, handle, (self.tables, streams))
+        if coalesce_depth and lib.kvt_cuda_coalesce(handle, coalesce_depth):
+            self._finalizer()
+            raise RuntimeError("could not start the CUDA copy engine's launch threads")
+        self.coalesce_depth = coalesce_depth
+        """Batches a lane keeps queued on the GPU before it holds jobs back (0: no launch
+        threads; each job is launched by its submitter)."""
+        self.handle = handle
+        """The engine's address, for the submit extension (`native.submit_extension`)."""
+        self.submit_fn: int = ctypes.cast(lib.kvt_cuda_submit_ext, ctypes.c_void_p).value or 0
+        """The address of the submit call in the shape the extension calls."""
+
+    def compute_stream(self) -> int:
+        """The handle of the caller's current stream, which a job waits for."""
+        return _raw_stream(self._device_index)
+
+    def last_error(self) -> int:
+        """The CUresult behind the latest submit the extension reported as failed (-1: out
+        of memory, or the engine stopping)."""
+        return int(self._lib.kvt_cuda_last_error(self._handle))
 
     def submit_ids(
         self, context: int, lane: int, job_id: int, blocks_at: int, nblocks: int, slots_at: int,
@@ -168,13 +198,10 @@ class CUDAEngine:
             if k < _POLL:
                 return out
 
-    def end_event(self, lane: int, seq: int) -> int:
-        """The end event of a job not yet polled (0 if it has been)."""
-        return int(self._lib.kvt_cuda_end_event(self._handle, lane, seq))
-
-    def event_sync(self, event: int) -> None:
-        """Block on an event from `end_event` (releases the GIL; needs no lock)."""
-        self._lib.kvt_cuda_event_sync(self._handle, event)
+    def wait(self, lane: int, seq: int) -> None:
+        """Block until `lane`'s job `seq` (counted from 1) is launched and its copies have
+        finished; at once if it has been polled (releases the GIL; needs no lock)."""
+        self._lib.kvt_cuda_wait(self._handle, lane, seq)
 
     def sync(self) -> None:
         """Block until every queued copy has finished."""

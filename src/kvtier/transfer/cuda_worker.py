@@ -22,8 +22,9 @@ from kvtier.base import TransferResult
 from kvtier.transfer import cuda_dma
 from kvtier.transfer.copier import BlockCopier
 from kvtier.transfer.cuda_dma import DmaCopier
-from kvtier.transfer.cuda_engine import LANES, CUDAEngine
+from kvtier.transfer.cuda_engine import LANES, MAX_COALESCE_DEPTH, CUDAEngine
 from kvtier.transfer.host_pool import HostPool
+from kvtier.transfer.native import EXT_REFUSED, EXT_STOPPED, submit_extension
 from kvtier.transfer.plan import Direction, IdsLike, Job
 from kvtier.transfer.registration import KVCacheRegistration
 from kvtier.transfer.worker import FaultInjector, IdStaging, SubmitCall, TransferWorker
@@ -133,6 +134,11 @@ class CUDATransferWorker(TransferWorker):
     `compiled`: None (the default) submits through the compiled engine where it can be built
     and falls back to torch ops with a log line where not; True requires it (RuntimeError
     saying why otherwise); False always uses torch ops. `copy_path` says which is in use.
+
+    `coalesce_depth` (compiled path only; 0, the default, is off): a thread per lane launches
+    the jobs, keeping at most this many batches queued on the GPU; jobs submitted meanwhile
+    wait on the host and leave as one batch (one wait for compute, one kernel launch per 480
+    rows, one end event). A refused launch then fails every job of its batch.
     """
 
     def __init__(
@@ -144,11 +150,23 @@ class CUDATransferWorker(TransferWorker):
         fault_injector: FaultInjector | None = None,
         copy_mode: str = "auto",
         compiled: bool | None = None,
+        coalesce_depth: int = 0,
     ) -> None:
         if copy_mode not in COPY_MODES:
             raise ValueError(f"copy_mode={copy_mode!r} is unknown; expected one of {COPY_MODES}")
         if compiled not in (None, True, False):
             raise ValueError(f"compiled={compiled!r} must be None, True or False")
+        if (
+            isinstance(coalesce_depth, bool)
+            or not isinstance(coalesce_depth, int)
+            or not 0 <= coalesce_depth <= MAX_COALESCE_DEPTH
+        ):
+            raise ValueError(
+                f"coalesce_depth={coalesce_depth!r} is not valid; expected an int from 0 (off) "
+                f"to {MAX_COALESCE_DEPTH}"
+            )
+        if coalesce_depth and compiled is False:
+            raise ValueError("coalesce_depth needs the compiled path (compiled=False turns it off)")
         device = registration.device
         if device.type != "cuda":
             raise ValueError(f"the CUDA backend needs KV tensors on a CUDA device, got {device}")
@@ -171,10 +189,10 @@ class CUDATransferWorker(TransferWorker):
             try:
                 self._engine = CUDAEngine(
                     registration, pool.address, pool.row_bytes, host_rows, self._streams,
-                    copy_mode, self._dma_min_bytes,
+                    copy_mode, self._dma_min_bytes, coalesce_depth,
                 )  # fmt: skip
             except RuntimeError as exc:
-                if compiled:
+                if compiled or coalesce_depth:
                     raise
                 # Several times slower for jobs of a few MiB: worth a line at the default level.
                 logger.warning("kvtier: CUDA copies use torch ops (%s)", exc)
@@ -183,6 +201,10 @@ class CUDATransferWorker(TransferWorker):
             self._ctx_keep, self._contexts = self._engine.submit_contexts(self._planner)
         self.copy_path = "compiled" if self._engine is not None else "torch"
         """"compiled" (`cuda_engine`) or "torch" (index kernels through torch ops)."""
+        self.coalesce_depth = coalesce_depth
+        # The submit call without ctypes, where the extension builds (native.py).
+        ext = submit_extension() if self._engine is not None else None
+        self._ext_submit = ext.submit if ext is not None else None
         self._live: dict[int, _Live] = {}
         self._next_seq = [1] * len(LANES)
         self._staging = IdStaging()  # used under self._lock
@@ -209,8 +231,47 @@ class CUDATransferWorker(TransferWorker):
         group: int, skip: int, urgent: bool,
     ) -> None:  # fmt: skip
         """A job planned in C (`kvt_plan_rows`, as the CPU engine does): the planner's numpy
-        calls alone cost 9-28 µs a job on the H100 host. Arguments the C side refuses go
-        through the planner, which raises with its usual message."""
+        calls alone cost 9-28 µs a job on the H100 host. The ids go to C through the submit
+        extension where it is built (as for the CPU engine, which it took from 4.6 to 2-3 µs
+        a submit there), else through ctypes (`_submit_staged`). Arguments the C side refuses
+        go through the planner, which raises with its usual message."""
+        engine = self._engine
+        assert engine is not None
+        submit = self._ext_submit
+        contexts = self._contexts.get(group)
+        if submit is None or contexts is None:
+            self._submit_staged(job_id, direction, device_blocks, slots, group, skip, urgent)
+            return
+        store = direction is Direction.STORE
+        with self._lock:
+            self._check_job_id(job_id)
+            lane = _lane(direction, urgent)
+            n = submit(
+                engine.submit_fn, engine.handle, contexts[0 if store else 1], job_id, lane,
+                engine.compute_stream(), device_blocks, slots, skip,
+            )  # fmt: skip
+            if n >= 0:
+                self._queued(job_id, lane, n * self._planner.page_bytes[group], 0)
+                self._unreported.add(job_id)
+                return
+            if n == EXT_STOPPED:
+                rc = engine.last_error()
+                raise RuntimeError(
+                    f"the CUDA copy engine could not queue job {job_id} "
+                    + ("(out of memory)" if rc < 0 else f"(CUresult {rc})")
+                )
+            call = SubmitCall(job_id, direction, device_blocks, slots, group, skip, urgent)
+            if self._planned_after_refusal(n, EXT_REFUSED, call):
+                return
+        # Ids the extension does not read (numpy scalars, strided arrays): numpy converts them.
+        self._submit_staged(job_id, direction, device_blocks, slots, group, skip, urgent)
+
+    def _submit_staged(
+        self, job_id: int, direction: Direction, device_blocks: IdsLike, slots: IdsLike,
+        group: int, skip: int, urgent: bool,
+    ) -> None:  # fmt: skip
+        """`_submit_ids` through ctypes, the ids converted with numpy and copied into one
+        staging buffer whose address is known."""
         assert self._engine is not None
         ids = self._plain_ids(device_blocks, slots, group, skip)
         with self._lock:
@@ -335,11 +396,11 @@ class CUDATransferWorker(TransferWorker):
                     live = self._live.get(j)
                     if live is not None and live.seq > last[live.lane]:
                         last[live.lane] = live.seq
-                # A lane finishes in order: its last job's event covers the others.
-                marks = [self._engine.end_event(lane, seq) for lane, seq in enumerate(last) if seq]
-            for mark in marks:
-                if mark:
-                    self._engine.event_sync(mark)
+            # A lane finishes in order: its last job covers the others. Outside the lock, so
+            # that submits and polls go on meanwhile.
+            for lane, seq in enumerate(last):
+                if seq:
+                    self._engine.wait(lane, seq)
             return
         with self._lock:
             events = [self._by_id[j].end for j in job_ids if j in self._by_id]

@@ -7,11 +7,20 @@
  * 76 µs of copying on an H100 (docs/bench/transfer.md): an index upload, a staging buffer,
  * per-op dispatch, two torch events and a stream switch per job.
  *
+ * A submit records an event on the caller's compute stream and queues the job in its lane.
+ * Without coalescing, the submitting thread then launches it at once. With coalescing
+ * (kvt_cuda_coalesce), each lane has a launch thread that keeps at most `depth` batches
+ * queued on the GPU; jobs submitted while the lane is that far ahead wait on the host and go
+ * out together, as one batch: one wait for compute, one kernel per 480 rows (or one batched
+ * copy), one end event. A burst of single-block jobs then costs the GPU one launch per batch
+ * instead of one per job, and the submitter neither launches nor records timing events.
+ *
  * The driver is reached with dlopen: building needs no CUDA headers, and on a machine without
- * CUDA nothing here runs. Not thread-safe: the caller serialises calls, except
- * kvt_cuda_event_sync, which may run alongside the others.
+ * CUDA nothing here runs. Submits and polls are serialised by the caller; kvt_cuda_wait and
+ * the launch threads may run alongside them (the lanes are guarded by the engine's mutex).
  */
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -30,6 +39,8 @@ typedef void *CUcontext, *CUmodule, *CUfunction, *CUstream, *CUevent;
 #define KVT_CHUNK_MAX 32768 /* bytes of a row's segment per thread block, at most */
 #define KVT_CHUNK_MIN 4096  /* one pass of a block's threads at 16 bytes each */
 #define KVT_LANES 3        /* stores, loads, urgent loads */
+#define KVT_DEPTH_MAX 8    /* batches a coalescing lane may keep queued on the GPU */
+#define KVT_BATCH_ROWS 3840 /* rows a coalesced batch takes, at most (eight launches) */
 /* With dma_min above zero ("auto"), jobs whose copies average this much also go to the copy
  * engines: measured on an H100, the batched call beat the kernel from 256 KiB per copy (256 KiB
  * pages in 4 MiB jobs: 90-92% of a contiguous copy against 83-87%; single 1-2 MiB blocks:
@@ -88,16 +99,52 @@ typedef struct {
 
 typedef struct {
     int64_t id;
-    int32_t ok;
-    int32_t borrowed; /* started when the lane's previous job ended: its end is our start */
-    CUevent start, end; /* created on the slot's first use, reused after */
+    int32_t ok, fail;
+    int32_t borrowed; /* first of a batch that started when the lane's previous batch ended */
+    int32_t table;
+    uint64_t nbytes;
+    uint64_t first, last;  /* seqs of its batch's first and last jobs; 0 until launched */
+    uint64_t batch_bytes;  /* on a batch's first job: the batch's bytes */
+    uint64_t batch_jobs;   /* and its jobs */
+    uint64_t compute_stream;
+    CUevent compute;       /* recorded on the caller's compute stream at submit */
+    CUevent start, end;    /* created on the slot's first use, reused after */
+    int64_t *rows;         /* dst[0..n) then src[0..n) */
+    size_t n, rows_cap;
 } kvt_record;
+
+typedef struct { /* what a launch needs of a job, taken under the engine's mutex */
+    uint64_t seq, nbytes, compute_stream;
+    const int64_t *rows;
+    size_t n;
+    int table, fail;
+    CUevent compute;
+} kvt_job;
 
 typedef struct { /* a ring of the lane's jobs in submission order */
     CUstream stream;
     kvt_record *r;
     size_t cap, head, len;
+    size_t launched;    /* jobs from head on that are launched (the rest wait on the host) */
     uint64_t first_seq; /* sequence number of r[head] */
+    uint64_t prev_last; /* the last job of the latest batch launched (0: none yet) */
+    uint64_t flight[KVT_DEPTH_MAX]; /* last jobs of the batches the launcher saw queued */
+    size_t nflight;
+    double batch_ms;        /* the batch being polled: its GPU time */
+    uint64_t batch_bytes, batch_jobs;
+    /* launching: the lane's thread's, or the submitter's without coalescing */
+    pthread_t thread;
+    int has_thread, idle;
+    pthread_cond_t work;
+    kvt_rows params;
+    kvt_few_rows few;
+    uint64_t *dma;
+    size_t dma_cap;
+    int64_t *merged; /* the rows of a batch's jobs side by side: dst then src */
+    size_t merged_cap;
+    kvt_job *jobs;
+    int *oks;
+    size_t jobs_cap;
 } kvt_lane;
 
 typedef struct {
@@ -107,19 +154,20 @@ typedef struct {
     CUmodule module;
     CUfunction fns[2][5]; /* 480 or 32 rows; 16, 8, 4, 2, 1 bytes per access */
     unsigned blocks_wanted; /* thread blocks that keep the GPU's SMs busy */
-    CUevent compute; /* recorded on the caller's compute stream at each submit */
     kvt_lane lanes[KVT_LANES];
     kvt_table *tables;
     size_t ntables;
     void *batch; /* cuMemcpyBatchAsync, or NULL */
     int batch13; /* its CUDA 13 signature (12.8 has a failIdx argument) */
     uint64_t dma_min; /* jobs of this many bytes or more go to the copy engines */
-    int64_t *rows;
+    int64_t *rows; /* the submitter's planning scratch */
     size_t rows_cap;
-    uint64_t *dma;
-    size_t dma_cap;
-    kvt_rows params;
-    kvt_few_rows few;
+    pthread_mutex_t mu;
+    pthread_cond_t launched; /* a batch was launched */
+    int sync_made;           /* mu, launched and the lanes' work conditions exist */
+    int coalesce, stopping;
+    size_t depth;
+    int last_error; /* the CUresult behind a submit's -1 through kvt_cuda_submit_ext */
 } kvt_cuda;
 
 static int load_driver(kvt_cuda *c, char *err, size_t errlen) {
@@ -204,11 +252,23 @@ kvt_cuda *kvt_cuda_new(const void *image, const uint64_t *streams, void *batch, 
             }
         }
     c->blocks_wanted = 4 * (sm_count ? sm_count : 1);
-    r = c->cu.event_create(&c->compute, 2 /* CU_EVENT_DISABLE_TIMING */);
-    if (r != CUDA_SUCCESS) {
-        snprintf(err, errlen, "cuEventCreate failed with CUresult %d", r);
-        goto fail;
+    if (pthread_mutex_init(&c->mu, NULL))
+        goto no_sync;
+    if (pthread_cond_init(&c->launched, NULL)) {
+        pthread_mutex_destroy(&c->mu);
+        goto no_sync;
     }
+    int made = 0;
+    while (made < KVT_LANES && !pthread_cond_init(&c->lanes[made].work, NULL))
+        made++;
+    if (made < KVT_LANES) {
+        while (made--)
+            pthread_cond_destroy(&c->lanes[made].work);
+        pthread_cond_destroy(&c->launched);
+        pthread_mutex_destroy(&c->mu);
+        goto no_sync;
+    }
+    c->sync_made = 1;
     for (int i = 0; i < KVT_LANES; i++) {
         c->lanes[i].stream = (CUstream)(uintptr_t)streams[i];
         c->lanes[i].first_seq = 1;
@@ -217,6 +277,8 @@ kvt_cuda *kvt_cuda_new(const void *image, const uint64_t *streams, void *batch, 
     c->batch13 = batch13;
     c->dma_min = dma_min;
     return c;
+no_sync:
+    snprintf(err, errlen, "could not create a mutex or condition variable");
 fail:
     kvt_cuda_free(c);
     return NULL;
@@ -257,6 +319,7 @@ int kvt_cuda_add_table(kvt_cuda *c, const kvtier_segment *segs, size_t nseg, uin
     return (int)c->ntables++;
 }
 
+
 /* The piece of a row's segment per thread block: the largest (up to KVT_CHUNK_MAX) that still
  * gives blocks_wanted blocks, so that a job of a few rows spreads over the SMs (each block's
  * reads of host memory wait on PCIe, and one SM alone moves a fraction of the link's rate). */
@@ -268,7 +331,7 @@ static unsigned chunk_for(const kvt_cuda *c, const kvt_table *t, size_t rows) {
     return chunk;
 }
 
-static CUresult launch_rows(kvt_cuda *c, const kvt_table *t, CUstream s, const int64_t *dst,
+static CUresult launch_rows(kvt_cuda *c, kvt_lane *l, const kvt_table *t, const int64_t *dst,
                             const int64_t *src, size_t n) {
     for (size_t a = 0; a < n; a += KVT_MAX_ROWS) {
         size_t k = n - a < KVT_MAX_ROWS ? n - a : KVT_MAX_ROWS;
@@ -278,37 +341,37 @@ static CUresult launch_rows(kvt_cuda *c, const kvt_table *t, CUstream s, const i
         void *params;
         CUfunction fn;
         if (k <= KVT_FEW_ROWS) {
-            c->few = (kvt_few_rows){t->dev_segs, (uint32_t)k, chunk, {0}, {0}};
-            d = c->few.dst, sr = c->few.src, params = &c->few, fn = t->fn_few;
+            l->few = (kvt_few_rows){t->dev_segs, (uint32_t)k, chunk, {0}, {0}};
+            d = l->few.dst, sr = l->few.src, params = &l->few, fn = t->fn_few;
         } else {
-            c->params.segments = t->dev_segs, c->params.n = (uint32_t)k;
-            c->params.chunk = chunk;
-            d = c->params.dst, sr = c->params.src, params = &c->params, fn = t->fn;
+            l->params.segments = t->dev_segs, l->params.n = (uint32_t)k;
+            l->params.chunk = chunk;
+            d = l->params.dst, sr = l->params.src, params = &l->params, fn = t->fn;
         }
         for (size_t i = 0; i < k; i++) {
             d[i] = (uint32_t)dst[a + i];
             sr[i] = (uint32_t)src[a + i];
         }
         void *args[] = {params}; /* the driver copies the parameters at the call */
-        CUresult r = c->cu.launch(fn, gx, (unsigned)k, (unsigned)t->nseg, KVT_THREADS, 1, 1, 0, s,
-                                  args, NULL);
+        CUresult r = c->cu.launch(fn, gx, (unsigned)k, (unsigned)t->nseg, KVT_THREADS, 1, 1, 0,
+                                  l->stream, args, NULL);
         if (r != CUDA_SUCCESS)
             return r;
     }
     return CUDA_SUCCESS;
 }
 
-static CUresult dma_rows(kvt_cuda *c, kvt_table *t, CUstream s, const int64_t *dst,
+static CUresult dma_rows(kvt_cuda *c, kvt_lane *l, kvt_table *t, const int64_t *dst,
                          const int64_t *src, size_t n) {
     size_t m = n * t->nseg;
-    if (3 * m > c->dma_cap) {
-        uint64_t *d = realloc(c->dma, 3 * m * sizeof *d);
+    if (3 * m > l->dma_cap) {
+        uint64_t *d = realloc(l->dma, 3 * m * sizeof *d);
         if (!d)
             return 2; /* CUDA_ERROR_OUT_OF_MEMORY */
-        c->dma = d;
-        c->dma_cap = 3 * m;
+        l->dma = d;
+        l->dma_cap = 3 * m;
     }
-    uint64_t *dd = c->dma, *ss = dd + m, *sz = ss + m;
+    uint64_t *dd = l->dma, *ss = dd + m, *sz = ss + m;
     size_t k = 0;
     for (size_t g = 0; g < t->nseg; g++) {
         const kvtier_segment *sg = &t->segs[g];
@@ -320,30 +383,274 @@ static CUresult dma_rows(kvt_cuda *c, kvt_table *t, CUstream s, const int64_t *d
     }
     size_t zero = 0, fail_idx = 0;
     if (c->batch13)
-        return ((batch13_fn)c->batch)(dd, ss, (size_t *)sz, m, &t->attrs, &zero, 1, s);
-    return ((batch12_fn)c->batch)(dd, ss, (size_t *)sz, m, &t->attrs, &zero, 1, &fail_idx, s);
+        return ((batch13_fn)c->batch)(dd, ss, (size_t *)sz, m, &t->attrs, &zero, 1, l->stream);
+    return ((batch12_fn)c->batch)(dd, ss, (size_t *)sz, m, &t->attrs, &zero, 1, &fail_idx,
+                                  l->stream);
+}
+
+static kvt_record *at_seq(kvt_lane *l, uint64_t seq) {
+    return &l->r[(l->head + (seq - l->first_seq)) % l->cap];
+}
+
+/* Queue the copies of jobs `j[0..k)`, taken in order from lane `l`, as one batch: the lane
+ * waits for each compute stream's latest event among them, then the jobs of one table that
+ * follow each other go out together (their rows side by side: one kernel per 480 rows, or
+ * one batched copy), and `end` is recorded after them. `start` is recorded first unless the
+ * batch borrows the previous one's end. `ok[i]` says whether job i's copies were queued. Runs
+ * without the engine's mutex: only the lane's launcher touches its scratch and streams. */
+static void launch_batch(kvt_cuda *c, kvt_lane *l, const kvt_job *j, size_t k, int borrow,
+                         CUevent start, CUevent end, int *ok) {
+    CUresult r = CUDA_SUCCESS;
+    for (size_t i = k; i-- > 0 && r == CUDA_SUCCESS;) {
+        int later = 0; /* a later job's event on the same stream covers this one */
+        for (size_t m = i + 1; m < k && !later; m++)
+            later = j[m].compute_stream == j[i].compute_stream;
+        if (!later)
+            r = c->cu.stream_wait(l->stream, j[i].compute, 0);
+    }
+    if (r == CUDA_SUCCESS && !borrow)
+        r = c->cu.event_record(start, l->stream);
+    for (size_t i = 0; i < k;) {
+        if (r != CUDA_SUCCESS || j[i].fail) {
+            ok[i++] = 0;
+            continue;
+        }
+        size_t e = i, rows = 0;
+        uint64_t bytes = 0;
+        for (; e < k && !j[e].fail && j[e].table == j[i].table; e++)
+            rows += j[e].n, bytes += j[e].nbytes;
+        const int64_t *dst = j[i].rows, *src = j[i].rows + j[i].n;
+        CUresult g = CUDA_SUCCESS;
+        if (e - i > 1 && rows) {
+            if (2 * rows > l->merged_cap) {
+                int64_t *m = realloc(l->merged, 2 * rows * sizeof *m);
+                if (m)
+                    l->merged = m, l->merged_cap = 2 * rows;
+            }
+            if (2 * rows > l->merged_cap) {
+                g = 2; /* CUDA_ERROR_OUT_OF_MEMORY */
+            } else {
+                size_t at = 0;
+                for (size_t m = i; m < e; m++) {
+                    memcpy(l->merged + at, j[m].rows, j[m].n * sizeof *l->merged);
+                    memcpy(l->merged + rows + at, j[m].rows + j[m].n,
+                           j[m].n * sizeof *l->merged);
+                    at += j[m].n;
+                }
+                dst = l->merged, src = l->merged + rows;
+            }
+        }
+        kvt_table *t = &c->tables[j[i].table];
+        if (g == CUDA_SUCCESS && rows) {
+            if (c->batch && (bytes >= c->dma_min ||
+                             (c->dma_min && bytes / (rows * t->nseg) >= KVT_DMA_MIN_COPY)))
+                g = dma_rows(c, l, t, dst, src, rows);
+            else
+                g = launch_rows(c, l, t, dst, src, rows);
+        }
+        for (; i < e; i++)
+            ok[i] = g == CUDA_SUCCESS;
+    }
+    /* Recorded after a refused launch too: copies already queued must finish before the
+     * jobs are reported and their blocks reused. Without it the end event keeps its last
+     * state: the jobs are reported failed, possibly early, on a context that is broken. */
+    if (c->cu.event_record(end, l->stream) != CUDA_SUCCESS)
+        for (size_t i = 0; i < k; i++)
+            ok[i] = 0;
+}
+
+/* Take the lane's jobs not yet launched, up to KVT_BATCH_ROWS rows (at least one job; only
+ * one without coalescing), into the lane's job scratch; under the mutex. Returns how many,
+ * 0 if out of memory. Sets `*prev` to the previous batch's end event if it is not yet polled. */
+static size_t take_batch(kvt_cuda *c, kvt_lane *l, CUevent *prev) {
+    size_t pending = l->len - l->launched, k = 0, rows = 0;
+    size_t most = c->coalesce ? pending : 1;
+    if (most > l->jobs_cap) {
+        size_t cap = most < 64 ? 64 : most;
+        kvt_job *jobs = realloc(l->jobs, cap * sizeof *jobs);
+        if (jobs)
+            l->jobs = jobs;
+        int *oks = jobs ? realloc(l->oks, cap * sizeof *oks) : NULL;
+        if (oks)
+            l->oks = oks;
+        if (!jobs || !oks)
+            return 0;
+        l->jobs_cap = cap;
+    }
+    for (; k < most && (k == 0 || rows < KVT_BATCH_ROWS); k++) {
+        uint64_t seq = l->first_seq + l->launched + k;
+        kvt_record *rec = at_seq(l, seq);
+        l->jobs[k] = (kvt_job){seq, rec->nbytes, rec->compute_stream, rec->rows, rec->n,
+                               rec->table, rec->fail, rec->compute};
+        rows += rec->n;
+    }
+    *prev = l->prev_last >= l->first_seq ? at_seq(l, l->prev_last)->end : NULL;
+    return k;
+}
+
+/* Mark jobs `j[0..k)` launched as one batch; under the mutex. */
+static void launched(kvt_cuda *c, kvt_lane *l, const kvt_job *j, size_t k, const int *ok,
+                     int borrow) {
+    uint64_t first = j[0].seq, last = j[k - 1].seq, bytes = 0;
+    for (size_t i = 0; i < k; i++) {
+        kvt_record *rec = at_seq(l, j[i].seq);
+        rec->ok = ok[i];
+        rec->first = first, rec->last = last;
+        rec->borrowed = i == 0 && borrow;
+        bytes += j[i].nbytes;
+    }
+    kvt_record *head = at_seq(l, first);
+    head->batch_bytes = bytes, head->batch_jobs = k;
+    l->launched += k;
+    l->prev_last = last;
+    if (l->nflight == KVT_DEPTH_MAX) { /* only a throttle: forget the oldest */
+        memmove(l->flight, l->flight + 1, (KVT_DEPTH_MAX - 1) * sizeof *l->flight);
+        l->nflight--;
+    }
+    l->flight[l->nflight++] = last;
+    pthread_cond_broadcast(&c->launched);
+}
+
+/* Launch one batch of lane `l`'s waiting jobs: take them under the mutex, queue them without
+ * it, mark them under it. Called with the mutex held; returns with it held. */
+static void launch_next(kvt_cuda *c, kvt_lane *l, int entered) {
+    CUevent prev = NULL;
+    size_t k = take_batch(c, l, &prev);
+    if (!k) { /* out of memory for the job list: fail the oldest job alone */
+        static const int no = 0;
+        kvt_job one = {l->first_seq + l->launched, 0, 0, NULL, 0, 0, 1, NULL};
+        launched(c, l, &one, 1, &no, 0);
+        return;
+    }
+    kvt_record *first = at_seq(l, l->jobs[0].seq), *last = at_seq(l, l->jobs[k - 1].seq);
+    CUevent start = first->start, end = last->end;
+    pthread_mutex_unlock(&c->mu);
+    int borrow = 0;
+    if (entered) {
+        /* While the lane's previous batch is still queued or running, this one starts when
+         * it ends: that batch's end event is this one's start, one event fewer a batch. On an
+         * H100, single 1 MiB blocks went from 77 to 81-82% of a contiguous copy, 256 KiB
+         * ones from 26-36 to 40-45% (docs/bench/transfer.md). */
+        borrow = prev && c->cu.event_query(prev) == CUDA_ERROR_NOT_READY;
+        launch_batch(c, l, l->jobs, k, borrow, start, end, l->oks);
+    } else {
+        for (size_t i = 0; i < k; i++)
+            l->oks[i] = 0;
+    }
+    pthread_mutex_lock(&c->mu);
+    launched(c, l, l->jobs, k, l->oks, borrow);
+}
+
+typedef struct {
+    kvt_cuda *c;
+    kvt_lane *l;
+} kvt_launcher_arg;
+
+/* A coalescing lane's thread: launch what waits, holding it back while `depth` batches are
+ * queued on the GPU, so that it leaves as one batch when the oldest ends. */
+static void *launcher(void *arg) {
+    kvt_cuda *c = ((kvt_launcher_arg *)arg)->c;
+    kvt_lane *l = ((kvt_launcher_arg *)arg)->l;
+    free(arg);
+    int entered = enter(c) == CUDA_SUCCESS; /* if not, every job is reported failed */
+    pthread_mutex_lock(&c->mu);
+    for (;;) {
+        while (l->nflight) { /* drop the batches that have ended (or were polled) */
+            uint64_t s = l->flight[0];
+            if (entered && s >= l->first_seq &&
+                c->cu.event_query(at_seq(l, s)->end) == CUDA_ERROR_NOT_READY)
+                break;
+            memmove(l->flight, l->flight + 1, (l->nflight - 1) * sizeof *l->flight);
+            l->nflight--;
+        }
+        if (l->launched == l->len) {
+            if (c->stopping)
+                break;
+            l->idle = 1;
+            pthread_cond_wait(&l->work, &c->mu);
+            l->idle = 0;
+            continue;
+        }
+        if (l->nflight >= c->depth && !c->stopping) {
+            /* Only this thread records the lane's end events, so the event cannot be
+             * recorded again while it waits (if its job is polled meanwhile, it has ended).
+             * The loop's first step then drops the batch: its event is no longer pending. */
+            CUevent e = at_seq(l, l->flight[0])->end;
+            pthread_mutex_unlock(&c->mu);
+            c->cu.event_sync(e);
+            pthread_mutex_lock(&c->mu);
+            continue;
+        }
+        launch_next(c, l, entered);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+/* Start a launch thread per lane that coalesces queued jobs, keeping at most `depth` (1 to
+ * KVT_DEPTH_MAX) batches queued on the GPU per lane. Call once, before the first submit.
+ * Returns 0, or 1 if `depth` is out of range, a thread could not start or jobs were already
+ * submitted (nothing changed then). */
+int kvt_cuda_coalesce(kvt_cuda *c, size_t depth) {
+    if (depth < 1 || depth > KVT_DEPTH_MAX || c->coalesce)
+        return 1;
+    for (int i = 0; i < KVT_LANES; i++)
+        if (c->lanes[i].first_seq != 1 || c->lanes[i].len)
+            return 1;
+    c->depth = depth;
+    c->coalesce = 1;
+    for (int i = 0; i < KVT_LANES; i++) {
+        kvt_launcher_arg *a = malloc(sizeof *a);
+        if (a)
+            *a = (kvt_launcher_arg){c, &c->lanes[i]};
+        if (!a || pthread_create(&c->lanes[i].thread, NULL, launcher, a)) {
+            free(a);
+            pthread_mutex_lock(&c->mu);
+            c->stopping = 1;
+            for (int k = 0; k < i; k++)
+                pthread_cond_signal(&c->lanes[k].work);
+            pthread_mutex_unlock(&c->mu);
+            for (int k = 0; k < i; k++) {
+                pthread_join(c->lanes[k].thread, NULL);
+                c->lanes[k].has_thread = 0;
+            }
+            c->stopping = 0;
+            c->coalesce = 0;
+            return 1;
+        }
+        c->lanes[i].has_thread = 1;
+    }
+    return 0;
 }
 
 /* Queue job `id` in `lane` with its rows given: `dst[i]` and `src[i]` are rows of the table's
  * destination and source. It waits for the work queued so far on `compute`. `fail` records
  * the job as failed without copying. Returns 0 (queued; a refused launch makes the job
- * failed), -1 out of memory, or a CUresult if its events could not be queued (nothing queued
- * then). */
+ * failed), -1 out of memory or engine stopping, or a CUresult if the wait for compute could
+ * not be queued (nothing queued then). The rows are copied. */
 int kvt_cuda_submit(kvt_cuda *c, int lane, uint64_t compute, int64_t id, int fail, int table,
                     uint64_t nbytes, const int64_t *dst, const int64_t *src, size_t n) {
     kvt_lane *l = &c->lanes[lane];
-    kvt_table *t = &c->tables[table];
     CUresult r = enter(c);
     if (r != CUDA_SUCCESS)
         return r;
+    pthread_mutex_lock(&c->mu);
+    if (c->stopping) {
+        pthread_mutex_unlock(&c->mu);
+        return -1;
+    }
     /* Grow the ring when it is full, or when the next slot is the one whose end event the
      * oldest job borrowed as its start. Every slot moves, in order (from the one before the
-     * oldest job where there is one), so that no event is lost or parted from its borrower. */
+     * oldest job where there is one), so that no event is lost or parted from its borrower.
+     * (A job not yet launched has not borrowed: it borrows only from a batch still in the
+     * ring, which is older than it, so it is not the oldest.) */
     if (l->len == l->cap || (l->len + 1 == l->cap && l->r[l->head].borrowed)) {
         size_t cap = l->cap ? 2 * l->cap : 64;
         kvt_record *nr = calloc(cap, sizeof *nr);
-        if (!nr)
+        if (!nr) {
+            pthread_mutex_unlock(&c->mu);
             return -1;
+        }
         size_t from = l->len == l->cap ? 0 : 1; /* a full ring has no slot before its oldest */
         for (size_t i = 0; i < l->cap; i++)
             nr[i] = l->r[(l->head + l->cap - from + i) % l->cap];
@@ -352,44 +659,40 @@ int kvt_cuda_submit(kvt_cuda *c, int lane, uint64_t compute, int64_t id, int fai
         l->head = from;
         l->cap = cap;
     }
-    size_t slot = (l->head + l->len) % l->cap;
-    kvt_record *rec = &l->r[slot];
-    /* While the lane's previous job is still queued or running, this one starts when it ends:
-     * that job's end event is this one's start, and the job records one event instead of two.
-     * On an H100, single 1 MiB blocks went from 77 to 81-82% of a contiguous copy, 256 KiB
-     * ones from 26-36 to 40-45% (docs/bench/transfer.md). */
-    int borrow = 0;
-    if (l->len) {
-        kvt_record *prev = &l->r[(slot + l->cap - 1) % l->cap];
-        borrow = c->cu.event_query(prev->end) == CUDA_ERROR_NOT_READY;
+    kvt_record *rec = &l->r[(l->head + l->len) % l->cap];
+    if (2 * n > rec->rows_cap) {
+        int64_t *rows = realloc(rec->rows, 2 * n * sizeof *rows);
+        if (!rows) {
+            pthread_mutex_unlock(&c->mu);
+            return -1;
+        }
+        rec->rows = rows;
+        rec->rows_cap = 2 * n;
     }
-    if (!borrow && !rec->start && (r = c->cu.event_create(&rec->start, 0)) != CUDA_SUCCESS)
+    if ((!rec->compute &&
+         (r = c->cu.event_create(&rec->compute, 2 /* CU_EVENT_DISABLE_TIMING */))) ||
+        (!rec->start && (r = c->cu.event_create(&rec->start, 0))) ||
+        (!rec->end && (r = c->cu.event_create(&rec->end, 0))) ||
+        /* Stores read KV that the compute stream is producing; loads overwrite blocks it may
+         * still be reading. Both wait for the compute queued so far. */
+        (r = c->cu.event_record(rec->compute, (CUstream)(uintptr_t)compute))) {
+        pthread_mutex_unlock(&c->mu);
         return r;
-    if (!rec->end && (r = c->cu.event_create(&rec->end, 0)) != CUDA_SUCCESS)
-        return r;
-    CUstream s = l->stream;
-    /* Stores read KV that the compute stream is producing; loads overwrite blocks it may still
-     * be reading. Both wait for the compute queued so far. */
-    if ((r = c->cu.event_record(c->compute, (CUstream)(uintptr_t)compute)) != CUDA_SUCCESS ||
-        (r = c->cu.stream_wait(s, c->compute, 0)) != CUDA_SUCCESS ||
-        (!borrow && (r = c->cu.event_record(rec->start, s)) != CUDA_SUCCESS))
-        return r;
-    int ok = !fail;
-    if (ok && n) {
-        if (c->batch && (nbytes >= c->dma_min ||
-                         (c->dma_min && nbytes / (n * t->nseg) >= KVT_DMA_MIN_COPY)))
-            ok = dma_rows(c, t, s, dst, src, n) == CUDA_SUCCESS;
-        else
-            ok = launch_rows(c, t, s, dst, src, n) == CUDA_SUCCESS;
     }
-    /* Recorded after a refused launch too: copies already queued must finish before the
-     * job is reported and its blocks reused. */
-    if ((r = c->cu.event_record(rec->end, s)) != CUDA_SUCCESS)
-        return r;
-    rec->id = id;
-    rec->ok = ok;
-    rec->borrowed = borrow;
+    if (n) {
+        memcpy(rec->rows, dst, n * sizeof *dst);
+        memcpy(rec->rows + n, src, n * sizeof *src);
+    }
+    rec->id = id, rec->ok = 0, rec->fail = fail != 0, rec->borrowed = 0;
+    rec->table = table, rec->nbytes = nbytes, rec->n = n;
+    rec->first = rec->last = 0;
+    rec->compute_stream = compute;
     l->len++;
+    if (!c->coalesce)
+        launch_next(c, l, 1);
+    else if (l->idle)
+        pthread_cond_signal(&l->work);
+    pthread_mutex_unlock(&c->mu);
     return 0;
 }
 
@@ -415,82 +718,143 @@ int kvt_cuda_submit_ids(kvt_cuda *c, const kvt_submit_ctx *x, int lane, uint64_t
                            store ? host : dev, store ? dev : host, nblocks);
 }
 
+/* kvt_cuda_submit_ids in the shape submitext.c calls (its `seq` carries the compute stream):
+ * 0 queued, 1 arguments refused, -1 anything else, with the CUresult (or -1, out of memory or
+ * stopping) kept for kvt_cuda_last_error. */
+int kvt_cuda_submit_ext(void *engine, const kvt_submit_ctx *x, int64_t id, int lane,
+                        uint64_t compute, const int64_t *blocks, size_t nblocks,
+                        const int64_t *slots, size_t nslots, size_t skip) {
+    kvt_cuda *c = engine;
+    int rc = kvt_cuda_submit_ids(c, x, lane, compute, id, blocks, nblocks, slots, nslots, skip);
+    if (rc == 0 || rc == 1)
+        return rc;
+    c->last_error = rc;
+    return -1;
+}
+
+int kvt_cuda_last_error(const kvt_cuda *c) { return c->last_error; }
+
 /* Move up to `max` finished jobs into `out`, each lane's in submission order. A job whose
- * event reports an error (a failed copy poisons the context) is reported failed. */
+ * event reports an error (a failed copy poisons the context) is reported failed. A batch's
+ * GPU time is shared among its jobs by their bytes. */
 size_t kvt_cuda_poll(kvt_cuda *c, kvt_result *out, size_t max) {
     size_t k = 0;
     if (enter(c) != CUDA_SUCCESS)
         return 0;
+    pthread_mutex_lock(&c->mu);
     for (int i = 0; i < KVT_LANES; i++) {
         kvt_lane *l = &c->lanes[i];
-        while (l->len && k < max) {
+        while (l->launched && k < max) {
             kvt_record *rec = &l->r[l->head];
-            CUresult r = c->cu.event_query(rec->end);
+            CUevent end = at_seq(l, rec->last)->end;
+            CUresult r = c->cu.event_query(end);
             if (r == CUDA_ERROR_NOT_READY)
                 break;
-            float ms = 0;
-            CUevent start =
-                rec->borrowed ? l->r[(l->head + l->cap - 1) % l->cap].end : rec->start;
-            if (r == CUDA_SUCCESS)
-                c->cu.event_elapsed(&ms, start, rec->end);
-            out[k++] = (kvt_result){rec->id, rec->ok && r == CUDA_SUCCESS, i, ms / 1e3};
+            if (rec->first == l->first_seq) { /* the batch's first job: time the batch */
+                float ms = 0;
+                CUevent start =
+                    rec->borrowed ? l->r[(l->head + l->cap - 1) % l->cap].end : rec->start;
+                if (r == CUDA_SUCCESS)
+                    c->cu.event_elapsed(&ms, start, end);
+                l->batch_ms = ms;
+                l->batch_bytes = rec->batch_bytes, l->batch_jobs = rec->batch_jobs;
+            }
+            double share = l->batch_bytes ? (double)rec->nbytes / (double)l->batch_bytes
+                                          : 1.0 / (double)(l->batch_jobs ? l->batch_jobs : 1);
+            out[k++] = (kvt_result){rec->id, rec->ok && r == CUDA_SUCCESS, i,
+                                    l->batch_ms * share / 1e3};
             l->head = (l->head + 1) % l->cap;
             l->len--;
+            l->launched--;
             l->first_seq++;
         }
     }
+    pthread_mutex_unlock(&c->mu);
     return k;
 }
 
-/* The end event of `lane`'s job `seq` if it is not yet polled, else 0: for a waiter, which
- * synchronises it with kvt_cuda_event_sync outside the caller's lock. */
-uint64_t kvt_cuda_end_event(kvt_cuda *c, int lane, uint64_t seq) {
+/* Block until `lane`'s job `seq` has finished, or return at once if it has been polled:
+ * first until it is launched, then on its batch's end event, outside the mutex. The event's
+ * slot may be reused meanwhile by a later job, which only makes the wait longer. Returns 0
+ * or the CUresult of the wait. */
+int kvt_cuda_wait(kvt_cuda *c, int lane, uint64_t seq) {
     kvt_lane *l = &c->lanes[lane];
-    if (seq < l->first_seq || seq >= l->first_seq + l->len)
-        return 0;
-    return (uint64_t)(uintptr_t)l->r[(l->head + (seq - l->first_seq)) % l->cap].end;
-}
-
-/* Block until `event` has happened. The slot may be reused meanwhile by a later job, which
- * only makes the wait longer. Events live until kvt_cuda_free. */
-int kvt_cuda_event_sync(kvt_cuda *c, uint64_t event) {
     CUresult r = enter(c);
-    return r != CUDA_SUCCESS ? r : c->cu.event_sync((CUevent)(uintptr_t)event);
+    if (r != CUDA_SUCCESS)
+        return r;
+    pthread_mutex_lock(&c->mu);
+    while (seq >= l->first_seq && seq < l->first_seq + l->len &&
+           seq >= l->first_seq + l->launched)
+        pthread_cond_wait(&c->launched, &c->mu);
+    CUevent end = NULL;
+    if (seq >= l->first_seq && seq < l->first_seq + l->len)
+        end = at_seq(l, at_seq(l, seq)->last)->end;
+    pthread_mutex_unlock(&c->mu);
+    return end ? c->cu.event_sync(end) : CUDA_SUCCESS;
 }
 
-/* Block until every queued copy has finished. */
+/* Block until every job submitted so far is launched and its copies have finished. */
 int kvt_cuda_sync(kvt_cuda *c) {
     CUresult r = enter(c);
+    if (r != CUDA_SUCCESS)
+        return r;
+    pthread_mutex_lock(&c->mu);
+    for (int i = 0; i < KVT_LANES; i++)
+        while (c->lanes[i].launched < c->lanes[i].len)
+            pthread_cond_wait(&c->launched, &c->mu);
+    pthread_mutex_unlock(&c->mu);
     for (int i = 0; i < KVT_LANES && r == CUDA_SUCCESS; i++)
         r = c->cu.stream_sync(c->lanes[i].stream);
     return r;
 }
 
+/* Stop the launch threads (each launches what waits first) and free everything. */
 void kvt_cuda_free(kvt_cuda *c) {
     if (!c)
         return;
+    if (c->sync_made) {
+        pthread_mutex_lock(&c->mu);
+        c->stopping = 1;
+        for (int i = 0; i < KVT_LANES; i++)
+            pthread_cond_signal(&c->lanes[i].work);
+        pthread_mutex_unlock(&c->mu);
+        for (int i = 0; i < KVT_LANES; i++)
+            if (c->lanes[i].has_thread)
+                pthread_join(c->lanes[i].thread, NULL);
+    }
     if (c->ctx && enter(c) == CUDA_SUCCESS) {
         for (int i = 0; i < KVT_LANES; i++) {
             kvt_lane *l = &c->lanes[i];
             for (size_t k = 0; k < l->cap; k++) {
-                if (l->r[k].start)
-                    c->cu.event_destroy(l->r[k].start);
-                if (l->r[k].end)
-                    c->cu.event_destroy(l->r[k].end);
+                CUevent evs[3] = {l->r[k].compute, l->r[k].start, l->r[k].end};
+                for (int e = 0; e < 3; e++)
+                    if (evs[e])
+                        c->cu.event_destroy(evs[e]);
             }
         }
-        if (c->compute)
-            c->cu.event_destroy(c->compute);
         if (c->module)
             c->cu.module_unload(c->module);
     }
-    for (int i = 0; i < KVT_LANES; i++)
-        free(c->lanes[i].r);
+    for (int i = 0; i < KVT_LANES; i++) {
+        kvt_lane *l = &c->lanes[i];
+        for (size_t k = 0; k < l->cap; k++)
+            free(l->r[k].rows);
+        free(l->r);
+        free(l->dma);
+        free(l->merged);
+        free(l->jobs);
+        free(l->oks);
+    }
+    if (c->sync_made) {
+        for (int i = 0; i < KVT_LANES; i++)
+            pthread_cond_destroy(&c->lanes[i].work);
+        pthread_cond_destroy(&c->launched);
+        pthread_mutex_destroy(&c->mu);
+    }
     for (size_t i = 0; i < c->ntables; i++)
         free(c->tables[i].segs);
     free(c->tables);
     free(c->rows);
-    free(c->dma);
     if (c->lib)
         dlclose(c->lib);
     free(c);

@@ -25,11 +25,11 @@ def make_transfer_worker(
     On CUDA with a pool that is not pinned (pinning failed or `pin=False`), the worker falls
     back to bounce buffers on a background thread and logs a warning.
 
-    Extra keyword arguments (`stage_bytes`, `fault_injector`, for CUDA `copy_mode` and
-    `compiled`, for the CPU `copy_threads`, `copy_cpus`, `avoid_submitter_cpu` and
-    `share_backlog`) go to the backend. The CPU ones are ignored on CUDA, the CUDA ones by the
-    pageable fallback and on the CPU, and the CPU ones by the Python-thread fallback, which
-    splits large jobs over torch's threads.
+    Extra keyword arguments (`stage_bytes`, `fault_injector`, for CUDA `copy_mode`,
+    `compiled` and `coalesce_depth`, for the CPU `copy_threads`, `copy_cpus`,
+    `avoid_submitter_cpu` and `share_backlog`) go to the backend. The CPU ones are ignored on
+    CUDA, the CUDA ones by the pageable fallback and on the CPU, and the CPU ones by the
+    Python-thread fallback, which splits large jobs over torch's threads.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is unknown; expected one of {BACKENDS}")
@@ -46,9 +46,11 @@ def make_transfer_worker(
         if not pool.pinned:
             kwargs.pop("copy_mode", None)  # one way to copy without a pinned pool
             kwargs.pop("compiled", None)
+            kwargs.pop("coalesce_depth", None)
             return PageableCUDATransferWorker(registration, pool, **kwargs)
         return CUDATransferWorker(registration, pool, **kwargs)
     kwargs.pop("compiled", None)
+    kwargs.pop("coalesce_depth", None)
     if library() is not None:
         return NativeCPUTransferWorker(registration, pool, **kwargs)
     kwargs.pop("copy_threads", None)

@@ -115,8 +115,9 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "kvt_cuda_submit": ([_P, _INT, _U64, _I64, _INT, _INT, _U64, _P, _P, _SZ], _INT),
     "kvt_cuda_submit_ids": ([_P, _P, _INT, _U64, _I64, _P, _SZ, _P, _SZ, _SZ], _INT),
     "kvt_cuda_poll": ([_P, _P, _SZ], _SZ),
-    "kvt_cuda_end_event": ([_P, _INT, _U64], _U64),
-    "kvt_cuda_event_sync": ([_P, _U64], _INT),
+    "kvt_cuda_coalesce": ([_P, _SZ], _INT),
+    "kvt_cuda_last_error": ([_P], _INT),
+    "kvt_cuda_wait": ([_P, _INT, _U64], _INT),
     "kvt_cuda_sync": ([_P], _INT),
     "kvt_cuda_free": ([_P], None),
 }
@@ -189,6 +190,12 @@ def row_copier() -> RowCopy | None:
         return None
     copy: RowCopy = lib.kvtier_copy_indexed
     return copy
+
+
+EXT_STOPPED, EXT_REFUSED = -1, -2
+"""The extension's `submit` results besides a block count (submitext.c): the engine is stopping
+or out of memory, or it refused the arguments; nothing is queued. The third, -3, says it could
+not read the ids: the worker then submits through ctypes."""
 
 
 def submit_extension() -> ModuleType | None:

@@ -34,6 +34,8 @@ from kvtier.base import TransferResult
 from kvtier.transfer.cpu_worker import DEFAULT_STAGE_BYTES, CPUTransferWorker
 from kvtier.transfer.host_pool import HostPool
 from kvtier.transfer.native import (
+    EXT_REFUSED,
+    EXT_STOPPED,
     BeforeHook,
     EngineResult,
     library,
@@ -58,10 +60,6 @@ within the C int it is passed as."""
 
 _POLL = 256
 """Results fetched per engine call."""
-
-_STOPPED, _REFUSED = -1, -2
-"""The extension's `submit` results besides a block count (submitext.c); -3, ids it does not
-read, is the remaining one."""
 
 
 @dataclass(slots=True)
@@ -303,11 +301,10 @@ class NativeCPUTransferWorker(TransferWorker):
                 self._unreported.add(job_id)
                 return
             del self._live[job_id]
-            if n == _STOPPED:
+            if n == EXT_STOPPED:
                 raise RuntimeError(f"the copy engine refused job {job_id} (stopped or no memory)")
-            if n == _REFUSED:
-                call = SubmitCall(job_id, direction, device_blocks, slots, group, skip, urgent)
-                self._plan_and_submit(call)  # raises, saying why (or runs what C was stricter on)
+            call = SubmitCall(job_id, direction, device_blocks, slots, group, skip, urgent)
+            if self._planned_after_refusal(n, EXT_REFUSED, call):
                 return
         # Ids the extension does not read (numpy scalars, strided arrays): numpy converts them.
         self._submit_staged(job_id, direction, device_blocks, slots, group, skip, urgent)

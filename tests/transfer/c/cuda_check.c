@@ -1,10 +1,12 @@
 /* cudaengine.c against fake_cuda.c (a driver on host memory), built and run by
- * test_cuda_c.py: the CUDA submit path's logic where there is no GPU. Each check prints what
- * differs and the program exits 1; it prints "ok: ..." and exits 0 when all pass.
+ * test_native_c.py: the CUDA submit path's logic where there is no GPU. Each check prints what
+ * differs and the program exits 1; it prints "ok: ..." and exits 0 when all pass. The shared
+ * checks run twice: jobs launched by the submitter, then by coalescing launch threads.
  *
  * "Device" blocks are host buffers of two segments (K and V, as two registered tensors);
  * the pool holds chunks of two blocks per slot. Lanes: 0 stores, 1 loads, 2 urgent loads.
  */
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,8 +25,12 @@ int kvt_cuda_submit_ids(kvt_cuda *c, const kvt_submit_ctx *x, int lane, uint64_t
                         int64_t id, const int64_t *blocks, size_t nblocks, const int64_t *slots,
                         size_t nslots, size_t skip);
 size_t kvt_cuda_poll(kvt_cuda *c, kvt_result *out, size_t max);
-uint64_t kvt_cuda_end_event(kvt_cuda *c, int lane, uint64_t seq);
-int kvt_cuda_event_sync(kvt_cuda *c, uint64_t event);
+int kvt_cuda_submit_ext(void *c, const kvt_submit_ctx *x, int64_t id, int lane,
+                        uint64_t compute, const int64_t *blocks, size_t nblocks,
+                        const int64_t *slots, size_t nslots, size_t skip);
+int kvt_cuda_last_error(const kvt_cuda *c);
+int kvt_cuda_coalesce(kvt_cuda *c, size_t depth);
+int kvt_cuda_wait(kvt_cuda *c, int lane, uint64_t seq);
 int kvt_cuda_sync(kvt_cuda *c);
 void kvt_cuda_free(kvt_cuda *c);
 
@@ -58,6 +64,8 @@ typedef struct {
     kvt_cuda *c;
     uint64_t seq[3];
 } rig;
+
+static size_t depth; /* 0: the submitter launches; else the launch threads' depth */
 
 static uint64_t rnd_state = 88172645463325252ull;
 static uint64_t rnd(void) {
@@ -105,6 +113,8 @@ static void rig_up(rig *r, size_t wk, size_t wv, int batch, uint64_t dma_min) {
     int ld = kvt_cuda_add_table(r->c, r->load, 2, (uint64_t)(uintptr_t)r->load, 0, 0);
     if (st != 0 || ld != 1)
         FAIL("tables %d %d", st, ld);
+    if (depth && kvt_cuda_coalesce(r->c, depth))
+        FAIL("kvt_cuda_coalesce(%zu) refused", depth);
     r->sx = (kvt_submit_ctx){r->store, 2, 1, BPC, NB, NS, 0, r->row};
     r->lx = (kvt_submit_ctx){r->load, 2, 0, BPC, NB, NS, 1, r->row};
 }
@@ -208,6 +218,12 @@ static void check_paths(void) {
     int launches, batches;
     /* Kernels only: 600 rows take two launches of up to 480 rows; 30 and 2 the small kernel. */
     round_trip(4096, 4096, 0, 0, &launches, &batches, "kernel");
+    if (depth) { /* how jobs merge depends on the threads' timing: only bytes are checked */
+        round_trip(4098, 2054, 0, 0, &launches, &batches, "narrow");
+        round_trip(4096, 4096, 1, 0, &launches, &batches, "dma");
+        round_trip(4096, 4096, 1, 1 << 20, &launches, &batches, "auto");
+        return;
+    }
     if (launches != 8 || batches != 0) /* stores 2 + 1 + 1, loads 2 + 1 + 1 */
         FAIL("kernel: %d launches and %d batched copies, want 8 and 0", launches, batches);
     /* Widths of 2 mod 4 and 6 mod 8: the kernels must move 2 bytes at a time (16 would be
@@ -302,14 +318,13 @@ static void check_ring_and_timing(void) {
     check_seconds(res, collect(&r, res, 64, "ring"), 2.0 * 8192, "ring");
     submit_pairs(&r, &id, 150); /* past 128 slots */
     check_seconds(res, collect(&r, res, 150, "ring"), 2.0 * 8192, "ring");
-    /* A waiter's event: before polling it is the job's end; after, 0. */
+    /* A waiter returns once the job is done (and at once after it is polled). */
     int64_t b[2] = {0, 1}, s = 0;
     store(&r, id, b, 2, &s);
-    uint64_t ev = kvt_cuda_end_event(r.c, 0, r.seq[0]);
-    if (!ev || kvt_cuda_event_sync(r.c, ev) != 0)
-        FAIL("ring: no end event to wait on, or the wait failed");
-    if (kvt_cuda_poll(r.c, res, 4) != 1 || kvt_cuda_end_event(r.c, 0, r.seq[0]) != 0)
-        FAIL("ring: the waited-for job was not reported once, or its event stayed");
+    if (kvt_cuda_wait(r.c, 0, r.seq[0]) != 0)
+        FAIL("ring: the wait failed");
+    if (kvt_cuda_poll(r.c, res, 4) != 1 || kvt_cuda_wait(r.c, 0, r.seq[0]) != 0)
+        FAIL("ring: the waited-for job was not reported once, or a second wait failed");
     rig_down(&r, "ring");
 }
 
@@ -322,6 +337,8 @@ static void check_failures(void) {
     int64_t b1[2] = {4, 5}, b2[2] = {6, 7}, s1 = 1, s2 = 2;
     fake_fail_launch(0);
     store(&r, 1, b1, 2, &s1);
+    if (kvt_cuda_sync(r.c)) /* launched alone, not merged with the next */
+        FAIL("failures: sync failed");
     store(&r, 2, b2, 2, &s2);
     collect(&r, res, 2, "failures");
     if (res[0].ok || !res[1].ok)
@@ -337,6 +354,8 @@ static void check_failures(void) {
     if (kvt_cuda_submit_ids(r.c, &r.lx, 1, COMPUTE, 3, dup, 2, &s1, 1, 0) != 1 ||
         kvt_cuda_submit_ids(r.c, &r.lx, 1, COMPUTE, 3, b1, 1, &s2, 1, 2) != 1)
         FAIL("failures: a repeated block or a skip past the chunk was not refused");
+    if (kvt_cuda_submit_ext(r.c, &r.sx, 3, 0, COMPUTE, bad, 2, &s1, 1, 0) != 1)
+        FAIL("failures: the extension's entry did not refuse an out-of-range block");
 
     int64_t rows_d[2] = {2 * BPC, 2 * BPC + 1}, rows_s[2] = {8, 9};
     if (kvt_cuda_submit(r.c, 0, COMPUTE, 4, 1, 0, 2 * r.row, rows_d, rows_s, 2) != 0)
@@ -347,11 +366,177 @@ static void check_failures(void) {
     rig_down(&r, "failures");
 }
 
-int main(void) {
+/* ---- coalescing only (depth 1: one batch queued on the GPU per lane) ---- */
+
+static void store_on(rig *r, uint64_t compute, int64_t id, const int64_t *blocks, size_t nb,
+                     const int64_t *slots) {
+    if (kvt_cuda_submit_ids(r->c, &r->sx, 0, compute, id, blocks, nb, slots, nb / BPC, 0))
+        FAIL("store %lld refused", (long long)id);
+    r->seq[0]++;
+}
+
+/* Until the fake has seen `n` launches (the launch thread works on its own). */
+static void await_launches(int n, const char *what) {
+    for (int i = 0; i < 100000 && fake_launches() < n; i++) {
+        struct timespec t = {0, 100000};
+        nanosleep(&t, NULL);
+    }
+    if (fake_launches() < n)
+        FAIL("%s: %d launches after 10 s, want %d", what, fake_launches(), n);
+}
+
+/* A store launched and held on the GPU (its lane's stream held), as the first job of a rig. */
+static void first_job_held(rig *r, int64_t *id, const char *what) {
+    int l0 = fake_launches();
+    fake_hold(STREAMS[0], 1);
+    submit_pairs(r, id, 1);
+    await_launches(l0 + 1, what);
+}
+
+/* Jobs submitted while the lane has its batch queued wait on the host and leave together:
+ * ten stores, one launch, each job timed by its share of the batch. */
+static void check_merge(void) {
+    rig r;
+    rig_up(&r, 4096, 4096, 0, 0);
+    kvt_result res[16];
+    int64_t id = 0;
+    int l0 = fake_launches();
+    first_job_held(&r, &id, "merge");
+    submit_pairs(&r, &id, 10);
+    fake_hold(STREAMS[0], 0);
+    check_seconds(res, collect(&r, res, 11, "merge"), 2.0 * 8192, "merge");
+    if (fake_launches() != l0 + 2)
+        FAIL("merge: %d launches for a held job and ten behind it, want 2",
+             fake_launches() - l0);
+    for (int64_t j = 0; j < 11; j++)
+        if (!same(&r, 2 * j, (j % NS) * BPC) || !same(&r, 2 * j + 1, (j % NS) * BPC + 1))
+            FAIL("merge: job %lld's blocks differ", (long long)j);
+    rig_down(&r, "merge");
+}
+
+/* A refused merged launch fails every job in it (they wrote nothing), and not the next. */
+static void check_merged_failure(void) {
+    rig r;
+    rig_up(&r, 4096, 4096, 0, 0);
+    kvt_result res[8];
+    int64_t id = 0;
+    first_job_held(&r, &id, "merged failure");
+    fake_fail_launch(0);
+    submit_pairs(&r, &id, 2);
+    fake_hold(STREAMS[0], 0);
+    collect(&r, res, 3, "merged failure");
+    if (!res[0].ok || res[1].ok || res[2].ok)
+        FAIL("merged failure: jobs reported %d %d %d, want 1 0 0", res[0].ok, res[1].ok,
+             res[2].ok);
+    static const unsigned char zero[8192];
+    if (memcmp(r.host + 1 * BPC * r.row, zero, r.row) ||
+        memcmp(r.host + 2 * BPC * r.row, zero, r.row))
+        FAIL("merged failure: a job of the refused launch wrote");
+    submit_pairs(&r, &id, 1);
+    collect(&r, res, 1, "merged failure");
+    if (!res[0].ok || !same(&r, 6, 3 * BPC))
+        FAIL("merged failure: the job after the refused launch failed");
+    rig_down(&r, "merged failure");
+}
+
+/* A batch whose jobs came from two compute streams waits for both. */
+static void check_two_computes(void) {
+    enum { OTHER = 10 };
+    rig r;
+    rig_up(&r, 4096, 4096, 0, 0);
+    kvt_result res[4];
+    int64_t id = 0;
+    int l0 = fake_launches(), value = 0x3c;
+    first_job_held(&r, &id, "two computes");
+    compute_block = r.k + 100 * 4096;
+    fake_hold(OTHER, 1);
+    fake_host(OTHER, compute_writes, &value);
+    int64_t b1[2] = {100, 101}, b2[2] = {102, 103}, s1 = 40, s2 = 41;
+    store_on(&r, OTHER, 1, b1, 2, &s1);
+    store_on(&r, COMPUTE, 2, b2, 2, &s2);
+    fake_hold(STREAMS[0], 0);
+    await_launches(l0 + 2, "two computes");
+    fake_run();
+    if (kvt_cuda_poll(r.c, res, 4) != 1 || r.host[40 * BPC * r.row] || r.host[41 * BPC * r.row])
+        FAIL("two computes: the batch ran before one of its compute streams got there");
+    fake_hold(OTHER, 0);
+    collect(&r, res, 2, "two computes");
+    if (r.host[40 * BPC * r.row] != 0x3c || !same(&r, 100, 40 * BPC) || !same(&r, 102, 41 * BPC))
+        FAIL("two computes: the batch did not copy what the compute wrote");
+    rig_down(&r, "two computes");
+}
+
+typedef struct {
+    rig *r;
+    uint64_t seq;
+    volatile int done, rc;
+} waiter;
+
+static void *wait_job(void *arg) {
+    waiter *w = arg;
+    w->rc = kvt_cuda_wait(w->r->c, 0, w->seq);
+    w->done = 1;
+    return NULL;
+}
+
+/* A waiter on a job still on the host returns once it is launched and done. */
+static void check_wait_unlaunched(void) {
+    rig r;
+    rig_up(&r, 4096, 4096, 0, 0);
+    kvt_result res[4];
+    int64_t id = 0;
+    first_job_held(&r, &id, "wait");
+    submit_pairs(&r, &id, 1);
+    waiter w = {&r, r.seq[0], 0, -1};
+    pthread_t t;
+    pthread_create(&t, NULL, wait_job, &w);
+    struct timespec pause = {0, 50000000};
+    nanosleep(&pause, NULL);
+    if (w.done)
+        FAIL("wait: returned while its job could not have run");
+    fake_hold(STREAMS[0], 0);
+    pthread_join(t, NULL);
+    if (w.rc || !same(&r, 2, 1 * BPC))
+        FAIL("wait: returned %d before its job's copy (or it failed)", w.rc);
+    collect(&r, res, 2, "wait");
+    rig_down(&r, "wait");
+}
+
+/* Freeing the engine launches the jobs still on the host before the threads stop. */
+static void check_free_launches(void) {
+    rig r;
+    rig_up(&r, 4096, 4096, 0, 0);
+    int64_t id = 0;
+    first_job_held(&r, &id, "free");
+    submit_pairs(&r, &id, 3);
+    fake_hold(STREAMS[0], 0);
+    kvt_cuda_free(r.c);
+    fake_run();
+    for (int64_t j = 0; j < 4; j++)
+        if (!same(&r, 2 * j, j * BPC))
+            FAIL("free: job %lld was not launched before the engine stopped", (long long)j);
+    if (fake_live_events())
+        FAIL("free: %d events outlived the engine", fake_live_events());
+    free(r.k), free(r.v), free(r.host);
+}
+
+static void shared_checks(void) {
     check_paths();
     check_compute_order();
     check_ring_and_timing();
     check_failures();
+}
+
+int main(void) {
+    shared_checks();
+    depth = 2;
+    shared_checks();
+    depth = 1;
+    check_merge();
+    check_merged_failure();
+    check_two_computes();
+    check_wait_unlaunched();
+    check_free_launches();
     printf("ok: %d launches, %d batched copies\n", fake_launches(), fake_batches());
     return 0;
 }

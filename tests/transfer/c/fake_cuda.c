@@ -8,10 +8,18 @@
  * are gather.cu's, emulated block by block: each block copies its piece of a row's segment,
  * and an access that gather.cu's vector width would make misaligned poisons the context, as
  * a misaligned address does on a GPU. Event times count bytes copied: 1 ms per MB.
+ *
+ * Thread-safe, as the driver is (the engine's launch threads call it beside the harness):
+ * one mutex guards everything. A synchronize call runs what can run and then blocks until
+ * another thread lets more run (releases a held stream, queues work); after 10 s without
+ * progress it gives up with ERR_WOULD_HANG, so that a harness bug fails instead of hanging.
  */
+#include <errno.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef int CUresult;
 #define OK 0
@@ -72,15 +80,47 @@ static double clock_ms;
 static CUresult sticky; /* a poisoned context reports this from then on */
 static int fail_launch_at = -1, launches, batches, live_events, context_set = 1;
 static int ctx_token;
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t progress = PTHREAD_COND_INITIALIZER;
+static unsigned long changes; /* bumped, with a broadcast, whenever more may be able to run */
+
+static void changed(void) {
+    changes++;
+    pthread_cond_broadcast(&progress);
+}
+
+/* Wait for another thread's change; 0 after 10 s without one. Called with `mu` held. */
+static int await_change(void) {
+    unsigned long seen = changes;
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 10;
+    while (changes == seen)
+        if (pthread_cond_timedwait(&progress, &mu, &until) == ETIMEDOUT)
+            return 0;
+    return 1;
+}
+
+#define LOCKED(type, body)                                                                      \
+    do {                                                                                        \
+        pthread_mutex_lock(&mu);                                                                \
+        type result_ = (body);                                                                  \
+        pthread_mutex_unlock(&mu);                                                              \
+        return result_;                                                                         \
+    } while (0)
 
 /* ---- the harness's controls ---- */
 
-int fake_launches(void) { return launches; }
-int fake_batches(void) { return batches; }
-int fake_live_events(void) { return live_events; }
-CUresult fake_sticky(void) { return sticky; }
+int fake_launches(void) { LOCKED(int, launches); }
+int fake_batches(void) { LOCKED(int, batches); }
+int fake_live_events(void) { LOCKED(int, live_events); }
+CUresult fake_sticky(void) { LOCKED(CUresult, sticky); }
 /* The `n`th launch from now (0: the next) is refused. */
-void fake_fail_launch(int n) { fail_launch_at = launches + n; }
+void fake_fail_launch(int n) {
+    pthread_mutex_lock(&mu);
+    fail_launch_at = launches + n;
+    pthread_mutex_unlock(&mu);
+}
 
 static queue *find(uintptr_t h) {
     for (int i = 0; i < MAX_STREAMS; i++)
@@ -102,16 +142,24 @@ static void push(uintptr_t h, op *o) {
     else
         s->head = o;
     s->tail = o;
+    changed();
 }
 
 /* Hold or release stream `h`: a held stream runs nothing (a long kernel on it, say). */
-void fake_hold(uintptr_t h, int held) { find(h)->held = held; }
+void fake_hold(uintptr_t h, int held) {
+    pthread_mutex_lock(&mu);
+    find(h)->held = held;
+    changed();
+    pthread_mutex_unlock(&mu);
+}
 
 /* Queue a host function on stream `h`: the harness's stand-in for compute. */
 void fake_host(uintptr_t h, void (*fn)(void *), void *arg) {
     op *o = calloc(1, sizeof *o);
     o->kind = OP_HOST, o->fn = fn, o->arg = arg;
+    pthread_mutex_lock(&mu);
     push(h, o);
+    pthread_mutex_unlock(&mu);
 }
 
 static void copy_block(const kernel *k, const unsigned char *p, unsigned x, unsigned y,
@@ -170,7 +218,7 @@ static void execute(op *o) {
 }
 
 /* Run every operation that can run, in each stream's order; returns how many ran. */
-int fake_run(void) {
+static int run(void) {
     int ran = 0, progress = 1;
     while (progress) {
         progress = 0;
@@ -191,8 +239,12 @@ int fake_run(void) {
             }
         }
     }
+    if (ran)
+        changed();
     return ran;
 }
+
+int fake_run(void) { LOCKED(int, run()); }
 
 /* ---- the driver functions cudaengine.c resolves ---- */
 
@@ -220,9 +272,9 @@ CUresult cuModuleGetFunction(void **fn, void *module, const char *name) {
 
 CUresult cuModuleUnload(void *module) { return module ? OK : ERR_INVALID; }
 
-CUresult cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
-                        unsigned by, unsigned bz, unsigned shmem, void *stream, void **params,
-                        void **extra) {
+static CUresult launch(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                       unsigned by, unsigned bz, unsigned shmem, void *stream, void **params,
+                       void **extra) {
     const kernel *k = fn;
     if (launches++ == fail_launch_at)
         return ERR_INVALID;
@@ -241,10 +293,14 @@ CUresult cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigne
     return OK;
 }
 
-/* cuMemcpyBatchAsync's CUDA 13 signature; not resolved by cudaengine.c but handed to it, as
- * cuda_engine.py does with the real one. */
-CUresult fake_memcpy_batch(uint64_t *dsts, uint64_t *srcs, size_t *sizes, size_t count,
-                           void *attrs, size_t *attr_idxs, size_t nattrs, void *stream) {
+CUresult cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                        unsigned by, unsigned bz, unsigned shmem, void *stream, void **params,
+                        void **extra) {
+    LOCKED(CUresult, launch(fn, gx, gy, gz, bx, by, bz, shmem, stream, params, extra));
+}
+
+static CUresult memcpy_batch(uint64_t *dsts, uint64_t *srcs, size_t *sizes, size_t count,
+                             void *attrs, size_t *attr_idxs, size_t nattrs, void *stream) {
     if (sticky)
         return sticky;
     if (!count || !attrs || !attr_idxs || nattrs != 1 || attr_idxs[0] != 0)
@@ -262,17 +318,25 @@ CUresult fake_memcpy_batch(uint64_t *dsts, uint64_t *srcs, size_t *sizes, size_t
     return OK;
 }
 
+/* cuMemcpyBatchAsync's CUDA 13 signature; not resolved by cudaengine.c but handed to it, as
+ * cuda_engine.py does with the real one. */
+CUresult fake_memcpy_batch(uint64_t *dsts, uint64_t *srcs, size_t *sizes, size_t count,
+                           void *attrs, size_t *attr_idxs, size_t nattrs, void *stream) {
+    LOCKED(CUresult, memcpy_batch(dsts, srcs, sizes, count, attrs, attr_idxs, nattrs, stream));
+}
+
 CUresult cuEventCreate(void **ev, unsigned flags) {
     (void)flags;
     event *e = calloc(1, sizeof *e);
     e->live = 1;
     *ev = e;
+    pthread_mutex_lock(&mu);
     live_events++;
+    pthread_mutex_unlock(&mu);
     return OK;
 }
 
-CUresult cuEventDestroy_v2(void *ev) {
-    event *e = ev;
+static CUresult destroy(event *e) {
     if (!e || !e->live)
         return ERR_INVALID;
     e->live = 0; /* kept, so that a use after destroy is caught rather than undefined */
@@ -280,8 +344,9 @@ CUresult cuEventDestroy_v2(void *ev) {
     return OK;
 }
 
-CUresult cuEventRecord(void *ev, void *stream) {
-    event *e = ev;
+CUresult cuEventDestroy_v2(void *ev) { LOCKED(CUresult, destroy(ev)); }
+
+static CUresult record(event *e, void *stream) {
     if (!e || !e->live)
         return ERR_INVALID;
     op *o = calloc(1, sizeof *o);
@@ -290,8 +355,9 @@ CUresult cuEventRecord(void *ev, void *stream) {
     return OK;
 }
 
-CUresult cuEventQuery(void *ev) {
-    event *e = ev;
+CUresult cuEventRecord(void *ev, void *stream) { LOCKED(CUresult, record(ev, stream)); }
+
+static CUresult query(const event *e) {
     if (!e || !e->live)
         return ERR_INVALID;
     if (sticky)
@@ -299,26 +365,42 @@ CUresult cuEventQuery(void *ev) {
     return e->done >= e->recorded ? OK : ERR_NOT_READY;
 }
 
-CUresult cuEventSynchronize(void *ev) {
-    event *e = ev;
-    if (!e || !e->live)
+CUresult cuEventQuery(void *ev) { LOCKED(CUresult, query(ev)); }
+
+/* Run what can run until `e` (or, with `e` NULL, stream `s`) is done, waiting for other
+ * threads' changes in between. */
+static CUresult synchronize(const event *e, queue *s) {
+    if (e && !e->live)
         return ERR_INVALID;
-    fake_run();
-    if (sticky)
-        return sticky;
-    return e->done >= e->recorded ? OK : ERR_WOULD_HANG;
+    for (;;) {
+        run();
+        if (sticky)
+            return sticky;
+        if (e ? e->done >= e->recorded : !s->head)
+            return OK;
+        if (!await_change())
+            return ERR_WOULD_HANG;
+    }
 }
 
-CUresult cuEventElapsedTime(float *ms, void *start, void *end) {
-    event *a = start, *b = end;
+CUresult cuEventSynchronize(void *ev) {
+    if (!ev)
+        return ERR_INVALID;
+    LOCKED(CUresult, synchronize(ev, NULL));
+}
+
+static CUresult elapsed(float *ms, const event *a, const event *b) {
     if (!a || !b || !a->live || !b->live || a->done < a->recorded || b->done < b->recorded)
         return ERR_INVALID;
     *ms = (float)(b->ms - a->ms);
     return OK;
 }
 
-CUresult cuStreamWaitEvent(void *stream, void *ev, unsigned flags) {
-    event *e = ev;
+CUresult cuEventElapsedTime(float *ms, void *start, void *end) {
+    LOCKED(CUresult, elapsed(ms, start, end));
+}
+
+static CUresult stream_wait(void *stream, event *e, unsigned flags) {
     if (!e || !e->live || flags)
         return ERR_INVALID;
     op *o = calloc(1, sizeof *o);
@@ -327,10 +409,10 @@ CUresult cuStreamWaitEvent(void *stream, void *ev, unsigned flags) {
     return OK;
 }
 
+CUresult cuStreamWaitEvent(void *stream, void *ev, unsigned flags) {
+    LOCKED(CUresult, stream_wait(stream, ev, flags));
+}
+
 CUresult cuStreamSynchronize(void *stream) {
-    fake_run();
-    queue *s = find((uintptr_t)stream);
-    if (sticky)
-        return sticky;
-    return s->head ? ERR_WOULD_HANG : OK;
+    LOCKED(CUresult, synchronize(NULL, find((uintptr_t)stream)));
 }
