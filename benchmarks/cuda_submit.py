@@ -1,14 +1,19 @@
-"""Host time per submit and GPU time per job of the CUDA worker, compiled path against torch ops.
+"""Host time per submit and GPU time per job of the CUDA worker's submit paths, side by side.
 
-For each (page, blocks per job), both paths take turns: a burst of `--jobs` jobs of random
-device blocks and random slots is submitted with nothing in flight before it, then waited for.
+The paths: "compiled" (each job launched by its submitter), "coalesced" (the compiled engine's
+launch threads, `--coalesce-depth` batches queued per lane, the jobs behind them merged) and
+"torch" (torch ops). For each (page, blocks per job), the paths take turns: a burst of
+`--jobs` jobs of random device blocks and random slots is submitted with nothing in flight
+before it, then waited for.
 Per path and direction it reports medians over the rounds (the first is a warm-up) of:
 the median `submit_*` call, the burst's wall time per job (first submit to last job done), and
-the median job's GPU time from its own events (`TransferResult.seconds`). A path is host bound
-where the submit is longer than the GPU time.
+the median job's GPU time from its own events (`TransferResult.seconds`; a merged batch's time
+is shared among its jobs by their bytes). A path is host bound where the submit is longer
+than the GPU time.
 
     python benchmarks/cuda_submit.py                       # needs a CUDA device
     python benchmarks/cuda_submit.py --cases 256x16 1024x1 --rounds 7 --json out/submit.json
+    python benchmarks/cuda_submit.py --paths compiled coalesced --cases 256x1 1024x1 --rounds 7
 """
 
 from __future__ import annotations
@@ -24,21 +29,26 @@ from _bench import KiB, parse_case, run_burst, show_and_save
 from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor
 from kvtier.transfer.cuda_worker import CUDATransferWorker
 
+PATHS = ("compiled", "coalesced", "torch")
+
 
 def bench_case(
-    page: int, blocks: int, jobs: int, rounds: int, region: int, rng: np.random.Generator
-) -> list[dict[str, object]]:
-    """Rows for one (page, blocks per job): both paths, both directions."""
+    page: int, blocks: int, jobs: int, rounds: int, region: int, rng: np.random.Generator,
+    paths: list[str], depth: int,
+) -> list[dict[str, object]]:  # fmt: skip
+    """Rows for one (page, blocks per job): every path, both directions."""
     num_blocks = region // page
     jobs = min(jobs, num_blocks // blocks)
     dev = torch.empty(num_blocks, page, dtype=torch.uint8, device="cuda")
     dev.fill_(7)
     reg = KVCacheRegistration([KVTensor(dev, 0)])
     pool = HostPool(reg, 1, num_slots=num_blocks)
-    workers = {
-        "compiled": CUDATransferWorker(reg, pool, compiled=True),
-        "torch": CUDATransferWorker(reg, pool, compiled=False),
+    kwargs = {
+        "compiled": {"compiled": True},
+        "coalesced": {"compiled": True, "coalesce_depth": depth},
+        "torch": {"compiled": False},
     }
+    workers = {p: CUDATransferWorker(reg, pool, **kwargs[p]) for p in paths}  # type: ignore[arg-type]
     seen: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
     next_id = 0
     for r in range(rounds + 1):
@@ -49,7 +59,7 @@ def bench_case(
                 torch.cuda.synchronize()
                 burst = run_burst(w, direction, d, h, next_id, time_each=True)
                 next_id += jobs
-                if r:  # round 0 warms both paths up
+                if r:  # round 0 warms every path up
                     gpu = statistics.median(x.seconds for x in burst.results)
                     seen.setdefault((path, direction), []).append(
                         (statistics.median(burst.each), burst.wall / jobs, gpu)
@@ -80,6 +90,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds after a warm-up")
     ap.add_argument("--region-mib", type=int, default=1024, help="device and host memory each")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--paths", choices=PATHS, nargs="+", default=list(PATHS))
+    ap.add_argument("--coalesce-depth", type=int, default=2,
+                    help="the coalesced path's batches queued on the GPU per lane")  # fmt: skip
     ap.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -89,7 +102,10 @@ def main(argv: list[str] | None = None) -> None:
     rng = np.random.default_rng(args.seed)
     rows: list[dict[str, object]] = []
     for page, blocks in args.cases:
-        rows += bench_case(page, blocks, args.jobs, args.rounds, args.region_mib << 20, rng)
+        rows += bench_case(
+            page, blocks, args.jobs, args.rounds, args.region_mib << 20, rng, args.paths,
+            args.coalesce_depth,
+        )  # fmt: skip
     table = Table(title=f"CUDA worker: host time per submit and GPU time per job ({args.jobs} "
                   f"jobs a burst, medians of {args.rounds} rounds)")  # fmt: skip
     for col in ("page", "blocks/job", "path", "direction", "submit µs", "wall µs/job",

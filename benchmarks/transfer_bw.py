@@ -65,6 +65,7 @@ def bench_page(
     copy_threads: int | None = None,
     copy_cpus: list[int] | None = None,
     cuda_path: str = "auto",
+    coalesce_depth: int = 0,
 ) -> list[dict[str, object]]:
     """Rows for one page size: store and load for every batch size."""
     num_blocks = max(region // page, 2 * max(batches))
@@ -88,6 +89,8 @@ def bench_page(
             "copy_mode": copy_mode,
             "compiled": {"auto": None, "compiled": True}.get(cuda_path, False),
         }
+        if coalesce_depth:
+            kwargs["coalesce_depth"] = coalesce_depth
     worker: TransferWorker
     if backend == "cpu" and cpu_worker == "python":
         worker = CPUTransferWorker(reg, pool)
@@ -188,6 +191,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cuda-path", choices=["auto", "compiled", "torch"], default="auto",
                     help="CUDA: submit through the compiled engine (where it builds), or "
                     "through torch ops")  # fmt: skip
+    ap.add_argument("--coalesce-depth", type=int, default=0,
+                    help="CUDA, compiled path: launch threads that keep this many batches "
+                    "queued per lane and merge the jobs behind them (0: off)")  # fmt: skip
     ap.add_argument("--cpu-worker", choices=["auto", "python"], default="auto",
                     help="CPU: the factory's worker (compiled copy thread where it builds), or "
                     "CPUTransferWorker (Python copy thread)")  # fmt: skip
@@ -204,6 +210,8 @@ def main(argv: list[str] | None = None) -> None:
         "--pageable", action="store_true", help="leave the host pool unpinned (CUDA fallback)"
     )
     args = ap.parse_args(argv)
+    if args.coalesce_depth and args.cuda_path == "torch":
+        ap.error("--coalesce-depth needs the compiled path, not --cuda-path torch")
     if args.copy_cpus and args.cpu_worker == "python":
         ap.error("--copy-cpus places the compiled worker's threads; not with --cpu-worker python")
     backend = args.backend
@@ -219,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
             backend, device, page_kib * KiB, args.batches, args.region_mib * MiB,
             args.moved_mib * MiB, args.repeats, rng, args.pageable, args.copy_mode,
             args.cpu_worker, args.settle_ms / 1e3, args.copy_threads, args.copy_cpus,
-            args.cuda_path,
+            args.cuda_path, args.coalesce_depth,
         )  # fmt: skip
     label = str(rows[0]["backend"]) if rows else backend
     table = Table(title=f"kvtier transfer throughput ({label}, torch threads "

@@ -109,6 +109,15 @@ def _int_parser(minimum: int) -> Callable[[object], int]:
     return lambda raw: _parse_int(raw, minimum, expected)
 
 
+def _parse_coalesce_depth(raw: object) -> int:
+    # cudaengine.c's KVT_DEPTH_MAX; not imported, so that the config never loads torch.
+    expected = "an integer from 0 (off) to 8"
+    value = _parse_int(raw, 0, expected)
+    if value > 8:
+        raise _Invalid(expected)
+    return value
+
+
 def _parse_bool(raw: object) -> bool:
     if isinstance(raw, bool):
         return raw
@@ -225,6 +234,7 @@ _PARSERS: Final[dict[str, Callable[[object], Any]]] = {
     "transfer_backend": _choice_parser(("auto", "cpu", "cuda")),
     "transfer_cpus": _parse_cpus,
     "transfer_avoid_submitter_cpu": _parse_bool,
+    "transfer_coalesce_depth": _parse_coalesce_depth,
     "pin_memory": _parse_pin_memory,
     "offload_prompt_only": _parse_bool,
 }
@@ -265,6 +275,7 @@ class KVTierConfig:
     transfer_backend: Literal["auto", "cpu", "cuda"] = "auto"
     transfer_cpus: tuple[int, ...] | None = None
     transfer_avoid_submitter_cpu: bool = True
+    transfer_coalesce_depth: int = 0
     pin_memory: bool | None = None
     offload_prompt_only: bool = True
 

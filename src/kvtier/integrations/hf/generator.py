@@ -127,6 +127,7 @@ class KVTierGenerator:
             fault_injector=fault_injector,
             copy_cpus=config.transfer_cpus,
             avoid_submitter_cpu=config.transfer_avoid_submitter_cpu,
+            coalesce_depth=config.transfer_coalesce_depth,
         )
         self.worker = OffloadingWorker(self.transfer)
         self.stats = GeneratorStats()

@@ -100,6 +100,7 @@ class KVTierWorkerSide:
             cfg.transfer_backend,
             copy_cpus=cfg.transfer_cpus,
             avoid_submitter_cpu=cfg.transfer_avoid_submitter_cpu,
+            coalesce_depth=cfg.transfer_coalesce_depth,
         )
         self._worker = OffloadingWorker(self.transfer)
         path = getattr(self.transfer, "copy_path", None)
