@@ -104,6 +104,8 @@ class KVTierWorkerSide:
         )
         self._worker = OffloadingWorker(self.transfer)
         path = getattr(self.transfer, "copy_path", None)
+        if path and getattr(self.transfer, "coalesce_depth", 0):
+            path += f", coalescing behind {self.transfer.coalesce_depth} batches a lane"  # type: ignore[attr-defined]
         where = getattr(self.transfer, "copy_cpus", None) or (
             "any, off the submitter's" if getattr(self.transfer, "avoid_submitter_cpu", False)
             else "any"
