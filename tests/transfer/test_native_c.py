@@ -10,7 +10,8 @@ servers such as Grace) run under qemu where the cross tools are installed (Debia
   `libcuda.so.1` that cudaengine.c opens: jobs launched by the submitter, and by launch
   threads that coalesce them. The same paths run on a GPU in test_cuda_worker.py.
 - c/ext_check.py: the same engine over the same fake, called from Python the way the CUDA
-  worker calls it (the submit extension, the ctypes signatures).
+  worker calls it (the submit extension, the ctypes signatures); c/worker_check.py:
+  CUDATransferWorker itself on it, with torch's CUDA calls stood in.
 """
 
 from __future__ import annotations
@@ -76,10 +77,14 @@ def test_the_cuda_submit_path_against_a_fake_driver(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(HOST_CC is None, reason="needs a C compiler")
+@pytest.mark.parametrize("script", ["ext_check", "worker_check"])
 @pytest.mark.parametrize("depth", [0, 2])
-def test_the_cuda_engine_from_python_against_a_fake_driver(tmp_path: Path, depth: int) -> None:
-    """c/ext_check.py: the submit extension and ctypes calls that CUDATransferWorker makes,
-    into the library's CUDA engine over the fake driver (found first on LD_LIBRARY_PATH)."""
+def test_the_cuda_engine_from_python_against_a_fake_driver(
+    tmp_path: Path, script: str, depth: int
+) -> None:
+    """c/ext_check.py: the submit extension and the ctypes calls, into the library's CUDA
+    engine; c/worker_check.py: CUDATransferWorker itself on that engine, torch's CUDA calls
+    stood in. Both over the fake driver, found first on LD_LIBRARY_PATH."""
     if native.library() is None or native.submit_extension() is None:
         pytest.skip("the library or the submit extension does not build here")
     assert HOST_CC is not None
@@ -87,7 +92,7 @@ def test_the_cuda_engine_from_python_against_a_fake_driver(tmp_path: Path, depth
         HARNESSES / "fake_cuda.c")  # fmt: skip
     env = {**os.environ, "LD_LIBRARY_PATH": str(tmp_path)}
     out = subprocess.run(
-        [sys.executable, str(HARNESSES / "ext_check.py"), str(depth)],
+        [sys.executable, str(HARNESSES / f"{script}.py"), str(depth)],
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr
