@@ -70,7 +70,9 @@ def test_the_library_copies_byte_exact_without_python(tmp_path: Path) -> None:
 def test_the_cuda_submit_path_against_a_fake_driver(tmp_path: Path) -> None:
     """Kernels and batched copies byte-exact (also at 2-byte alignment), loads mid-chunk, the
     wait for compute before stores and loads, each lane's order and borrowed start events
-    across the ring's growth, refused launches and arguments, no event leaked."""
+    across the ring's growth, refused launches and arguments, no event leaked; coalescing's
+    merges, waits and shutdown; random interleavings of submits, polls, waits and held
+    streams, with and without launch threads."""
     assert HOST_CC is not None
     out = _build_and_run(HOST_CC, tmp_path, [], {}, "cuda_check")
     assert out.startswith("ok:"), out

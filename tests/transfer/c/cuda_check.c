@@ -520,6 +520,170 @@ static void check_free_launches(void) {
     free(r.k), free(r.v), free(r.host);
 }
 
+/* ---- random interleavings ---- */
+
+enum { X = NB / 2, MAXJOBS = 4000 }; /* stores read blocks [0, X); loads write [X, NB) */
+
+typedef struct {
+    int lane, store, done;
+    uint64_t seq;
+    int64_t slots[8], blocks[16];
+    size_t ns, nb, skip;
+} job_t;
+
+typedef struct {
+    job_t jobs[MAXJOBS];
+    int njobs;
+    int64_t slot_src[NS][BPC]; /* the X block a slot row holds once its store is reported */
+    int slot_store[NS], slot_loads[NS];
+    int64_t y_src[NB];         /* the X block a Y block holds once its load is reported */
+    int y_busy[NB];
+    int64_t last[3];
+    int held[3];
+} world;
+
+static void apply(world *w, const kvt_result *res, size_t n, const char *what) {
+    for (size_t i = 0; i < n; i++) {
+        if (res[i].id < 0 || res[i].id >= w->njobs)
+            FAIL("%s: unknown job %lld reported", what, (long long)res[i].id);
+        job_t *j = &w->jobs[res[i].id];
+        if (j->done || !res[i].ok || res[i].lane != j->lane || res[i].id <= w->last[j->lane])
+            FAIL("%s: job %lld reported twice, failed, on the wrong lane or out of order", what,
+                 (long long)res[i].id);
+        j->done = 1;
+        w->last[j->lane] = res[i].id;
+        if (j->store) {
+            for (size_t k = 0; k < j->ns; k++) {
+                w->slot_store[j->slots[k]] = 0;
+                for (int b = 0; b < BPC; b++)
+                    w->slot_src[j->slots[k]][b] = j->blocks[k * BPC + (size_t)b];
+            }
+        } else {
+            for (size_t k = 0; k < j->ns; k++)
+                w->slot_loads[j->slots[k]]--;
+            for (size_t k = 0; k < j->nb; k++) {
+                size_t at = j->skip + k;
+                w->y_src[j->blocks[k]] = w->slot_src[j->slots[at / BPC]][at % BPC];
+                w->y_busy[j->blocks[k]] = 0;
+            }
+        }
+    }
+}
+
+/* Up to `want` distinct random slots for job `j`: for a store, slots with no job in flight;
+ * for a load, stored slots no store is rewriting. Returns how many. */
+static size_t pick_slots(const world *w, job_t *j, size_t want, int store) {
+    j->ns = 0;
+    for (int t = 0; t < 40 && j->ns < want; t++) {
+        int64_t s = (int64_t)(rnd() % NS);
+        int ok = !w->slot_store[s] && (store ? !w->slot_loads[s] : w->slot_src[s][0] >= 0);
+        for (size_t k = 0; k < j->ns && ok; k++)
+            ok = j->slots[k] != s;
+        if (ok)
+            j->slots[j->ns++] = s;
+    }
+    return j->ns;
+}
+
+/* Random stores, loads (mid-chunk, some urgent), polls, waits, streams held and released, in
+ * any order the contract allows; every job reported once, in its lane's order, and every byte
+ * where the jobs put it. With launch threads, they race the main thread throughout. */
+static void check_random(size_t d, uint64_t seed) {
+    static world w;
+    memset(&w, 0, sizeof w);
+    for (int s = 0; s < NS; s++)
+        w.slot_src[s][0] = w.slot_src[s][1] = -1;
+    for (int b = 0; b < NB; b++)
+        w.y_src[b] = -1;
+    w.last[0] = w.last[1] = w.last[2] = -1;
+    rnd_state = seed;
+    depth = d;
+    rig r;
+    rig_up(&r, 4096, 2048, 0, 0);
+    kvt_result res[64];
+    for (int op = 0; op < 3000 && w.njobs < MAXJOBS; op++) {
+        unsigned c = (unsigned)(rnd() % 100);
+        job_t *j = &w.jobs[w.njobs];
+        if (c < 40) { /* a store of 1-8 free slots */
+            if (!pick_slots(&w, j, 1 + rnd() % 8, 1))
+                continue;
+            j->nb = j->ns * BPC;
+            pick(j->blocks, j->nb, X);
+            j->store = 1, j->lane = 0, j->seq = ++r.seq[0];
+            if (kvt_cuda_submit_ids(r.c, &r.sx, 0, COMPUTE, w.njobs, j->blocks, j->nb, j->slots,
+                                    j->ns, 0))
+                FAIL("random: store %d refused", w.njobs);
+            for (size_t k = 0; k < j->ns; k++)
+                w.slot_store[j->slots[k]] = 1;
+            w.njobs++;
+        } else if (c < 80) { /* a load of 1-4 stored slots, from mid-chunk, into free Y blocks */
+            if (!pick_slots(&w, j, 1 + rnd() % 4, 0))
+                continue;
+            j->skip = rnd() % BPC;
+            j->nb = j->ns * BPC - j->skip;
+            size_t got = 0;
+            for (int t = 0; t < 200 && got < j->nb; t++) {
+                int64_t b = X + (int64_t)(rnd() % (NB - X));
+                int dup = 0;
+                for (size_t k = 0; k < got; k++)
+                    dup |= j->blocks[k] == b;
+                if (!dup && !w.y_busy[b])
+                    j->blocks[got++] = b;
+            }
+            if (got < j->nb)
+                continue;
+            j->lane = rnd() % 5 ? 1 : 2;
+            j->seq = ++r.seq[j->lane];
+            if (kvt_cuda_submit_ids(r.c, &r.lx, j->lane, COMPUTE, w.njobs, j->blocks, j->nb,
+                                    j->slots, j->ns, j->skip))
+                FAIL("random: load %d refused", w.njobs);
+            for (size_t k = 0; k < j->ns; k++)
+                w.slot_loads[j->slots[k]]++;
+            for (size_t k = 0; k < j->nb; k++)
+                w.y_busy[j->blocks[k]] = 1;
+            w.njobs++;
+        } else if (c < 88) {
+            apply(&w, res, kvt_cuda_poll(r.c, res, 1 + rnd() % 64), "random");
+        } else if (c < 92 && w.njobs) { /* wait for a job (held streams released first) */
+            job_t *t = &w.jobs[rnd() % (uint64_t)w.njobs];
+            for (int l = 0; l < 3; l++)
+                if (w.held[l])
+                    fake_hold(STREAMS[l], w.held[l] = 0);
+            if (kvt_cuda_wait(r.c, t->lane, t->seq))
+                FAIL("random: a wait failed");
+        } else if (c < 97) {
+            int l = (int)(rnd() % 3);
+            w.held[l] = !w.held[l];
+            fake_hold(STREAMS[l], w.held[l]);
+        } else {
+            fake_run();
+        }
+    }
+    for (int l = 0; l < 3; l++)
+        fake_hold(STREAMS[l], 0);
+    if (kvt_cuda_sync(r.c))
+        FAIL("random: sync failed");
+    size_t n;
+    while ((n = kvt_cuda_poll(r.c, res, 64)))
+        apply(&w, res, n, "random");
+    for (int i = 0; i < w.njobs; i++)
+        if (!w.jobs[i].done)
+            FAIL("random (depth %zu): job %d never reported", d, i);
+    for (int s = 0; s < NS; s++)
+        for (int b = 0; b < BPC; b++)
+            if (w.slot_src[s][b] >= 0 && !same(&r, w.slot_src[s][b], s * BPC + b))
+                FAIL("random (depth %zu): slot %d row %d differs", d, s, b);
+    for (int b = X; b < NB; b++) {
+        if (w.y_src[b] < 0)
+            continue;
+        if (memcmp(r.k + (size_t)b * r.wk, r.k + (size_t)w.y_src[b] * r.wk, r.wk) ||
+            memcmp(r.v + (size_t)b * r.wv, r.v + (size_t)w.y_src[b] * r.wv, r.wv))
+            FAIL("random (depth %zu): block %d differs from block %lld", d, b,
+                 (long long)w.y_src[b]);
+    }
+    rig_down(&r, "random");
+}
+
 static void shared_checks(void) {
     check_paths();
     check_compute_order();
@@ -537,6 +701,9 @@ int main(void) {
     check_two_computes();
     check_wait_unlaunched();
     check_free_launches();
+    for (size_t d = 0; d <= 3; d++)
+        for (uint64_t seed = 1; seed <= 3; seed++)
+            check_random(d, 0x9e3779b97f4a7c15ull * seed);
     printf("ok: %d launches, %d batched copies\n", fake_launches(), fake_batches());
     return 0;
 }
