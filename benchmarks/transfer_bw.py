@@ -217,6 +217,8 @@ def main(argv: list[str] | None = None) -> None:
     backend = args.backend
     if backend == "auto":
         backend = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.coalesce_depth and backend != "cuda":
+        ap.error("--coalesce-depth sets the CUDA backend's launch threads; the backend is cpu")
     if args.copy_cpus and backend != "cpu":
         ap.error("--copy-cpus places the CPU backend's copy threads; the backend here is cuda")
     device = torch.device("cuda" if backend == "cuda" else "cpu")
