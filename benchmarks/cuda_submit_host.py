@@ -18,6 +18,7 @@ warm-up; each row gives the median over rounds of the median submit.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -26,6 +27,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from rich.table import Table
+
+from _bench import show_and_save
 
 REPO = Path(__file__).resolve().parent.parent
 HARNESSES = REPO / "tests" / "transfer" / "c"
@@ -96,8 +101,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.jobs < 1 or args.rounds < 1 or min(args.blocks) < 1:
         ap.error("--jobs, --rounds and --blocks must be at least 1")
     if args.child:
-        import json
-
         Path(args.child).write_text(json.dumps(measure(args.blocks, args.jobs, args.rounds)))
         return
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -115,13 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         child = [sys.executable, __file__, "--child", str(out), "--jobs", str(args.jobs),
                  "--rounds", str(args.rounds), "--blocks", *map(str, args.blocks)]  # fmt: skip
         subprocess.run(child, check=True, env=env)
-        import json
-
         rows = json.loads(out.read_text())
-    from rich.table import Table
-
-    from _bench import show_and_save
-
     table = Table(title=f"CUDA worker submit over the stand-in driver ({args.jobs} jobs a "
                   f"route and round, medians of {args.rounds} rounds)")  # fmt: skip
     for col in ("blocks/job", "route", "submit µs", "range µs"):

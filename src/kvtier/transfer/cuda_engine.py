@@ -81,11 +81,6 @@ class CUDAEngine:
         dma_min_bytes: int,
         coalesce_depth: int = 0,
     ) -> None:
-        if not 0 <= coalesce_depth <= MAX_COALESCE_DEPTH:
-            raise ValueError(
-                f"coalesce_depth={coalesce_depth!r} is out of range; expected 0 (off) to "
-                f"{MAX_COALESCE_DEPTH}"
-            )
         lib = library()
         if lib is None:
             raise RuntimeError(
@@ -115,7 +110,8 @@ class CUDAEngine:
         if not handle:
             raise RuntimeError(f"the CUDA copy engine failed to start: {err.value.decode()}")
         self._lib = lib
-        self._handle: int = handle
+        self.handle: int = handle
+        """The engine's address (the submit extension takes it)."""
         self._device_index = device.index if device.index is not None else 0
         self.tables: dict[int, tuple[_Table, _Table]] = {}
         """Per KV-cache group, the store and load tables."""
@@ -143,8 +139,6 @@ class CUDAEngine:
         self.coalesce_depth = coalesce_depth
         """Batches a lane keeps queued on the GPU before it holds jobs back (0: no launch
         threads; each job is launched by its submitter)."""
-        self.handle = handle
-        """The engine's address, for the submit extension (`native.submit_extension`)."""
         self.submit_fn: int = ctypes.cast(lib.kvt_cuda_submit_ext, ctypes.c_void_p).value or 0
         """The address of the submit call in the shape the extension calls."""
 
@@ -155,7 +149,7 @@ class CUDAEngine:
     def last_error(self) -> int:
         """The CUresult behind the latest submit the extension reported as failed (-1: out
         of memory, or the engine stopping)."""
-        return int(self._lib.kvt_cuda_last_error(self._handle))
+        return int(self._lib.kvt_cuda_last_error(self.handle))
 
     def submit_ids(
         self, context: int, lane: int, job_id: int, blocks_at: int, nblocks: int, slots_at: int,
@@ -165,7 +159,7 @@ class CUDAEngine:
         `SubmitContext`); 0 queued, 1 invalid (nothing queued), else an error."""
         return int(
             self._lib.kvt_cuda_submit_ids(
-                self._handle, context, lane, _raw_stream(self._device_index), job_id,
+                self.handle, context, lane, _raw_stream(self._device_index), job_id,
                 blocks_at, nblocks, slots_at, nslots, skip,
             )
         )  # fmt: skip
@@ -184,7 +178,7 @@ class CUDAEngine:
         """Queue a planned job (`dst`/`src`: int64 rows); `fail` records it as failed."""
         return int(
             self._lib.kvt_cuda_submit(
-                self._handle, lane, _raw_stream(self._device_index), job_id, int(fail), table,
+                self.handle, lane, _raw_stream(self._device_index), job_id, int(fail), table,
                 nbytes, dst.ctypes.data, src.ctypes.data, dst.shape[0],
             )
         )  # fmt: skip
@@ -193,7 +187,7 @@ class CUDAEngine:
         """Finished jobs as (job_id, ok, seconds), each lane in submission order."""
         out = []
         while True:
-            k = self._lib.kvt_cuda_poll(self._handle, self._poll_buffer, _POLL)
+            k = self._lib.kvt_cuda_poll(self.handle, self._poll_buffer, _POLL)
             out += [(r.job_id, bool(r.ok), float(r.seconds)) for r in self._poll_buffer[:k]]
             if k < _POLL:
                 return out
@@ -201,8 +195,8 @@ class CUDAEngine:
     def wait(self, lane: int, seq: int) -> None:
         """Block until `lane`'s job `seq` (counted from 1) is launched and its copies have
         finished; at once if it has been polled (releases the GIL; needs no lock)."""
-        self._lib.kvt_cuda_wait(self._handle, lane, seq)
+        self._lib.kvt_cuda_wait(self.handle, lane, seq)
 
     def sync(self) -> None:
         """Block until every queued copy has finished."""
-        self._lib.kvt_cuda_sync(self._handle)
+        self._lib.kvt_cuda_sync(self.handle)

@@ -112,6 +112,14 @@ class _Lane:
         self.records: deque[_Record] = deque()
 
 
+def _not_queued(job_id: int, rc: int) -> RuntimeError:
+    """The error for a job the compiled engine could not queue (`rc`: -1 or a CUresult)."""
+    return RuntimeError(
+        f"the CUDA copy engine could not queue job {job_id} "
+        + ("(out of memory)" if rc < 0 else f"(CUresult {rc})")
+    )
+
+
 def _lane(direction: Direction, urgent: bool) -> int:
     """The compiled engine's lane (an index into `LANES`) of a job."""
     if direction is Direction.STORE:
@@ -255,13 +263,10 @@ class CUDATransferWorker(TransferWorker):
                 self._unreported.add(job_id)
                 return
             if n == EXT_STOPPED:
-                rc = engine.last_error()
-                raise RuntimeError(
-                    f"the CUDA copy engine could not queue job {job_id} "
-                    + ("(out of memory)" if rc < 0 else f"(CUresult {rc})")
-                )
-            call = SubmitCall(job_id, direction, device_blocks, slots, group, skip, urgent)
-            if self._planned_after_refusal(n, EXT_REFUSED, call):
+                raise _not_queued(job_id, engine.last_error())
+            if n == EXT_REFUSED:
+                call = SubmitCall(job_id, direction, device_blocks, slots, group, skip, urgent)
+                self._plan_and_submit(call)  # raises, saying why (or runs what C was stricter on)
                 return
         # Ids the extension does not read (numpy scalars, strided arrays): numpy converts them.
         self._submit_staged(job_id, direction, device_blocks, slots, group, skip, urgent)
@@ -295,10 +300,7 @@ class CUDATransferWorker(TransferWorker):
 
     def _queued(self, job_id: int, lane: int, nbytes: int, rc: int) -> None:
         if rc != 0:
-            raise RuntimeError(
-                f"the CUDA copy engine could not queue job {job_id} "
-                + ("(out of memory)" if rc < 0 else f"(CUresult {rc})")
-            )
+            raise _not_queued(job_id, rc)
         seq = self._next_seq[lane]
         self._live[job_id] = _Live(lane, seq, nbytes)
         self._next_seq[lane] = seq + 1

@@ -134,7 +134,7 @@ typedef struct { /* a ring of the lane's jobs in submission order */
     uint64_t batch_bytes, batch_jobs;
     /* launching: the lane's thread's, or the submitter's without coalescing */
     pthread_t thread;
-    int has_thread, idle;
+    int idle; /* its thread waits for work */
     pthread_cond_t work;
     kvt_rows params;
     kvt_few_rows few;
@@ -610,15 +610,12 @@ int kvt_cuda_coalesce(kvt_cuda *c, size_t depth) {
             for (int k = 0; k < i; k++)
                 pthread_cond_signal(&c->lanes[k].work);
             pthread_mutex_unlock(&c->mu);
-            for (int k = 0; k < i; k++) {
+            for (int k = 0; k < i; k++)
                 pthread_join(c->lanes[k].thread, NULL);
-                c->lanes[k].has_thread = 0;
-            }
             c->stopping = 0;
             c->coalesce = 0;
             return 1;
         }
-        c->lanes[i].has_thread = 1;
     }
     return 0;
 }
@@ -819,7 +816,7 @@ void kvt_cuda_free(kvt_cuda *c) {
             pthread_cond_signal(&c->lanes[i].work);
         pthread_mutex_unlock(&c->mu);
         for (int i = 0; i < KVT_LANES; i++)
-            if (c->lanes[i].has_thread)
+            if (c->coalesce) /* every lane has its thread */
                 pthread_join(c->lanes[i].thread, NULL);
     }
     if (c->ctx && enter(c) == CUDA_SUCCESS) {

@@ -303,8 +303,9 @@ class NativeCPUTransferWorker(TransferWorker):
             del self._live[job_id]
             if n == EXT_STOPPED:
                 raise RuntimeError(f"the copy engine refused job {job_id} (stopped or no memory)")
-            call = SubmitCall(job_id, direction, device_blocks, slots, group, skip, urgent)
-            if self._planned_after_refusal(n, EXT_REFUSED, call):
+            if n == EXT_REFUSED:
+                call = SubmitCall(job_id, direction, device_blocks, slots, group, skip, urgent)
+                self._plan_and_submit(call)  # raises, saying why (or runs what C was stricter on)
                 return
         # Ids the extension does not read (numpy scalars, strided arrays): numpy converts them.
         self._submit_staged(job_id, direction, device_blocks, slots, group, skip, urgent)

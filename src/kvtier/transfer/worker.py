@@ -203,16 +203,6 @@ class TransferWorker(ABC):
         self._submit(job)
         self._unreported.add(c.job_id)
 
-    def _planned_after_refusal(self, result: int, refused: int, c: SubmitCall) -> bool:
-        """After a compiled submit that queued nothing (called with the lock held): if the C
-        side refused the arguments (`result == refused`), plan the call in Python, which
-        raises saying why (or runs what C was stricter on), and return True. False: the
-        caller has the ids converted and submits them another way."""
-        if result != refused:
-            return False
-        self._plan_and_submit(c)
-        return True
-
     def _check_job_id(self, job_id: int) -> None:
         if self._closed:
             raise RuntimeError("the transfer worker is shut down")
