@@ -713,13 +713,20 @@ def test_random_backlogs_match_a_sequential_model(seed: int) -> None:
                 dev[torch.from_numpy(blocks)] = host[torch.from_numpy(slots)]
             pending.append(j)
             if rng.random() < 0.05 or j == 299:
-                for g in gates:  # a held job, if queued, lets go while we wait
-                    threading.Timer(0.05, g.set).start()
+                # A held job, if queued, lets go while we wait.
+                timers = [threading.Timer(0.05, g.set) for g in gates]
+                for t in timers:
+                    t.start()
                 w.wait(pending)
                 results = w.get_finished()
                 assert [r.job_id for r in results] == pending
                 assert all(r.success for r in results)
                 pending = []
+                # A timer still to fire after a short wait would open its gate early, and a later
+                # held job would then pass with no backlog formed behind it.
+                for t in timers:
+                    t.cancel()
+                    t.join()
                 for g in gates:
                     g.clear()
         shared = w.shared_jobs
