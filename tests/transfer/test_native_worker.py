@@ -571,13 +571,34 @@ def test_share_backlog_must_be_a_bool() -> None:
         NativeCPUTransferWorker(reg, pool, share_backlog="yes")  # type: ignore[arg-type]
 
 
+class _Hold:
+    """A fault hook that holds the engine's thread in job `job_id` until `gate` opens, and says
+    when the thread got there: only then is every later job sure to queue behind it (a thread
+    starved of CPU until the waiter arrives would otherwise batch the held job as well)."""
+
+    def __init__(self, job_id: int, fail: int | None = None) -> None:
+        self.job_id, self.fail = job_id, fail
+        self.gate, self.reached = threading.Event(), threading.Event()
+
+    def __call__(self, job_id: int, direction: str) -> None:
+        if job_id == self.job_id:
+            self.reached.set()
+            self.gate.wait(5)
+        if job_id == self.fail:
+            raise RuntimeError("injected")
+
+    def held(self) -> None:
+        assert self.reached.wait(5), f"job {self.job_id} never reached the fault hook"
+
+
 def _held_backlog(
-    w: NativeCPUTransferWorker, gate: threading.Event, submit: Callable[[], list[int]]
+    w: NativeCPUTransferWorker, hold: _Hold, submit: Callable[[], list[int]]
 ) -> list[int]:
-    """Submit with the engine's thread held in the fault hook of the first job, then wait for
-    all while the gate opens: the engine finds the rest queued behind a waiter."""
+    """Submit with the engine's thread held in the fault hook of the first job (`submit` calls
+    `hold.held()` after submitting it), then wait for all while the gate opens: the engine finds
+    the rest queued behind a waiter."""
     ids = submit()
-    threading.Timer(0.3, gate.set).start()
+    threading.Timer(0.3, hold.gate.set).start()
     w.wait(ids)
     return ids
 
@@ -596,21 +617,22 @@ def test_a_waiters_backlog_is_copied_by_every_copy_thread(share: bool) -> None:
     """Small jobs queued behind a waiting thread are copied in a batch over the copy threads
     (share_backlog), byte-exact and reported in order; without it, one by one."""
     kv, reg, pool = _small_rows(64, 1)
-    gate = threading.Event()
     rng = np.random.default_rng(2)
     blocks, slots = rng.permutation(64)[:41], rng.permutation(64)[:41]
 
     def submit() -> list[int]:
         for j in range(41):
             w.submit_store(j, [blocks[j]], [slots[j]])
+            if j == 0:
+                hold.held()
         return list(range(41))
 
-    hold = lambda j, d: gate.wait(5) if j == 0 else None  # noqa: E731
+    hold = _Hold(0)
     with NativeCPUTransferWorker(
         reg, pool, copy_threads=2, share_backlog=share, fault_injector=hold
     ) as w:
         assert w.share_backlog is share
-        ids = _held_backlog(w, gate, submit)
+        ids = _held_backlog(w, hold, submit)
         results = w.get_finished()
         # 40 jobs of 16 KiB behind the first: one batch of 640 KiB, in slices of 256 KiB.
         assert w.shared_jobs == (40 if share else 0)
@@ -625,20 +647,21 @@ def test_a_backlog_writing_one_row_twice_is_copied_in_order() -> None:
     kv, reg, pool = _small_rows(64, 3)
     rows = kv.view(torch.uint8).view(64, -1)
     want = rows.clone()
-    gate = threading.Event()
     with NativeCPUTransferWorker(reg, pool, copy_threads=2) as w:
         w.submit_store(0, np.arange(40), np.arange(40))
         w.wait([0])
         w.get_finished()
-    hold = lambda j, d: gate.wait(5) if j == 1 else None  # noqa: E731
+    hold = _Hold(1)
     with NativeCPUTransferWorker(reg, pool, copy_threads=2, fault_injector=hold) as w:
 
         def submit() -> list[int]:
             for j in range(40):  # slot j into block 50 + j % 8: each block written 5 times
                 w.submit_load(1 + j, [j], [50 + j % 8])
+                if j == 0:
+                    hold.held()
             return list(range(1, 41))
 
-        _held_backlog(w, gate, submit)
+        _held_backlog(w, hold, submit)
         assert all(r.success for r in w.get_finished())
         assert w.shared_jobs == 0
     for b in range(8):
@@ -652,26 +675,21 @@ def test_a_backlog_keeps_direction_order_and_isolates_a_failure() -> None:
     rows = kv.view(torch.uint8).view(96, -1)
     want = rows.clone()
     pool.tensor.zero_()
-    gate = threading.Event()
-
-    def hook(j: int, d: str) -> None:
-        if j == 0:
-            gate.wait(5)
-        if j == 7:
-            raise RuntimeError("injected")
-
-    with NativeCPUTransferWorker(reg, pool, copy_threads=2, fault_injector=hook) as w:
+    hold = _Hold(0, fail=7)
+    with NativeCPUTransferWorker(reg, pool, copy_threads=2, fault_injector=hold) as w:
 
         def submit() -> list[int]:
             for j in range(40):
                 w.submit_store(j, [j], [j])  # job 7 fails: slot 7 stays zero
+                if j == 0:
+                    hold.held()
             for j in range(40):
                 w.submit_load(40 + j, [j], [50 + j % 46])
             return list(range(80))
 
-        ids = _held_backlog(w, gate, submit)
+        ids = _held_backlog(w, hold, submit)
         results = w.get_finished()
-        assert w.shared_jobs >= 39 + 40, "both runs of small jobs should have been shared"
+        assert w.shared_jobs == 39 + 40, "both runs of small jobs should have been shared"
     assert [r.job_id for r in results] == ids
     assert [r.job_id for r in results if not r.success] == [7]
     assert not pool.rows[7].any()
