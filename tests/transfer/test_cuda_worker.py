@@ -136,6 +136,7 @@ def test_compiled_jobs_of_more_rows_than_one_launch_takes(mode: str) -> None:
     assert w.copy_path == "compiled"
     with w:
         w.submit_store(1, src, slots)
+        w.wait([1])  # a slot is loaded only once its store is reported (the lanes overlap)
         w.submit_load(2, slots, dst)
         w.wait([2])
         assert [(r.job_id, r.success) for r in w.get_finished()] == [(1, True), (2, True)]
@@ -273,6 +274,7 @@ def test_without_the_compiled_engine_the_worker_falls_back_to_torch_ops(
     assert w.copy_path == "torch"
     with w:
         w.submit_store(1, [5], [2])
+        w.wait([1])
         w.submit_load(2, [2], [9])
         w.wait([2])
         assert all(r.success for r in w.get_finished())
