@@ -587,6 +587,17 @@ static void *launcher(void *arg) {
     return NULL;
 }
 
+/* Stop the engine: launch threads of lanes [0, n) launch what waits, then end and are joined. */
+static void stop_launchers(kvt_cuda *c, int n) {
+    pthread_mutex_lock(&c->mu);
+    c->stopping = 1;
+    for (int k = 0; k < n; k++)
+        pthread_cond_signal(&c->lanes[k].work);
+    pthread_mutex_unlock(&c->mu);
+    for (int k = 0; k < n; k++)
+        pthread_join(c->lanes[k].thread, NULL);
+}
+
 /* Start a launch thread per lane that coalesces queued jobs, keeping at most `depth` (1 to
  * KVT_DEPTH_MAX) batches queued on the GPU per lane. Call once, before the first submit.
  * Returns 0, or 1 if `depth` is out of range, a thread could not start or jobs were already
@@ -605,13 +616,7 @@ int kvt_cuda_coalesce(kvt_cuda *c, size_t depth) {
             *a = (kvt_launcher_arg){c, &c->lanes[i]};
         if (!a || pthread_create(&c->lanes[i].thread, NULL, launcher, a)) {
             free(a);
-            pthread_mutex_lock(&c->mu);
-            c->stopping = 1;
-            for (int k = 0; k < i; k++)
-                pthread_cond_signal(&c->lanes[k].work);
-            pthread_mutex_unlock(&c->mu);
-            for (int k = 0; k < i; k++)
-                pthread_join(c->lanes[k].thread, NULL);
+            stop_launchers(c, i);
             c->stopping = 0;
             c->coalesce = 0;
             return 1;
@@ -809,16 +814,8 @@ int kvt_cuda_sync(kvt_cuda *c) {
 void kvt_cuda_free(kvt_cuda *c) {
     if (!c)
         return;
-    if (c->sync_made) {
-        pthread_mutex_lock(&c->mu);
-        c->stopping = 1;
-        for (int i = 0; i < KVT_LANES; i++)
-            pthread_cond_signal(&c->lanes[i].work);
-        pthread_mutex_unlock(&c->mu);
-        for (int i = 0; i < KVT_LANES; i++)
-            if (c->coalesce) /* every lane has its thread */
-                pthread_join(c->lanes[i].thread, NULL);
-    }
+    if (c->sync_made) /* with coalescing, every lane has its thread */
+        stop_launchers(c, c->coalesce ? KVT_LANES : 0);
     if (c->ctx && enter(c) == CUDA_SUCCESS) {
         for (int i = 0; i < KVT_LANES; i++) {
             kvt_lane *l = &c->lanes[i];
