@@ -132,6 +132,9 @@ def test_advise(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
         (["--jobs", "0"], "--jobs=0"),
         (["--max-tracker-size", "0"], "--max-tracker-size='0'"),
         (["--max-tracker-size=0x"], "--max-tracker-size='0x'"),
+        (["--store", "on-evict"], "--store applies only to --mode engine"),
+        (["--device-capacity", "2%", "--store", "eager"], "--device-capacity and --store apply"),
+        (["--mode", "engine", "--device-capacity", "0%"], "capacity '0%' is less than one"),
     ],
 )
 def test_simulate_errors(

@@ -61,14 +61,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=MODES, default="flat", help="replay mode (default flat)")
     p.add_argument(
         "--device-capacity",
-        default="1%",
+        default=None,
         help="engine mode: device prefix cache size, same units as --capacities (default 1%%)",
     )
     p.add_argument(
         "--store",
         choices=STORE_ON,
-        default="eager",
-        help="engine mode: offer computed blocks as computed (eager) or on device eviction",
+        default=None,
+        help="engine mode: offer computed blocks as computed (eager, the default) or on device "
+        "eviction",
     )
     p.add_argument(
         "--hits",
@@ -186,6 +187,20 @@ def run(args: argparse.Namespace) -> int:
     shape: ModelShape | None = (
         parse_model_shape(args.model_shape) if args.model_shape is not None else None
     )
+    if args.mode != "engine":
+        # Silently ignoring them would report a flat replay as if it had a device in front.
+        given = [
+            flag
+            for flag, value in (
+                ("--device-capacity", args.device_capacity),
+                ("--store", args.store),
+            )
+            if value is not None
+        ]
+        if given:
+            verb = "apply" if len(given) > 1 else "applies"
+            raise ValueError(f"{' and '.join(given)} {verb} only to --mode engine")
+    store_on = args.store or "eager"
     if args.store_threshold < 0:
         raise ValueError(f"--store-threshold={args.store_threshold} is invalid; expected >= 0")
     jobs = args.jobs if args.jobs is not None else default_jobs()
@@ -212,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     device_blocks = 0
     if args.mode == "engine":
         device_blocks = parse_capacity(
-            args.device_capacity, unique_blocks=unique, block_bytes=block_bytes
+            args.device_capacity or "1%", unique_blocks=unique, block_bytes=block_bytes
         )[0]
     tracker, per_slot = _tracker_size(args.max_tracker_size)
     opts = ReplayOptions(
@@ -221,10 +236,10 @@ def run(args: argparse.Namespace) -> int:
         max_tracker_size=tracker,
         tracker_per_slot=per_slot,
         device_blocks=device_blocks,
-        store_on=args.store,
+        store_on=store_on,
         hits_as=args.hits,
     )
-    if "opt" in policies and args.mode == "engine" and args.store != "eager":
+    if "opt" in policies and args.mode == "engine" and store_on != "eager":
         print(
             "kvtier: note: opt skipped; it is exact only when every miss may be stored at once "
             "(flat mode or --store eager)",
@@ -235,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
     title = f"{trace.name}: {len(trace):,} requests, {trace.num_blocks:,} blocks, {unique:,} unique"
     title += f", mode {args.mode}"
     if args.mode == "engine":
-        title += f" (device {device_blocks:,} blocks, store {args.store})"
+        title += f" (device {device_blocks:,} blocks, store {store_on})"
     if args.store_threshold:
         title += f", store threshold {args.store_threshold}"
     if args.advise:
