@@ -369,11 +369,16 @@ class OffloadingScheduler:
             return
         req.jobs.discard(spec.job_id)
         if spec.kind is JobKind.LOAD:
-            self._finished.recving.add(spec.req_id)
             if not job.success:
                 req.load_failed = True
-                self._finished.failed_loads.add(spec.req_id)
                 self._finished.failed_load_blocks.update(spec.device_blocks.tolist())
+            # A load is one job per KV-cache group: the request is received only when the
+            # last of them ended, or the engine would read blocks another group still writes.
+            # While a load is in flight the request has no other jobs (one set at a time).
+            if not req.jobs:
+                self._finished.recving.add(spec.req_id)
+                if req.load_failed:
+                    self._finished.failed_loads.add(spec.req_id)
         if req.finished and not req.jobs:
             self._finished.sending.add(spec.req_id)
             del self._requests[spec.req_id]
