@@ -315,11 +315,22 @@ class OffloadingScheduler:
     # -- completions --------------------------------------------------------------------------
 
     def on_worker_results(self, results: Iterable[TransferResult]) -> None:
-        """Record one worker's finished jobs; a job completes once every worker reported it."""
+        """Record one worker's finished jobs; a job completes once every worker reported it.
+        A report of a job not in flight (or reported too often) raises before any is applied."""
+        results = list(results)
+        seen: dict[int, int] = {}
         for r in results:
             job = self._jobs.get(r.job_id)
             if job is None:
                 raise ValueError(f"worker reported job {r.job_id}, which is not in flight")
+            n = seen.get(r.job_id, 0) + 1
+            if n > job.reports_left:
+                raise ValueError(
+                    f"job {r.job_id} reported {n} times; it waits for {job.reports_left} more"
+                )
+            seen[r.job_id] = n
+        for r in results:
+            job = self._jobs[r.job_id]
             job.reports_left -= 1
             job.success = job.success and r.success
             if r.success:
