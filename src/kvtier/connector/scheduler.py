@@ -233,7 +233,6 @@ class OffloadingScheduler:
                 f"expected {len(self.groups)}"
             )
         start, count = req.planned_load
-        req.planned_load = None
         tpb, bpc = self.tokens_per_block, self.blocks_per_chunk
         first_block, end_block = start // tpb, (start + count) // tpb
         first_chunk, end_chunk = first_block // bpc, -(-end_block // bpc)
@@ -243,6 +242,7 @@ class OffloadingScheduler:
                     f"request {req_id!r}: group {group} has {len(block_ids[g])} device blocks; "
                     f"the load needs {end_block}"
                 )
+        req.planned_load = None  # only now: a call refused above leaves the offer standing
         for g, group in enumerate(self.groups):
             keys = self._chunk_keys(req, first_chunk, end_chunk, g)
             spec = _block_ids(self.manager.prepare_load(keys, req.ctx))
@@ -289,6 +289,19 @@ class OffloadingScheduler:
         self, req: _Request, block_ids: Sequence[Sequence[int]], start: int, end: int
     ) -> None:
         bpc = self.blocks_per_chunk
+        # Checked before any slot is reserved: a pending write never completed would answer
+        # HIT_PENDING ("ask again") to every later request with this prefix, forever.
+        if len(block_ids) != len(self.groups):
+            raise ValueError(
+                f"request {req.ctx.req_id!r}: got block ids for {len(block_ids)} groups; "
+                f"expected {len(self.groups)}"
+            )
+        for g, group in enumerate(self.groups):
+            if len(block_ids[g]) < end * bpc:
+                raise ValueError(
+                    f"request {req.ctx.req_id!r}: group {group} has {len(block_ids[g])} device "
+                    f"blocks; storing its first {end} chunks needs {end * bpc}"
+                )
         for g, group in enumerate(self.groups):
             keys = self._chunk_keys(req, start, end, g)
             for c, k in zip(range(start, end), keys, strict=True):
