@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -9,7 +10,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier.base import TransferResult
-from kvtier.connector.metadata import StepMetadata
+from kvtier.connector.metadata import JobKind, StepMetadata, TransferJob
+
+logger = logging.getLogger(__name__)
 
 
 class TransferBackend(Protocol):
@@ -47,15 +50,15 @@ class OffloadingWorker:
 
     def __init__(self, transfer: TransferBackend) -> None:
         self.transfer = transfer
+        # Jobs the transfer worker refused to queue, reported failed by the next get_finished.
+        self._refused: list[TransferResult] = []
 
     def start_step(self, meta: StepMetadata) -> None:
         """Wait for `meta.wait_for`, then submit the step's loads."""
         if meta.wait_for:
             self.transfer.wait(meta.wait_for)
         for job in meta.loads:
-            self.transfer.submit_load(
-                job.job_id, job.slots, job.device_blocks, job.group, job.skip_blocks
-            )
+            self._submit(job)
 
     def wait_for_loads(self, meta: StepMetadata) -> None:
         """Block until the step's loads are done (their results still come from get_finished)."""
@@ -65,8 +68,33 @@ class OffloadingWorker:
     def finish_step(self, meta: StepMetadata) -> None:
         """Submit the step's stores; call after the forward pass that produced their KV."""
         for job in meta.stores:
-            self.transfer.submit_store(job.job_id, job.device_blocks, job.slots, job.group)
+            self._submit(job)
 
     def get_finished(self) -> list[TransferResult]:
         """Jobs finished since the last call, for the scheduler half's `on_worker_results`."""
-        return self.transfer.get_finished()
+        finished = self.transfer.get_finished()
+        if self._refused:
+            finished = self._refused + finished
+            self._refused = []
+        return finished
+
+    def _submit(self, job: TransferJob) -> None:
+        # A job the transfer worker cannot queue (out of memory, shut down) is a failed
+        # transfer: reported so, its pins and slots are released and a failed load is
+        # recomputed. Raising instead would strand the step's later jobs, never submitted and
+        # never reported, with their pins and pending writes held forever.
+        try:
+            if job.kind is JobKind.LOAD:
+                self.transfer.submit_load(
+                    job.job_id, job.slots, job.device_blocks, job.group, job.skip_blocks
+                )
+            else:
+                self.transfer.submit_store(job.job_id, job.device_blocks, job.slots, job.group)
+        except Exception:
+            logger.exception(
+                "kvtier: the transfer worker refused %s job %d of request %s; reported failed",
+                job.kind.value,
+                job.job_id,
+                job.req_id,
+            )
+            self._refused.append(TransferResult(job.job_id, False))
