@@ -25,6 +25,25 @@ def test_offload_key_rejects_out_of_range_group(group: int) -> None:
         make_offload_key(b"x", group)
 
 
+@pytest.mark.parametrize(
+    ("block_hash", "group", "message"),
+    [
+        (5, 0, "block_hash=5 has type int; expected bytes"),
+        ("abc", 0, "block_hash='abc' has type str; expected bytes"),
+        (b"x", 1.0, "group_idx=1.0 has type float; expected int"),
+    ],
+)
+def test_offload_key_rejects_wrong_types(block_hash: object, group: object, message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        make_offload_key(block_hash, group)  # type: ignore[arg-type]
+
+
+def test_offload_key_accepts_numpy_group_and_bytes_like_hash() -> None:
+    key = make_offload_key(bytearray(b"h"), np.int64(3))  # type: ignore[arg-type]
+    assert key == make_offload_key(b"h", 3)
+    assert get_offload_group_idx(key) == 3
+
+
 def test_block_ids_spec_is_int64_array() -> None:
     spec = BlockIDsLoadStoreSpec([3, 1, 2])
     assert spec.block_ids.dtype == np.int64

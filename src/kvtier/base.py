@@ -7,6 +7,7 @@ without torch or an engine.
 from __future__ import annotations
 
 import enum
+import operator
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -24,6 +25,17 @@ _MAX_GROUP = (1 << (8 * _GROUP_BYTES)) - 1
 
 def make_offload_key(block_hash: bytes, group_idx: int) -> OffloadKey:
     """Pack a block hash and a KV-cache group index into an `OffloadKey`."""
+    if not isinstance(block_hash, (bytes, bytearray, memoryview)):
+        # bytes(5) would silently be five zero bytes: every int hash would collide by length.
+        raise TypeError(
+            f"block_hash={block_hash!r} has type {type(block_hash).__name__}; expected bytes"
+        )
+    try:
+        group_idx = operator.index(group_idx)
+    except TypeError:
+        raise TypeError(
+            f"group_idx={group_idx!r} has type {type(group_idx).__name__}; expected int"
+        ) from None
     if not 0 <= group_idx <= _MAX_GROUP:
         raise ValueError(f"group_idx={group_idx} is out of range; expected 0..{_MAX_GROUP}")
     return OffloadKey(bytes(block_hash) + group_idx.to_bytes(_GROUP_BYTES, "big"))
