@@ -1,3 +1,5 @@
+import random
+
 import pytest
 
 from helpers import keys
@@ -8,6 +10,7 @@ from kvtier.admission import (
     registered_admission_policies,
 )
 from kvtier.base import ReqContext
+from kvtier.cpu import CPUOffloadingManager
 
 
 def test_registry_lists_builtins() -> None:
@@ -73,3 +76,37 @@ def test_clear_forgets_counts() -> None:
     policy.admit(keys(1), ReqContext("a"))
     policy.clear()
     assert policy.admit(keys(1), ReqContext("b")) == []
+
+
+def test_preview_matches_admit_and_records_nothing() -> None:
+    rng = random.Random(7)
+    policy = ReuseAdmission(store_threshold=3, max_tracker_size=12)
+    twin = ReuseAdmission(store_threshold=3, max_tracker_size=12)
+    for step in range(400):
+        offer = list(dict.fromkeys(keys(*rng.sample(range(20), rng.randint(1, 6)))))
+        ctx = ReqContext(f"r{rng.randrange(8)}")
+        before = list(policy._seen.items())
+        previewed = policy.preview(offer, ctx)
+        assert list(policy._seen.items()) == before, f"preview recorded at step {step}"
+        assert previewed == policy.admit(offer, ctx) == twin.admit(offer, ctx)
+
+
+def test_store_that_finds_no_room_records_no_sighting() -> None:
+    mgr = CPUOffloadingManager(1, "lru", store_threshold=2)
+    a, b, c = keys(1, 2, 3)
+    for req, expected in (("p1", []), ("p2", [a])):
+        out = mgr.prepare_store([a], ReqContext(req))
+        assert out is not None and out.keys_to_store == expected
+    out = mgr.prepare_store([b], ReqContext("r1"))
+    assert out is not None and out.keys_to_store == []
+    # b passes admission, but the only slot holds a's pending write: no room, nothing changed.
+    sizes, skipped = mgr.table_sizes(), mgr.get_stats().stores_skipped
+    assert mgr.prepare_store([b, c], ReqContext("r2")) is None
+    assert mgr.table_sizes() == sizes
+    assert mgr.get_stats().stores_skipped == skipped
+    mgr.complete_store([a], ReqContext("p2"))
+    # Had r2's refused offer been recorded, r3's would be c's second sighting and be stored.
+    out = mgr.prepare_store([c], ReqContext("r3"))
+    assert out is not None and out.keys_to_store == []
+    out = mgr.prepare_store([c], ReqContext("r4"))
+    assert out is not None and out.keys_to_store == [c]

@@ -24,6 +24,16 @@ class AdmissionPolicy(ABC):
     def admit(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[OffloadKey]:
         """Return the subset of `keys` (absent from the tier) worth storing, in order."""
 
+    def preview(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[OffloadKey] | None:
+        """What `admit(keys, ctx)` would return, without recording anything; None if this policy
+        cannot tell without recording.
+
+        The manager previews first so that a `prepare_store` that finds no room (and returns
+        None) leaves the policy untouched; it calls `admit` only for a store that goes ahead. A
+        stateful policy that returns None here is recorded even for stores that find no room.
+        """
+        return None
+
     def clear(self) -> None:  # noqa: B027 - stateless policies need nothing
         """Forget everything learned (called on cache reset)."""
 
@@ -58,6 +68,9 @@ class AlwaysAdmit(AdmissionPolicy):
     """Admits every key."""
 
     def admit(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[OffloadKey]:
+        return list(keys)
+
+    def preview(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[OffloadKey]:
         return list(keys)
 
 
@@ -113,6 +126,16 @@ class ReuseAdmission(AdmissionPolicy):
             seen.popitem(last=False)
         for key in fresh[: self.max_tracker_size - len(seen)]:
             seen[key] = (1, req_id)
+        return admitted
+
+    def preview(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[OffloadKey]:
+        seen, req_id, threshold = self._seen, ctx.req_id, self.store_threshold
+        admitted = []
+        for key in keys:
+            entry = seen.get(key)
+            # A key not tracked has its first sighting now: admitted only if the threshold were 1.
+            if entry is not None and entry[0] + (entry[1] != req_id) >= threshold:
+                admitted.append(key)
         return admitted
 
     def clear(self) -> None:

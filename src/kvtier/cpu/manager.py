@@ -177,12 +177,23 @@ class CPUOffloadingManager(OffloadingManager):
         if num_new > 1 and len(set(new)) != num_new:
             new = list(dict.fromkeys(new))
             num_new = len(new)
+        admission = None
         if self._admit_all:
             admitted = new
         else:
-            admitted = self._admission.admit(new, ctx)
-            self._stores_skipped += num_new - len(admitted)
+            # Previewed, and recorded only once the store goes ahead: "no room" changes nothing.
+            admission = self._admission
+            previewed = admission.preview(new, ctx)
+            if previewed is None:
+                admitted = admission.admit(new, ctx)
+                admission = None
+                self._stores_skipped += num_new - len(admitted)
+            else:
+                admitted = previewed
             if not admitted:
+                if admission is not None:
+                    admission.admit(new, ctx)
+                    self._stores_skipped += num_new
                 return PrepareStoreOutput([], CPULoadStoreSpec(()), [])
         n = len(admitted)
         free = self._free
@@ -198,14 +209,18 @@ class CPUOffloadingManager(OffloadingManager):
             victims = policy.evict(num_to_evict, present)
             if victims is None:
                 return None
-            for key in victims:
+            evicted = victims
+        if admission is not None:
+            admission.admit(new, ctx)
+            self._stores_skipped += num_new - n
+        if evicted:
+            for key in evicted:
                 slot = slot_of.pop(key)
                 ref[slot] = _FREE
                 free.append(slot)
-            self._evictions += len(victims)
-            evicted = victims
+            self._evictions += len(evicted)
             if self._events is not None:
-                self._emit(victims, removed=True)
+                self._emit(evicted, removed=True)
 
         # Fresh slots first: they were never handed out, so no transfer can still touch them.
         if fresh_left >= n:
