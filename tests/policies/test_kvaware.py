@@ -222,6 +222,54 @@ def test_shadows_are_sampled_and_bounded_at_large_capacity() -> None:
     assert len(policy) == 0 and sizes["sketch_counters"] == policy.table_sizes()["sketch_counters"]
 
 
+def test_a_key_counts_once_per_request_however_often_it_is_reported() -> None:
+    # An engine reports one use several times: a device hit when the request arrives and
+    # again when it ends, a load's unpin and the same end-of-request touch.
+    policy = KVAwarePolicy(8)
+    (k,), ctx = request("r1", [1])
+    policy.insert([k], ctx)
+    policy.touch([k], ctx)
+    policy.pin([k])
+    policy.unpin([k], ctx)
+    policy.touch([k], ctx)
+    assert policy._sketch.estimate_key(k) == 1
+    for n, req in enumerate(("r2", "r3"), start=2):
+        policy.touch([k], ReqContext(req))
+        policy.touch([k], ReqContext(req))
+        assert policy._sketch.estimate_key(k) == n
+    # Without a request there is nothing to deduplicate against: every report counts.
+    policy.touch([k], None)
+    assert policy._sketch.estimate_key(k) == 4
+
+
+def test_finished_requests_forget_their_counted_keys() -> None:
+    policy = KVAwarePolicy(8)
+    keys, ctx = request("r1", [1, 2, 3])
+    policy.insert(keys, ctx)
+    assert policy.table_sizes()["request_keys_live"] == 3
+    policy.on_request_finished(ctx)
+    assert policy.table_sizes()["request_keys_live"] == 0
+    # Requests never finished are forgotten oldest first beyond a fixed number.
+    for r in range(2000):
+        policy.touch(keys, ReqContext(f"x{r}"))
+        assert len(policy._counted) <= 512
+    assert policy.table_sizes()["request_keys_live"] == 3 * 512
+
+
+def test_one_request_id_for_every_call_cannot_grow_the_tables() -> None:
+    policy = KVAwarePolicy(8)
+    ctx = ReqContext("always-the-same")
+    for i in range(5000):
+        access(policy, key(i), ctx)
+        assert policy.table_sizes()["request_keys_live"] <= 1024
+    assert policy.table_sizes()["request_keys_live"] == len(policy._counted_keys)
+    # After the reset its keys count again: a key seen long ago is not stuck at one.
+    k = key(0)
+    before = policy._sketch.estimate_key(k)
+    policy.touch([k], ctx) if k in policy else policy.insert([k], ctx)
+    assert policy._sketch.estimate_key(k) == min(before + 1, 15)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

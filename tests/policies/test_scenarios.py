@@ -28,8 +28,11 @@ def filled(name: str, n: int = 8, capacity: int = 8) -> tuple[CachePolicy, list[
 
 
 def per_key_tables(policy: CachePolicy) -> dict[str, int]:
-    """Tables that grow with the keys seen; fixed-size sketches are reported as `sketch*`."""
-    return {n: v for n, v in policy.table_sizes().items() if not n.startswith("sketch")}
+    """Tables that grow with the keys seen; fixed-size sketches are reported as `sketch*`, and
+    keys of live requests (bounded by the engine's requests) as `request_*`."""
+    return {
+        n: v for n, v in policy.table_sizes().items() if not n.startswith(("sketch", "request_"))
+    }
 
 
 def members(policy: CachePolicy, keys: list[OffloadKey]) -> list[bool]:

@@ -30,6 +30,12 @@ _MODES = (
     (True, False, False),
     (True, True, False),
 )
+# Requests whose counted keys are remembered (engines run a few hundred at once), and keys per
+# request (at least; or 2 per slot). Beyond either, keys are forgotten and may be counted
+# again, which only overstates a count a little; a caller that never finishes its requests, or
+# gives every call one request id, cannot grow the tables without bound.
+_LIVE_REQUESTS = 512
+_LIVE_KEYS = 1024
 # The mode the policy runs in until a shadow has earned more hits: plain LRU, so that a trace
 # whose evidence never arrives (or arrives late) is served no worse than by LRU.
 _START = 4
@@ -97,6 +103,13 @@ class KVAwarePolicy(CachePolicy):
         self._pinned: dict[OffloadKey, int] = {}
         self._tail_req: str | None = None
         self._tail_key: OffloadKey | None = None
+        # Keys already counted per live request: an engine reports one use of a chunk more than
+        # once (a device hit when the request arrives and again when it ends; a load's unpin
+        # and the same end-of-request touch), and a use must count once, as in a replay.
+        self._counted: OrderedDict[str, set[OffloadKey]] = OrderedDict()
+        self._counted_req: str | None = None
+        self._counted_keys: set[OffloadKey] = set()
+        self._counted_max = max(2 * capacity, _LIVE_KEYS)
         self._admit_all = _admit_all if mode == "adaptive" else mode == "open"
         self._tail_first = _tail_first if mode == "adaptive" else True
         self._counts = _counts if mode == "adaptive" else True
@@ -154,8 +167,18 @@ class KVAwarePolicy(CachePolicy):
         return self._tail_first and key == self._tail_of(ctx)
 
     def _seen(self, key: OffloadKey, ctx: ReqContext | None) -> int:
-        """Count an access of `key`, feed the shadows if it is sampled; its recent count."""
+        """Count an access of `key`, feed the shadows if it is sampled; its recent count. A key
+        is counted once per request (`ctx`); a repeat only reads the count."""
         h = hash(int.from_bytes(key, "big")) if type(key) is bytes else hash(key)
+        if ctx is not None:
+            if ctx.req_id != self._counted_req:
+                self._switch_request(ctx.req_id)
+            counted = self._counted_keys
+            if key in counted:
+                return self._sketch.estimate(h)
+            if len(counted) >= self._counted_max:
+                counted.clear()  # one request over the bound (or one id for every call)
+            counted.add(key)
         count = self._sketch.add(h)
         models = self._models
         if models is not None and (
@@ -171,6 +194,15 @@ class KVAwarePolicy(CachePolicy):
                 self._mode = best
                 self._admit_all, self._tail_first, self._counts = _MODES[best]
         return count
+
+    def _switch_request(self, req_id: str) -> None:
+        table = self._counted
+        keys = table.get(req_id)
+        if keys is None:
+            if len(table) >= _LIVE_REQUESTS:
+                table.popitem(last=False)
+            keys = table[req_id] = set()
+        self._counted_req, self._counted_keys = req_id, keys
 
     def _replay(self, key: OffloadKey, count: int, tail_key: OffloadKey | None) -> int:
         """Shadow use: one access as a cache of `capacity` slots in this mode sees it, given the
@@ -353,6 +385,8 @@ class KVAwarePolicy(CachePolicy):
         self._pinned.clear()
         self._floor = 0
         self._tail_req = self._tail_key = None
+        self._counted.clear()
+        self._counted_req, self._counted_keys = None, set()
         if self._owns_sketch:
             self._sketch.clear()
         if self._models is not None:
@@ -365,6 +399,9 @@ class KVAwarePolicy(CachePolicy):
     def on_request_finished(self, ctx: ReqContext) -> None:
         if ctx.req_id == self._tail_req:
             self._tail_req = self._tail_key = None
+        self._counted.pop(ctx.req_id, None)
+        if ctx.req_id == self._counted_req:
+            self._counted_req, self._counted_keys = None, set()
 
     def table_sizes(self) -> dict[str, int]:
         """Per-key tables (window, credits, pinned, each shadow's keys), the credit buckets
@@ -374,6 +411,8 @@ class KVAwarePolicy(CachePolicy):
             "credits": len(self._credit),
             "buckets": len(self._buckets),
             "pinned": len(self._pinned),
+            # Keys of live requests, bounded by the engine's requests rather than the capacity.
+            "request_keys_live": sum(map(len, self._counted.values())),
         }
         if self._models is not None:
             for i, model in enumerate(self._models):
