@@ -1,15 +1,17 @@
 import random
+from collections.abc import Sequence
 
 import pytest
 
 from helpers import keys
 from kvtier.admission import (
+    AdmissionPolicy,
     AlwaysAdmit,
     ReuseAdmission,
     make_admission_policy,
     registered_admission_policies,
 )
-from kvtier.base import ReqContext
+from kvtier.base import OffloadKey, ReqContext
 from kvtier.cpu import CPUOffloadingManager
 
 
@@ -110,3 +112,38 @@ def test_store_that_finds_no_room_records_no_sighting() -> None:
     assert out is not None and out.keys_to_store == []
     out = mgr.prepare_store([c], ReqContext("r4"))
     assert out is not None and out.keys_to_store == [c]
+
+
+class _OddKeys(AdmissionPolicy):
+    """Admits keys whose last byte is odd, and logs every call: a custom policy."""
+
+    def __init__(self, previews: bool) -> None:
+        self.previews = previews
+        self.calls: list[str] = []
+
+    def admit(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[OffloadKey]:
+        self.calls.append("admit")
+        return [k for k in keys if k[-5] % 2]
+
+    def preview(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[OffloadKey] | None:
+        if not self.previews:
+            return None
+        self.calls.append("preview")
+        return [k for k in keys if k[-5] % 2]
+
+
+@pytest.mark.parametrize("previews", [False, True])
+def test_custom_admission_with_and_without_preview(previews: bool) -> None:
+    policy = _OddKeys(previews)
+    mgr = CPUOffloadingManager(1, "lru", admission=policy)
+    a, b, c = keys(1, 2, 3)
+    out = mgr.prepare_store([a, b], ReqContext("r1"))
+    assert out is not None and out.keys_to_store == [a]
+    assert mgr.get_stats().stores_skipped == 1
+    # No room: a's write is pending in the only slot.
+    assert mgr.prepare_store([c], ReqContext("r2")) is None
+    # A policy that cannot preview has to be asked (and so may record) even then; one that
+    # previews is told of the offer only when the store goes ahead (the default record: admit).
+    expected = ["preview", "admit", "preview"] if previews else ["admit", "admit"]
+    assert policy.calls == expected
+    assert mgr.get_stats().stores_skipped == 1

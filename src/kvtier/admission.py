@@ -29,10 +29,14 @@ class AdmissionPolicy(ABC):
         cannot tell without recording.
 
         The manager previews first so that a `prepare_store` that finds no room (and returns
-        None) leaves the policy untouched; it calls `admit` only for a store that goes ahead. A
+        None) leaves the policy untouched; it calls `record` only for a store that goes ahead. A
         stateful policy that returns None here is recorded even for stores that find no room.
         """
         return None
+
+    def record(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """Learn from an offer whose decision `preview` gave: `admit` without the answer."""
+        self.admit(keys, ctx)
 
     def clear(self) -> None:  # noqa: B027 - stateless policies need nothing
         """Forget everything learned (called on cache reset)."""
@@ -73,6 +77,9 @@ class AlwaysAdmit(AdmissionPolicy):
     def preview(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[OffloadKey]:
         return list(keys)
 
+    def record(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        pass
+
 
 @register_admission_policy(
     "reuse",
@@ -101,23 +108,32 @@ class ReuseAdmission(AdmissionPolicy):
         self._seen: OrderedDict[OffloadKey, tuple[int, str]] = OrderedDict()
 
     def admit(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[OffloadKey]:
+        admitted = self.preview(keys, ctx)
+        self.record(keys, ctx)
+        return admitted
+
+    def preview(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[OffloadKey]:
+        seen, req_id, threshold = self._seen, ctx.req_id, self.store_threshold
+        admitted = []
+        for key in keys:
+            entry = seen.get(key)
+            # An untracked key is on its first sighting, below every threshold (>= 2).
+            if entry is not None and entry[0] + (entry[1] != req_id) >= threshold:
+                admitted.append(key)
+        return admitted
+
+    def record(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         seen = self._seen
         req_id = ctx.req_id
-        threshold = self.store_threshold
-        admitted: list[OffloadKey] = []
         fresh: list[OffloadKey] = []
         for key in keys:
             entry = seen.get(key)
             if entry is None:
                 fresh.append(key)
                 continue
-            count, last_req = entry
-            if last_req != req_id:
-                count += 1
-                seen[key] = (count, req_id)
+            if entry[1] != req_id:
+                seen[key] = (entry[0] + 1, req_id)
             seen.move_to_end(key)
-            if count >= threshold:
-                admitted.append(key)
         # Make room for this offer's new keys by dropping the oldest entries of earlier offers;
         # the entries of this offer were just moved to the young end, so they are never dropped.
         overflow = len(seen) + len(fresh) - self.max_tracker_size
@@ -126,17 +142,6 @@ class ReuseAdmission(AdmissionPolicy):
             seen.popitem(last=False)
         for key in fresh[: self.max_tracker_size - len(seen)]:
             seen[key] = (1, req_id)
-        return admitted
-
-    def preview(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[OffloadKey]:
-        seen, req_id, threshold = self._seen, ctx.req_id, self.store_threshold
-        admitted = []
-        for key in keys:
-            entry = seen.get(key)
-            # A key not tracked has its first sighting now: admitted only if the threshold were 1.
-            if entry is not None and entry[0] + (entry[1] != req_id) >= threshold:
-                admitted.append(key)
-        return admitted
 
     def clear(self) -> None:
         self._seen.clear()

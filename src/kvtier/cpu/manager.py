@@ -177,24 +177,17 @@ class CPUOffloadingManager(OffloadingManager):
         if num_new > 1 and len(set(new)) != num_new:
             new = list(dict.fromkeys(new))
             num_new = len(new)
-        admission = None
+        # The admission decision is previewed and recorded only once the store goes ahead, so
+        # a call that finds no room changes nothing (a policy that cannot preview records now).
+        recorder = None
         if self._admit_all:
             admitted = new
         else:
-            # Previewed, and recorded only once the store goes ahead: "no room" changes nothing.
-            admission = self._admission
-            previewed = admission.preview(new, ctx)
+            previewed = self._admission.preview(new, ctx)
             if previewed is None:
-                admitted = admission.admit(new, ctx)
-                admission = None
-                self._stores_skipped += num_new - len(admitted)
+                admitted = self._admission.admit(new, ctx)
             else:
-                admitted = previewed
-            if not admitted:
-                if admission is not None:
-                    admission.admit(new, ctx)
-                    self._stores_skipped += num_new
-                return PrepareStoreOutput([], CPULoadStoreSpec(()), [])
+                admitted, recorder = previewed, self._admission
         n = len(admitted)
         free = self._free
         fresh_left = self.num_slots - self._next_fresh
@@ -210,9 +203,9 @@ class CPUOffloadingManager(OffloadingManager):
             if victims is None:
                 return None
             evicted = victims
-        if admission is not None:
-            admission.admit(new, ctx)
-            self._stores_skipped += num_new - n
+        if recorder is not None:
+            recorder.record(new, ctx)
+        self._stores_skipped += num_new - n
         if evicted:
             for key in evicted:
                 slot = slot_of.pop(key)
