@@ -143,6 +143,35 @@ def test_returning_block_passes_the_filter_on_its_remembered_count() -> None:
     assert key(50) in policy
 
 
+def test_uses_served_by_the_device_count_towards_the_filter() -> None:
+    # Behind an engine's prefix cache a hot block is touched while the tier does not hold it
+    # (the device served it). When the device finally evicts it and the tier stores it, those
+    # uses must count, or it duels as a newcomer and loses to the one-off blocks' counts.
+    policy = KVAwarePolicy(4, mode="filter")
+    for i in range(4):
+        access(policy, key(i))
+    hot = key(50)
+    for r in range(3):
+        policy.touch([hot], ReqContext(f"r{r}"))
+    assert hot not in policy and len(policy) == 4
+    access(policy, hot)
+    for i in range(200, 203):
+        access(policy, key(i))
+    assert hot in policy
+    assert policy._sketch.estimate_key(hot) == 4
+
+
+def test_pinned_touch_is_counted_once_at_unpin() -> None:
+    policy = KVAwarePolicy(8)
+    (k,), ctx = request("r1", [1])
+    policy.insert([k], ctx)
+    policy.pin([k])
+    policy.touch([k], ReqContext("r2"))  # neither resident in a list nor absent: no count
+    assert policy._sketch.estimate_key(k) == 1
+    policy.unpin([k], ReqContext("r2"))
+    assert policy._sketch.estimate_key(k) == 2
+
+
 def test_shadows_switch_the_filter_by_workload() -> None:
     # A hot set re-used between long scans of one-off blocks: filtering wins.
     scan = KVAwarePolicy(64)

@@ -257,13 +257,17 @@ class KVAwarePolicy(CachePolicy):
                 win.move_to_end(key, last=False)
 
     def touch(self, keys: Iterable[OffloadKey], ctx: ReqContext | None) -> None:
-        win = self._win
+        win, pinned = self._win, self._pinned
         for key in reversed(list(keys)):
             if key in win:
                 win.move_to_end(key)
                 self._seen(key, ctx)
             elif self._unplace(key):
                 self._place(key, self._seen(key, ctx), self._is_tail(key, ctx))
+            elif key not in pinned:
+                # A use the tier did not serve (an engine's device prefix cache hit): counted
+                # all the same, or a block kept hot on the device would leave it looking new.
+                self._seen(key, ctx)
 
     def pin(self, keys: Iterable[OffloadKey]) -> None:
         win = self._win
