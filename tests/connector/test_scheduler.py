@@ -217,6 +217,32 @@ def test_reset_with_jobs_in_flight_ignores_their_late_completions(engine: Engine
     assert_clean(e)
 
 
+def test_reset_between_offer_and_alloc_fails_the_load_and_recomputes(engine: Engine) -> None:
+    e = engine
+    run_to_completion(e, Request("a", block_hashes("a", 2, SYSTEM)))
+    b = Request("b", block_hashes("b", 1, SYSTEM))
+    e.scheduler.add_request(b.req_id, b.hashes, b.num_prompt_tokens)
+    offered = e.scheduler.get_num_new_matched_tokens("b", 0)
+    assert offered
+    e.scheduler.reset_cache()  # the offered chunks are gone before the engine allocates
+    b.blocks = [e.free_blocks.pop() for _ in range(len(b.hashes) + 1)]
+    e.scheduler.update_state_after_alloc("b", [b.blocks], offered)
+    b.num_loaded_tokens, b.waiting_for_load = offered, True
+    e.running["b"] = b
+    meta = e.step()
+    assert meta.loads == []
+    done = e.last_finished
+    assert "b" in done.recving and "b" in done.failed_loads
+    assert set(b.blocks[: offered // TOKENS_PER_BLOCK]) == done.failed_load_blocks
+    assert e.loaded_blocks == 0
+    # b recomputed its prompt, so all of it is stored into the emptied tier.
+    assert sum(len(j.device_blocks) for j in meta.stores) == len(b.hashes)
+    e.drain()
+    assert e.manager.get_stats().ready == len(b.hashes)
+    e.finish("b")
+    assert_clean(e)
+
+
 def test_one_load_or_one_set_of_stores_in_flight_per_request(engine: Engine) -> None:
     e = engine
     e.gate.hold["store"] = gate = threading.Event()

@@ -57,8 +57,9 @@ class _Request:
     next_store_chunk: int = 0
     reused_chunks: int = 0  # leading chunks this request used: device hits, then loads
     touched_device_hits: bool = False
-    # (first token, number of tokens) of a load planned by get_num_new_matched_tokens
-    planned_load: tuple[int, int] | None = None
+    # (first token, number of tokens, cache generation) of a load planned by
+    # get_num_new_matched_tokens
+    planned_load: tuple[int, int, int] | None = None
     jobs: set[int] = field(default_factory=set)
     finished: bool = False
     load_failed: bool = False
@@ -211,13 +212,16 @@ class OffloadingScheduler:
         num_tokens = end_chunk * tpc - num_computed_tokens
         if num_tokens <= 0:
             return 0
-        req.planned_load = (num_computed_tokens, num_tokens)
+        req.planned_load = (num_computed_tokens, num_tokens, self._generation)
         return num_tokens
 
     def update_state_after_alloc(
         self, req_id: str, block_ids: Sequence[Sequence[int]], num_external_tokens: int
     ) -> None:
-        """The engine allocated device blocks (per group); plan the load of the matched tokens."""
+        """The engine allocated device blocks (per group); plan the load of the matched tokens.
+
+        If `reset_cache` ran since the tokens were offered, they are gone: the load is reported
+        failed at once (`take_finished`), and the engine recomputes those tokens."""
         req = self._get(req_id)
         if num_external_tokens == 0:
             req.planned_load = None
@@ -232,7 +236,7 @@ class OffloadingScheduler:
                 f"request {req_id!r}: got block ids for {len(block_ids)} groups; "
                 f"expected {len(self.groups)}"
             )
-        start, count = req.planned_load
+        start, count, generation = req.planned_load
         tpb, bpc = self.tokens_per_block, self.blocks_per_chunk
         first_block, end_block = start // tpb, (start + count) // tpb
         first_chunk, end_chunk = first_block // bpc, -(-end_block // bpc)
@@ -243,6 +247,13 @@ class OffloadingScheduler:
                     f"the load needs {end_block}"
                 )
         req.planned_load = None  # only now: a call refused above leaves the offer standing
+        if generation != self._generation:
+            req.load_failed = True
+            self._finished.recving.add(req_id)
+            self._finished.failed_loads.add(req_id)
+            for g in range(len(self.groups)):
+                self._finished.failed_load_blocks.update(block_ids[g][first_block:end_block])
+            return
         for g, group in enumerate(self.groups):
             keys = self._chunk_keys(req, first_chunk, end_chunk, g)
             spec = _block_ids(self.manager.prepare_load(keys, req.ctx))
