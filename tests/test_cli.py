@@ -94,6 +94,26 @@ def test_simulate_table_csv_plot_and_shape(
         assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_simulate_infers_a_16_token_block_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Qwen-Bailian-style trace (16-token hash_ids) needs no --block-tokens, and byte
+    figures use its block size."""
+    rows = [
+        {"chat_id": i, "timestamp": i * 0.5, "input_length": 16 * (i % 5) + 9,
+         "hash_ids": list(range(i % 5 + 1))}
+        for i in range(40)
+    ]  # fmt: skip
+    path = tmp_path / "qwen_blksz_16.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = _json_rows(
+        capsys, str(path), "--policies", "lru", "--capacities", "2", "--model-shape", "llama-3-8b"
+    )
+    assert {r["block_tokens"] for r in out} == {16}
+    lru = out[0]
+    assert lru["bytes_stored"] == lru["stores"] * 16 * 128 * 1024  # 128 KiB per token
+
+
 def test_plot_without_matplotlib_names_the_extra(
     trace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -11,6 +11,7 @@ import pytest
 from kvtier.hashing import BlockHasher
 from kvtier.sim.readers import (
     detect_format,
+    infer_block_tokens,
     iter_trace,
     read_mooncake,
     read_token_prompts,
@@ -81,6 +82,49 @@ def test_mooncake_rejects_bad_lines_with_line_number(
     with pytest.raises(TraceFormatError, match=r"bad\.jsonl:3: ") as info:
         list(read_mooncake(path))
     assert message in str(info.value)
+
+
+def _bailian_rows() -> list[dict[str, object]]:
+    """Lines in the Qwen-Bailian trace layout: 16-token blocks, seconds, chat fields."""
+    return [
+        {"chat_id": 1, "parent_chat_id": -1, "timestamp": 0.5, "input_length": 10,
+         "output_length": 3, "type": "text", "turn": 1, "hash_ids": [7]},
+        {"chat_id": 2, "parent_chat_id": 1, "timestamp": 61.114, "input_length": 521,
+         "output_length": 132, "type": "text", "turn": 2, "hash_ids": list(range(7, 40))},
+    ]  # fmt: skip
+
+
+def test_block_size_is_inferred_from_the_lengths(tmp_path: Path, trace_file: WriteTrace) -> None:
+    path = trace_file(tmp_path / "bailian.jsonl", _bailian_rows())
+    assert infer_block_tokens(path) == 16  # line 2 allows only 16: 32 * 16 < 521 <= 33 * 16
+    trace = read_trace(path)
+    assert trace.block_tokens == 16 and trace.num_blocks == 34
+    assert trace.requests[1].timestamp == 61.114
+    with pytest.raises(TraceFormatError, match=r"bailian\.jsonl:2: input_length=521 does not fit"):
+        read_trace(path, block_tokens=512)  # an explicit size is checked, not overridden
+    # The published traces' size wins whenever the lines allow it.
+    assert infer_block_tokens(MOONCAKE_FILE) == 512
+    short = trace_file(tmp_path / "short.jsonl", [{"input_length": 300, "hash_ids": [1]}])
+    assert infer_block_tokens(short) == 512
+    # Otherwise the smallest power of two the lines allow, else the smallest size.
+    pow2 = trace_file(tmp_path / "pow2.jsonl", [{"input_length": 100, "hash_ids": [1, 2]}])
+    assert infer_block_tokens(pow2) == 64  # 50..99
+    odd = trace_file(tmp_path / "odd.jsonl", [{"input_length": 41, "hash_ids": [1, 2, 3, 4]}])
+    assert infer_block_tokens(odd) == 11  # 11..13
+
+
+def test_lines_that_agree_on_no_block_size_are_rejected(
+    tmp_path: Path, trace_file: WriteTrace
+) -> None:
+    rows: list[dict[str, object]] = [
+        {"input_length": 1000, "hash_ids": [1, 2]},  # 500..999
+        {"input_length": 3, "hash_ids": [1]},
+        {"input_length": 100, "hash_ids": [1, 2]},  # 50..99
+    ]
+    path = trace_file(tmp_path / "mixed.jsonl", rows)
+    with pytest.raises(TraceFormatError, match=r"mixed\.jsonl:3: no block size fits") as info:
+        iter_trace(path)
+    assert "--block-tokens" in str(info.value)
 
 
 def test_token_prompts_hash_full_blocks(tmp_path: Path, trace_file: WriteTrace) -> None:

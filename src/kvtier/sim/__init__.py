@@ -2,7 +2,13 @@
 
 from kvtier.sim.advise import Advice, advise
 from kvtier.sim.bounds import belady, opt_result
-from kvtier.sim.readers import iter_trace, read_mooncake, read_token_prompts, read_trace
+from kvtier.sim.readers import (
+    infer_block_tokens,
+    iter_trace,
+    read_mooncake,
+    read_token_prompts,
+    read_trace,
+)
 from kvtier.sim.replay import DevicePrefixCache, make_manager, replay_engine, replay_flat
 from kvtier.sim.result import RunResult
 from kvtier.sim.runner import ReplayOptions, run_grid, run_one
@@ -21,6 +27,7 @@ __all__ = [
     "TraceFormatError",
     "advise",
     "belady",
+    "infer_block_tokens",
     "iter_trace",
     "make_manager",
     "opt_result",

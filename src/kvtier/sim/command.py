@@ -101,7 +101,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--block-tokens",
         type=int,
         default=None,
-        help="tokens per block (default 512 for Mooncake, 16 for token prompts)",
+        help="tokens per block (default: what a Mooncake-format trace's lengths imply, 512 for "
+        "the published Mooncake traces; 16 for token prompts)",
     )
     p.add_argument("--hash", default="sha256", help="token prompts: block hash algorithm")
     p.add_argument("--namespace", default="", help="token prompts: hash namespace (model id)")

@@ -6,7 +6,7 @@ bad line raises `TraceFormatError` naming the file and the line number.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -26,7 +26,7 @@ _MAX_ID: Final = (1 << 64) - 1
 _decode = msgspec.json.Decoder()
 
 
-def _lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+def _lines(path: Path) -> Generator[tuple[int, dict[str, Any]], None, None]:
     """Yield (line number, JSON object) for every non-blank line."""
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
@@ -154,6 +154,55 @@ def read_token_prompts(
         )
 
 
+def _head(path: Path, max_lines: int) -> Iterator[tuple[int, dict[str, Any]]]:
+    """The first `max_lines` lines' objects, up to the first bad one (the reader reports it)."""
+    lines = _lines(path)
+    try:
+        while True:
+            try:
+                lineno, obj = next(lines)
+            except (StopIteration, TraceFormatError):
+                return
+            yield lineno, obj
+            if lineno >= max_lines:
+                return
+    finally:
+        lines.close()  # closes the file now, not at garbage collection
+
+
+def infer_block_tokens(path: str | Path, *, max_lines: int = 1000) -> int:
+    """Tokens per block of a Mooncake-format trace, from its first `max_lines` lines.
+
+    Each line with `n` ids and `input_length` `L` allows block sizes `B` with
+    `(n - 1) * B < L <= n * B`. The sizes every line allows form a range: 512 (the published
+    Mooncake traces) when it is in it, else the smallest power of two in it, else its smallest
+    value. Traces with other block sizes (Qwen-Bailian's 16-token `hash_ids`) thus load
+    without `--block-tokens`; lines that agree on no size raise `TraceFormatError`.
+    """
+    path = Path(path)
+    low, high = 1, None  # allowed sizes: low..high (None: unbounded)
+    for lineno, obj in _head(path, max_lines):
+        ids, length = obj.get("hash_ids"), obj.get("input_length")
+        if isinstance(ids, list) and ids and type(length) is int and length > 0:
+            n = len(ids)
+            low = max(low, -(-length // n))
+            if n > 1:
+                cap = (length - 1) // (n - 1)
+                high = cap if high is None else min(high, cap)
+            if high is not None and low > high:
+                raise TraceFormatError(
+                    f"{path}:{lineno}: no block size fits the input_length and the number of "
+                    f"hash_ids of lines 1..{lineno}; pass the trace's block size explicitly "
+                    f"(--block-tokens)"
+                )
+            if low == high:
+                return low
+    if low <= MOONCAKE_BLOCK_TOKENS and (high is None or high >= MOONCAKE_BLOCK_TOKENS):
+        return MOONCAKE_BLOCK_TOKENS
+    power = 1 << (low - 1).bit_length()
+    return power if high is None or power <= high else low
+
+
 def detect_format(path: str | Path) -> str:
     """Say whether `path` is a `"mooncake"` or a `"tokens"` trace, from its first record."""
     path = Path(path)
@@ -179,7 +228,8 @@ def iter_trace(
 ) -> Iterator[Request]:
     """Stream the requests of a trace of format `fmt` (`"auto"` detects it).
 
-    `block_tokens` defaults to 512 for Mooncake traces and 16 for token prompts.
+    `block_tokens` defaults, for Mooncake-format traces, to the size their lengths imply
+    (`infer_block_tokens`: 512 for the published Mooncake traces) and to 16 for token prompts.
     """
     if fmt not in FORMATS:
         raise ValueError(f"trace format {fmt!r} is unknown; expected one of: {', '.join(FORMATS)}")
@@ -190,7 +240,7 @@ def iter_trace(
     if fmt == "auto":
         fmt = detect_format(path)
     if fmt == "mooncake":
-        return read_mooncake(path, block_tokens=block_tokens or MOONCAKE_BLOCK_TOKENS)
+        return read_mooncake(path, block_tokens=block_tokens or infer_block_tokens(path))
     return read_token_prompts(
         path, block_tokens=block_tokens or 16, algorithm=algorithm, namespace=namespace
     )
