@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import random
+from collections.abc import Iterable
+
 import pytest
 
 from helpers import key, keys
 from kvtier.admission import ReuseAdmission
-from kvtier.base import LookupResult, OffloadingEvent, ReqContext
+from kvtier.base import LookupResult, OffloadingEvent, OffloadKey, ReqContext
 from kvtier.cpu import CPUOffloadingManager
 
 CTX = ReqContext("req")
@@ -161,12 +164,62 @@ def test_events_disabled_by_default(policy_name: str) -> None:
     assert list(m.take_events()) == []
 
 
-def test_event_buffer_is_bounded(policy_name: str) -> None:
-    m = CPUOffloadingManager(4, policy_name, enable_events=True, max_pending_events=3)
-    for i in range(10):
-        stored(m, i)
-    assert m.table_sizes()["events"] == 3
-    assert m.events_dropped > 0
+def _apply(view: set[OffloadKey], events: Iterable[OffloadingEvent]) -> None:
+    """What a router does with the events; a stored key it holds or a removed key it does
+    not hold would mean an event was lost or invented."""
+    for event in events:
+        for k in event.keys:
+            if event.removed:
+                assert k in view, f"removed {k.hex()} was never announced"
+                view.remove(k)
+            else:
+                assert k not in view, f"stored {k.hex()} twice"
+                view.add(k)
+
+
+def test_merged_events_keep_only_the_net_change(policy_name: str) -> None:
+    m = CPUOffloadingManager(1, policy_name, enable_events=True, max_pending_events=2)
+    stored(m, 1)
+    assert list(m.take_events()) == [OffloadingEvent(keys(1), "CPU", removed=False)]
+    stored(m, 2)  # removes 1, stores 2
+    stored(m, 3)  # removes 2, stores 3: four events, merged at the third
+    # 2 was stored and removed unseen, so it cancels out; 1 and 3 changed for a consumer.
+    assert list(m.take_events()) == [
+        OffloadingEvent(keys(1), "CPU", removed=True),
+        OffloadingEvent(keys(3), "CPU", removed=False),
+    ]
+    assert m.events_merged == 1
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_events_not_taken_are_merged_without_losing_any(policy_name: str, seed: int) -> None:
+    rng = random.Random(seed)
+    slots = 6
+    eager = CPUOffloadingManager(slots, policy_name, enable_events=True)
+    lazy = CPUOffloadingManager(slots, policy_name, enable_events=True, max_pending_events=3)
+    eager_view: set[OffloadKey] = set()
+    lazy_view: set[OffloadKey] = set()
+    for step in range(400):
+        ids = rng.sample(range(30), rng.randint(1, 3))
+        fail = rng.random() < 0.1
+        for m in (eager, lazy):
+            if step % 97 == 96:
+                m.reset_cache()
+                continue
+            out = m.prepare_store(keys(*ids), CTX)
+            if out is not None and out.keys_to_store:
+                m.complete_store(out.keys_to_store, CTX, success=not fail)
+        _apply(eager_view, eager.take_events())
+        if rng.random() < 0.05:
+            _apply(lazy_view, lazy.take_events())
+        pending = lazy.table_sizes()["events"]
+        assert pending <= 3
+        # Merged: at most 2 * slots keys; then at most 3 events, each at most `slots` keys.
+        assert sum(len(e.keys) for e in lazy._events or ()) <= 5 * slots
+    _apply(lazy_view, lazy.take_events())
+    resident = set(eager._slot_of)
+    assert eager_view == resident == set(lazy._slot_of) == lazy_view
+    assert lazy.events_merged > 0 and eager.events_merged == 0
 
 
 def test_reset_with_loads_pinned_quarantines_their_slots(policy_name: str) -> None:

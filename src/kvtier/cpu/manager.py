@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING
 
@@ -72,10 +72,9 @@ class CPUOffloadingManager(OffloadingManager):
         self._quarantined: list[int] = []
         self._num_pinned = 0
         self._num_pending = 0
-        self._events: deque[OffloadingEvent] | None = (
-            deque(maxlen=max_pending_events) if enable_events else None
-        )
-        self._events_dropped = 0
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._max_pending_events = max_pending_events
+        self._events_merged = 0
         self._hits = 0
         self._misses = 0
         self._loads = 0
@@ -298,27 +297,52 @@ class CPUOffloadingManager(OffloadingManager):
         events = self._events
         if events is None:
             return
-        if len(events) == events.maxlen:
-            self._events_dropped += 1
-            if self._events_dropped == 1:
-                logger.warning(
-                    "kvtier: more than %d KV events not taken; dropping the oldest "
-                    "(call take_events() every step, or raise max_pending_events)",
-                    events.maxlen,
-                )
         events.append(OffloadingEvent(keys, self.medium, removed))
+        if len(events) > self._max_pending_events:
+            self._merge_events()
+
+    def _merge_events(self) -> None:
+        """Replace the pending events by their net effect: at most one `removed` and one
+        `stored` event. Nothing a consumer needs is lost, and the merged events name at most
+        2 * num_slots keys (those stored since the last take, and those removed that a consumer
+        had been told of), however long nobody takes them."""
+        events = self._events
+        assert events is not None
+        first: dict[OffloadKey, bool] = {}
+        last: dict[OffloadKey, bool] = {}
+        for event in events:
+            for key in event.keys:
+                first.setdefault(key, event.removed)
+                last[key] = event.removed
+        # A key's events alternate (stored, removed, stored, ...): when its first and last
+        # differ, it ends as a consumer last saw it, and its events cancel out.
+        removed = [key for key, r in last.items() if r and first[key]]
+        stored = [key for key, r in last.items() if not r and not first[key]]
+        events.clear()
+        if removed:
+            events.append(OffloadingEvent(removed, self.medium, True))
+        if stored:
+            events.append(OffloadingEvent(stored, self.medium, False))
+        self._events_merged += 1
+        if self._events_merged == 1:
+            logger.warning(
+                "kvtier: more than %d KV events not taken; merging them into their net effect "
+                "(call take_events() every step, or raise max_pending_events)",
+                self._max_pending_events,
+            )
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if not self._events:
             return []
-        taken = list(self._events)
-        self._events.clear()
+        taken = self._events
+        self._events = []
         return taken
 
     @property
-    def events_dropped(self) -> int:
-        """Events lost because nobody took them before the buffer filled."""
-        return self._events_dropped
+    def events_merged(self) -> int:
+        """How often pending events were merged into their net effect because nobody took
+        them before `max_pending_events` accumulated."""
+        return self._events_merged
 
     def get_stats(self) -> ManagerStats:
         used = len(self._slot_of) + len(self._quarantined)
