@@ -281,6 +281,28 @@ def test_job_completes_only_when_every_worker_reported() -> None:
         s.on_worker_results([TransferResult(job.job_id, True)])
 
 
+def test_no_room_in_one_group_releases_the_other_groups_slots() -> None:
+    m = CPUOffloadingManager(3)
+    s = OffloadingScheduler(m, tokens_per_block=4, groups=(0, 1))
+    a = block_hashes("a", 1)
+    s.add_request("a", a, 5)
+    assert s.get_num_new_matched_tokens("a", 0) == 0
+    stores = s.build_step_metadata([StepProgress("a", [[0, 1], [0, 1]], 4)]).stores
+    s.on_worker_results([TransferResult(j.job_id, True) for j in stores])
+    s.request_finished("a")
+    # b loads a's chunk in both groups: two of the three slots are pinned until it ends.
+    s.add_request("b", block_hashes("b", 1, a), 9)
+    assert s.get_num_new_matched_tokens("b", 0) == 4
+    s.update_state_after_alloc("b", [[2, 3, 4], [2, 3, 4]], 4)
+    # c's chunk fits in group 0's free slot but finds no room in group 1.
+    s.add_request("c", block_hashes("c", 1), 5)
+    assert s.get_num_new_matched_tokens("c", 0) == 0
+    meta = s.build_step_metadata([StepProgress("c", [[5, 6], [5, 6]], 4)])
+    assert meta.stores == []  # group 0 alone could never be loaded
+    stats = m.get_stats()
+    assert (stats.used_slots, stats.pinned, stats.pending_writes) == (2, 2, 0)
+
+
 def test_bad_arguments_get_clear_errors() -> None:
     m = CPUOffloadingManager(8)
     with pytest.raises(ValueError, match="tokens_per_block=0"):

@@ -27,6 +27,7 @@ from kvtier.base import (
     LookupResult,
     OffloadingManager,
     OffloadKey,
+    PrepareStoreOutput,
     ReqContext,
     TransferResult,
 )
@@ -313,13 +314,25 @@ class OffloadingScheduler:
                     f"request {req.ctx.req_id!r}: group {group} has {len(block_ids[g])} device "
                     f"blocks; storing its first {end} chunks needs {end * bpc}"
                 )
-        for g, group in enumerate(self.groups):
+        outs: list[tuple[int, list[OffloadKey], PrepareStoreOutput]] = []
+        for g in range(len(self.groups)):
             keys = self._chunk_keys(req, start, end, g)
             for c, k in zip(range(start, end), keys, strict=True):
                 req.ctx.key_positions[k] = (c + 1) * self.tokens_per_chunk
             out = self.manager.prepare_store(keys, req.ctx)
-            if out is None or not out.keys_to_store:
-                continue  # no room now; these chunks are not offered again
+            if out is None:
+                # No room now, and a chunk hits only if every group holds it: give back what
+                # the other groups reserved rather than fill slots that can never be loaded.
+                # These chunks are not offered again.
+                for _, _, done in outs:
+                    if done.keys_to_store:
+                        self.manager.complete_store(done.keys_to_store, req.ctx, success=False)
+                return
+            outs.append((g, keys, out))
+        for g, keys, out in outs:
+            if not out.keys_to_store:
+                continue
+            group = self.groups[g]
             chunk_of = {k: c for c, k in zip(range(start, end), keys, strict=True)}
             chunks = np.fromiter(
                 (chunk_of[k] for k in out.keys_to_store), np.int64, len(out.keys_to_store)
