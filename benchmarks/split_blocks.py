@@ -1,0 +1,61 @@
+"""Rewrite a Mooncake trace (512-token blocks) with finer blocks, as an engine with a smaller
+block size would hash the same prompts (the Qwen-Bailian traces use 16-token blocks).
+
+Block `b` of a request becomes `512 // tokens` sub-blocks with ids `b * factor + j`: equal
+prefixes still give equal ids, and a request's last block keeps only the sub-blocks its
+`input_length` covers, so the trace stays one a reader accepts. Then compare policies at the
+finer size:
+
+    python benchmarks/split_blocks.py data/traces/mooncake_conversation/conversation_trace.jsonl \
+        /tmp/conv16.jsonl --tokens 16
+    kvtier simulate /tmp/conv16.jsonl --policies lru,kvaware --capacities 1%,10%
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+MOONCAKE_BLOCK_TOKENS = 512
+
+
+def split_request(row: dict[str, object], tokens: int) -> dict[str, object]:
+    """`row` with its `hash_ids` split into `tokens`-token blocks (other fields kept)."""
+    if tokens < 1 or MOONCAKE_BLOCK_TOKENS % tokens:
+        raise ValueError(f"tokens={tokens} is invalid; expected a divisor of 512")
+    factor = MOONCAKE_BLOCK_TOKENS // tokens
+    ids = row["hash_ids"]
+    length = row["input_length"]
+    if not isinstance(ids, list) or not isinstance(length, int):
+        raise ValueError(f"not a Mooncake row: {row!r}")
+    out: list[int] = []
+    last = len(ids) - 1
+    for i, block in enumerate(ids):
+        # The last block is partial: keep the sub-blocks that hold some of its tokens.
+        n = factor if i < last else -(-(length - last * MOONCAKE_BLOCK_TOKENS) // tokens)
+        out.extend(block * factor + j for j in range(n))
+    return {**row, "hash_ids": out}
+
+
+def split_trace(src: Path, tokens: int) -> Iterator[str]:
+    """The lines of `src` rewritten with `tokens`-token blocks."""
+    with src.open() as f:
+        for line in f:
+            if line.strip():
+                yield json.dumps(split_request(json.loads(line), tokens)) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("src", type=Path, help="Mooncake trace (512-token blocks)")
+    parser.add_argument("dst", type=Path, help="where to write the finer trace")
+    parser.add_argument("--tokens", type=int, default=16, help="tokens per block (default 16)")
+    args = parser.parse_args()
+    with args.dst.open("w") as out:
+        out.writelines(split_trace(args.src, args.tokens))
+
+
+if __name__ == "__main__":
+    main()
