@@ -110,6 +110,8 @@ def test_simulate_infers_a_16_token_block_size(
         capsys, str(path), "--policies", "lru", "--capacities", "2", "--model-shape", "llama-3-8b"
     )
     assert {r["block_tokens"] for r in out} == {16}
+    assert main(["simulate", str(path), "--policies", "lru", "--capacities", "2", "-q"]) == 0
+    assert "blocks of 16 tokens" in capsys.readouterr().out  # the table says what it inferred
     lru = out[0]
     assert lru["bytes_stored"] == lru["stores"] * 16 * 128 * 1024  # 128 KiB per token
 

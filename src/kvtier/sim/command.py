@@ -248,7 +248,10 @@ def run(args: argparse.Namespace) -> int:
         )
         policies.remove("opt")
     show_progress = not args.quiet and sys.stderr.isatty()
-    title = f"{trace.name}: {len(trace):,} requests, {trace.num_blocks:,} blocks, {unique:,} unique"
+    title = (
+        f"{trace.name}: {len(trace):,} requests, {trace.num_blocks:,} blocks of "
+        f"{trace.block_tokens} tokens, {unique:,} unique"
+    )
     title += f", mode {args.mode}"
     if args.mode == "engine":
         title += f" (device {device_blocks:,} blocks, store {store_on})"
