@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.base import OffloadKey, ReqContext, make_offload_key
-from kvtier.policies import KVAwarePolicy, make_policy, registered_policies
+from kvtier.policies import CachePolicy, KVAwarePolicy, make_policy, registered_policies
 from kvtier.policies.kvaware import FrequencySketch, key_hash
 
 TRACE = (
@@ -30,7 +30,7 @@ def request(req: str, ids: list[int]) -> tuple[list[OffloadKey], ReqContext]:
     return keys, ReqContext(req, key_positions={k: (j + 1) * 16 for j, k in enumerate(keys)})
 
 
-def access(policy: KVAwarePolicy, k: OffloadKey, ctx: ReqContext | None = None) -> bool:
+def access(policy: CachePolicy, k: OffloadKey, ctx: ReqContext | None = None) -> bool:
     """One flat-mode access; True on a hit."""
     if k in policy:
         policy.touch([k], ctx)
@@ -207,6 +207,30 @@ def test_adaptive_policy_evicts_like_lru_until_a_shadow_wins() -> None:
             p.insert([key(i)], None)
     assert not policy.filtering
     assert policy.evict(10, set()) == lru.evict(10, set()) == [key(i) for i in range(10)]
+
+
+def _reuse_once_hits(policy: CachePolicy, n: int) -> int:
+    """Every block is used twice, 20 accesses apart: LRU hits every second use, while a
+    filter keeps out each block before its reuse."""
+    hits = 0
+    for i in range(n):
+        hits += access(policy, key(i))
+        if i >= 20:
+            hits += access(policy, key(i - 20))
+    return hits
+
+
+def test_a_lying_shadow_cannot_hold_a_small_tier_away_from_lru() -> None:
+    # The filter shadow claims a hit on every access (as phantom hits behind a device cache
+    # can), so it always leads and the policy keeps switching to the filter. The replica of
+    # the policy shows what that costs against the LRU shadow, and the guard returns to LRU.
+    lru = _reuse_once_hits(make_policy("lru", 64), 6000)
+    policy = KVAwarePolicy(64)
+    assert policy.table_sizes()["replica"] == 0  # exact shadows: the guard is on
+    policy._models[3]._replay = lambda *_: 1  # type: ignore[index, method-assign]
+    assert _reuse_once_hits(policy, 6000) > 0.8 * lru
+    # Sampled shadows cannot replicate the tier, so large tiers have no guard.
+    assert "replica" not in KVAwarePolicy(4096).table_sizes()
 
 
 # -- bookkeeping --------------------------------------------------------------------------
