@@ -18,7 +18,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-MOONCAKE_BLOCK_TOKENS = 512
+from kvtier.sim.readers import MOONCAKE_BLOCK_TOKENS
 
 
 def split_request(row: dict[str, object], tokens: int) -> dict[str, object]:
