@@ -7,6 +7,7 @@ bad line raises `TraceFormatError` naming the file and the line number.
 from __future__ import annotations
 
 from collections.abc import Generator, Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any, Final
 
@@ -156,18 +157,14 @@ def read_token_prompts(
 
 def _head(path: Path, max_lines: int) -> Iterator[tuple[int, dict[str, Any]]]:
     """The first `max_lines` lines' objects, up to the first bad one (the reader reports it)."""
-    lines = _lines(path)
-    try:
-        while True:
-            try:
-                lineno, obj = next(lines)
-            except (StopIteration, TraceFormatError):
-                return
-            yield lineno, obj
-            if lineno >= max_lines:
-                return
-    finally:
-        lines.close()  # closes the file now, not at garbage collection
+    with closing(_lines(path)) as lines:  # closes the file now, not at garbage collection
+        try:
+            for lineno, obj in lines:
+                yield lineno, obj
+                if lineno >= max_lines:
+                    return
+        except TraceFormatError:
+            return
 
 
 def infer_block_tokens(path: str | Path, *, max_lines: int = 1000) -> int:
