@@ -1,0 +1,108 @@
+"""kvaware held in one mode, over a trace's head and its tail, against LRU and the adaptive
+policy: where following the shadows loses to LRU because the best mode changes mid-trace.
+
+On Mooncake's synthetic trace behind a device cache that stores on eviction, the filter mode
+leads the first half and collapses in the second, and the shadows, which see one key in 16 or
+32 there, notice late (docs/policies.md, "Other device sizes, and a phase change"). A head is
+the trace's first requests up to `--split` of its block accesses; the tail's hits are the whole
+run's minus the head's, since a replay of the head is the start of the whole replay.
+
+    python benchmarks/policy_phases.py synthetic_trace.jsonl [--mode engine] [--store on-evict]
+        [--device 1%] [--capacity 10%] [--split 0.5] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from kvtier.cpu import CPUOffloadingManager
+from kvtier.policies.base import CachePolicy
+from kvtier.policies.kvaware import KVAwarePolicy
+from kvtier.sim import read_trace
+from kvtier.sim.replay import STORE_ON, replay_engine, replay_flat
+from kvtier.sim.shapes import parse_capacity
+from kvtier.sim.trace import Request
+
+
+def held(mode: str, sketch_width: int = 32) -> type[CachePolicy]:
+    """kvaware fixed in `mode` ("open": admit every block; "filter": admit by count)."""
+
+    class Held(KVAwarePolicy):
+        def __init__(self, capacity: int) -> None:
+            super().__init__(capacity, mode=mode, sketch_width=sketch_width)
+
+    return Held
+
+
+POLICIES: dict[str, str | type[CachePolicy]] = {
+    "lru": "lru",
+    "kvaware (adaptive)": "kvaware",
+    "kvaware held open": held("open"),
+    "kvaware held in the filter": held("filter"),
+    "the filter, counts fading over 8 capacities": held("filter", sketch_width=8),
+}
+
+
+def head(requests: list[Request], share: float) -> list[Request]:
+    """The first requests holding at least `share` of the block accesses."""
+    total = sum(len(r.keys) for r in requests)
+    seen = 0
+    for i, req in enumerate(requests):
+        seen += len(req.keys)
+        if seen >= share * total:
+            return requests[: i + 1]
+    return requests
+
+
+def hits(requests: list[Request], policy: str | type[CachePolicy], capacity: int, args: Any) -> int:
+    mgr = CPUOffloadingManager(capacity, policy)
+    if args.mode == "flat":
+        return replay_flat(requests, mgr).hits
+    return replay_engine(requests, mgr, device_blocks=args.device_blocks, store_on=args.store).hits
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trace", type=Path, help="a Mooncake-format JSONL trace")
+    ap.add_argument("--mode", choices=("flat", "engine"), default="engine")
+    ap.add_argument("--store", choices=STORE_ON, default="on-evict")
+    ap.add_argument("--device", default="1%", help="engine mode: device cache size")
+    ap.add_argument("--capacity", default="10%", help="CPU tier size")
+    ap.add_argument("--split", type=float, default=0.5, help="the head's share of accesses")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if not 0.0 < args.split < 1.0:
+        ap.error(f"--split {args.split} is invalid; expected a share between 0 and 1")
+    trace = read_trace(args.trace)
+    unique = trace.num_unique_blocks
+    capacity, _ = parse_capacity(args.capacity, unique_blocks=unique)
+    args.device_blocks, _ = parse_capacity(args.device, unique_blocks=unique)
+    whole = trace.requests
+    first = head(whole, args.split)
+    n_first = sum(len(r.keys) for r in first)
+    n_rest = trace.num_blocks - n_first
+    where = args.mode
+    if args.mode == "engine":
+        where += f", device {args.device_blocks:,} blocks, store {args.store}"
+    print(
+        f"{args.trace.name}: {where}, CPU tier {capacity:,} blocks; head = first {len(first):,} "
+        f"requests ({n_first:,} accesses), tail = the other {n_rest:,}"
+    )
+    print(f"{'policy':46} {'head %':>8} {'tail %':>8} {'whole %':>8}")
+    rows: list[dict[str, float | str]] = []
+    for name, policy in POLICIES.items():
+        h_first = hits(first, policy, capacity, args)
+        h_all = hits(whole, policy, capacity, args)
+        ratios = (h_first / n_first, (h_all - h_first) / n_rest, h_all / trace.num_blocks)
+        keys = ("head_hit_ratio", "tail_hit_ratio", "whole_hit_ratio")
+        rows.append({"policy": name, **dict(zip(keys, ratios, strict=True))})
+        print(f"{name:46} " + " ".join(f"{100 * x:8.2f}" for x in ratios), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
