@@ -1,0 +1,93 @@
+"""Policies against LRU on short windows of a trace: each window replayed alone, flat mode, at
+shares of its own unique blocks.
+
+A short trace is where an adaptive policy is weakest: its evidence is thin and each change of
+mode costs the cache more of the run (docs/policies.md, "Short traces"). Windows of 500, 1,000
+and 3,000 requests at four evenly spaced starts give 48 cells per policy and trace, each
+printed as policy − LRU in points.
+
+    python benchmarks/policy_windows.py TRACE [TRACE ...] [--policies kvaware,arc]
+        [--sizes 500,1000,3000] [--starts 4] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from kvtier.cpu import CPUOffloadingManager
+from kvtier.policies import registered_policies
+from kvtier.sim import read_trace
+from kvtier.sim.replay import replay_flat
+from kvtier.sim.trace import Request, Trace
+
+SHARES = (0.01, 0.05, 0.10, 0.25)
+
+
+def windows(requests: list[Request], size: int, starts: int) -> list[int]:
+    """Up to `starts` evenly spaced first indices of `size`-request windows (none when the
+    trace is shorter than one window)."""
+    if size > len(requests):
+        return []
+    last = len(requests) - size
+    step = max(1, last // max(1, starts - 1)) if starts > 1 else last + 1
+    return sorted({min(last, i * step) for i in range(starts)})
+
+
+def hit_pct(trace: Trace, policy: str, share: float) -> float:
+    capacity = max(1, round(share * trace.num_unique_blocks))
+    return 100 * replay_flat(trace, CPUOffloadingManager(capacity, policy)).block_hit_ratio
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("traces", type=Path, nargs="+", help="Mooncake-format JSONL traces")
+    ap.add_argument("--policies", default="kvaware,arc,s3fifo")
+    ap.add_argument("--sizes", type=_ints, default=[500, 1000, 3000], help="requests a window")
+    ap.add_argument("--starts", type=int, default=4, help="windows per size and trace")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    policies = args.policies.split(",")
+    unknown = sorted(set(policies) - set(registered_policies()))
+    if unknown:
+        ap.error(f"unknown policies {unknown}; expected some of {sorted(registered_policies())}")
+    if args.starts < 1 or min(args.sizes) < 1:
+        ap.error("--starts and every --sizes value must be at least 1")
+    rows: list[dict[str, object]] = []
+    diffs: dict[str, list[float]] = {p: [] for p in policies}
+    print(f"{'window':34} {'policy':8} − LRU at " + " / ".join(f"{s:.0%}" for s in SHARES))
+    for path in args.traces:
+        requests = read_trace(path).requests
+        for size in args.sizes:
+            for start in windows(requests, size, args.starts):
+                trace = Trace(requests[start : start + size], name=path.name)
+                lru = [hit_pct(trace, "lru", s) for s in SHARES]
+                for policy in policies:
+                    pct = [hit_pct(trace, policy, s) for s in SHARES]
+                    diff = [p - q for p, q in zip(pct, lru, strict=True)]
+                    diffs[policy] += diff
+                    rows.append(
+                        {"trace": path.name, "start": start, "requests": size, "policy": policy}
+                        | {"lru_pct": lru, "pct": pct, "minus_lru": diff}
+                    )
+                    label = f"{path.name}[{start}:{start + size}]"
+                    print(f"{label:34} {policy:8} " + " ".join(f"{d:+6.2f}" for d in diff))
+    print()
+    for policy in policies:
+        below = [d for d in diffs[policy] if d < -0.005]
+        print(
+            f"{policy}: {len(below)} of {len(diffs[policy])} cells below LRU, losses summing to "
+            f"{sum(below):.2f} (worst {min(below, default=0.0):+.2f}); mean − LRU "
+            f"{sum(diffs[policy]) / max(1, len(diffs[policy])):+.2f}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
