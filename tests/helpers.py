@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
+import pytest
+
 from kvtier.base import OffloadKey, make_offload_key
 
 
@@ -13,3 +18,16 @@ def key(i: int, group: int = 0) -> OffloadKey:
 def keys(*ids: int) -> list[OffloadKey]:
     """Several test keys."""
     return [key(i) for i in ids]
+
+
+def refused_argv(
+    main: Callable[[], None],
+    argv: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> str:
+    """Run a benchmark's `main()` with `argv`, expect argparse to refuse it; its stderr."""
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit):
+        main()
+    return capsys.readouterr().err

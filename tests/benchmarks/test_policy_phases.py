@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import policy_phases
+from helpers import refused_argv
 from kvtier.base import OffloadKey
 from kvtier.sim.trace import Request
 
@@ -73,7 +74,6 @@ def test_a_split_outside_zero_and_one_is_refused(
 ) -> None:
     trace = tmp_path / "phases.jsonl"
     _phase_change(trace)
-    monkeypatch.setattr(sys, "argv", ["policy_phases.py", str(trace), "--split", "1.5"])
-    with pytest.raises(SystemExit):
-        policy_phases.main()
-    assert "--split 1.5 is invalid" in capsys.readouterr().err
+    argv = ["policy_phases.py", str(trace), "--split", "1.5"]
+    err = refused_argv(policy_phases.main, argv, monkeypatch, capsys)
+    assert "--split 1.5 is invalid" in err

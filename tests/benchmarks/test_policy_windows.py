@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import policy_windows
+from helpers import refused_argv
 from kvtier.base import OffloadKey
 from kvtier.sim.trace import Request
 
@@ -78,7 +79,6 @@ def test_an_unknown_policy_is_refused(
 ) -> None:
     trace = tmp_path / "t.jsonl"
     _trace(trace)
-    monkeypatch.setattr(sys, "argv", ["policy_windows.py", str(trace), "--policies", "lru,nope"])
-    with pytest.raises(SystemExit):
-        policy_windows.main()
-    assert "unknown policies ['nope']" in capsys.readouterr().err
+    argv = ["policy_windows.py", str(trace), "--policies", "lru,nope"]
+    err = refused_argv(policy_windows.main, argv, monkeypatch, capsys)
+    assert "unknown policies ['nope']" in err
