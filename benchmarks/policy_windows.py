@@ -18,11 +18,29 @@ from pathlib import Path
 
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.policies import registered_policies
+from kvtier.policies.base import CachePolicy
+from kvtier.policies.kvaware import KVAwarePolicy
 from kvtier.sim import read_trace
 from kvtier.sim.replay import replay_flat
 from kvtier.sim.trace import Request, Trace
 
 SHARES = (0.01, 0.05, 0.10, 0.25)
+
+
+def _held(mode: str) -> type[CachePolicy]:
+    class Held(KVAwarePolicy):
+        def __init__(self, capacity: int) -> None:
+            super().__init__(capacity, mode=mode)
+
+    return Held
+
+
+# kvaware fixed in one mode, beside the registered policies: what the adaptive policy would
+# get if it never changed mode.
+HELD: dict[str, type[CachePolicy]] = {
+    "kvaware-open": _held("open"),
+    "kvaware-filter": _held("filter"),
+}
 
 
 def windows(requests: list[Request], size: int, starts: int) -> list[int]:
@@ -37,7 +55,8 @@ def windows(requests: list[Request], size: int, starts: int) -> list[int]:
 
 def hit_pct(trace: Trace, policy: str, share: float) -> float:
     capacity = max(1, round(share * trace.num_unique_blocks))
-    return 100 * replay_flat(trace, CPUOffloadingManager(capacity, policy)).block_hit_ratio
+    mgr = CPUOffloadingManager(capacity, HELD.get(policy, policy))
+    return 100 * replay_flat(trace, mgr).block_hit_ratio
 
 
 def _ints(text: str) -> list[int]:
@@ -47,20 +66,25 @@ def _ints(text: str) -> list[int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("traces", type=Path, nargs="+", help="Mooncake-format JSONL traces")
-    ap.add_argument("--policies", default="kvaware,arc,s3fifo")
+    ap.add_argument(
+        "--policies",
+        default="kvaware,arc,s3fifo",
+        help="registered policies, or kvaware-open / kvaware-filter (kvaware held in one mode)",
+    )
     ap.add_argument("--sizes", type=_ints, default=[500, 1000, 3000], help="requests a window")
     ap.add_argument("--starts", type=int, default=4, help="windows per size and trace")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     policies = args.policies.split(",")
-    unknown = sorted(set(policies) - set(registered_policies()))
+    known = sorted(registered_policies()) + sorted(HELD)
+    unknown = sorted(set(policies) - set(known))
     if unknown:
-        ap.error(f"unknown policies {unknown}; expected some of {sorted(registered_policies())}")
+        ap.error(f"unknown policies {unknown}; expected some of {known}")
     if args.starts < 1 or min(args.sizes) < 1:
         ap.error("--starts and every --sizes value must be at least 1")
     rows: list[dict[str, object]] = []
     diffs: dict[str, list[float]] = {p: [] for p in policies}
-    print(f"{'window':34} {'policy':8} − LRU at " + " / ".join(f"{s:.0%}" for s in SHARES))
+    print(f"{'window':34} {'policy':14} − LRU at " + " / ".join(f"{s:.0%}" for s in SHARES))
     for path in args.traces:
         requests = read_trace(path).requests
         for size in args.sizes:
@@ -76,7 +100,7 @@ def main() -> None:
                         | {"lru_pct": lru, "pct": pct, "minus_lru": diff}
                     )
                     label = f"{path.name}[{start}:{start + size}]"
-                    print(f"{label:34} {policy:8} " + " ".join(f"{d:+6.2f}" for d in diff))
+                    print(f"{label:34} {policy:14} " + " ".join(f"{d:+6.2f}" for d in diff))
     print()
     for policy in policies:
         below = [d for d in diffs[policy] if d < -0.005]

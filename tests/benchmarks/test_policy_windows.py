@@ -54,13 +54,14 @@ def test_each_window_is_replayed_alone_and_lru_matches_itself(
 ) -> None:
     trace, out = tmp_path / "t.jsonl", tmp_path / "out.json"
     _trace(trace)
-    argv = ["policy_windows.py", str(trace), "--policies", "lru,arc", "--sizes", "100,400"]
+    policies = "lru,arc,kvaware-filter"
+    argv = ["policy_windows.py", str(trace), "--policies", policies, "--sizes", "100,400"]
     monkeypatch.setattr(sys, "argv", [*argv, "--starts", "3", "--json", str(out)])
     policy_windows.main()
     rows = json.loads(out.read_text())
-    # 3 windows of 100 requests and one of 400 (the whole trace), two policies each.
+    # 3 windows of 100 requests and one of 400 (the whole trace), three policies each.
     windows = [(0, 100), (150, 100), (300, 100), (0, 400)]
-    assert [(r["start"], r["requests"]) for r in rows[::2]] == windows
+    assert [(r["start"], r["requests"]) for r in rows[::3]] == windows
     for row in rows:
         assert row["minus_lru"] == pytest.approx(
             [p - q for p, q in zip(row["pct"], row["lru_pct"], strict=True)]
@@ -72,6 +73,10 @@ def test_each_window_is_replayed_alone_and_lru_matches_itself(
     report = capsys.readouterr().out
     assert "lru: 0 of 16 cells below LRU" in report
     assert "arc:" in report
+    # kvaware held in its filter keeps the hot set that one-off blocks push out of LRU.
+    held = [r for r in rows if r["policy"] == "kvaware-filter"]
+    assert all(d >= 0.0 for r in held for d in r["minus_lru"])
+    assert sum(r["minus_lru"][3] for r in held) > 4 * 2.0
 
 
 def test_an_unknown_policy_is_refused(
