@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
 
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.policies.base import CachePolicy
@@ -57,11 +56,18 @@ def head(requests: list[Request], share: float) -> list[Request]:
     return requests
 
 
-def hits(requests: list[Request], policy: str | type[CachePolicy], capacity: int, args: Any) -> int:
+def hits(
+    requests: list[Request],
+    policy: str | type[CachePolicy],
+    capacity: int,
+    device_blocks: int | None,
+    store_on: str,
+) -> int:
+    """Hits of one replay: flat without a device cache, else engine mode behind one."""
     mgr = CPUOffloadingManager(capacity, policy)
-    if args.mode == "flat":
+    if device_blocks is None:
         return replay_flat(requests, mgr).hits
-    return replay_engine(requests, mgr, device_blocks=args.device_blocks, store_on=args.store).hits
+    return replay_engine(requests, mgr, device_blocks=device_blocks, store_on=store_on).hits
 
 
 def main() -> None:
@@ -79,14 +85,16 @@ def main() -> None:
     trace = read_trace(args.trace)
     unique = trace.num_unique_blocks
     capacity, _ = parse_capacity(args.capacity, unique_blocks=unique)
-    args.device_blocks, _ = parse_capacity(args.device, unique_blocks=unique)
+    device_blocks = None
+    if args.mode == "engine":
+        device_blocks, _ = parse_capacity(args.device, unique_blocks=unique)
     whole = trace.requests
     first = head(whole, args.split)
     n_first = sum(len(r.keys) for r in first)
     n_rest = trace.num_blocks - n_first
     where = args.mode
-    if args.mode == "engine":
-        where += f", device {args.device_blocks:,} blocks, store {args.store}"
+    if device_blocks is not None:
+        where += f", device {device_blocks:,} blocks, store {args.store}"
     print(
         f"{args.trace.name}: {where}, CPU tier {capacity:,} blocks; head = first {len(first):,} "
         f"requests ({n_first:,} accesses), tail = the other {n_rest:,}"
@@ -94,8 +102,8 @@ def main() -> None:
     print(f"{'policy':46} {'head %':>8} {'tail %':>8} {'whole %':>8}")
     rows: list[dict[str, float | str]] = []
     for name, policy in POLICIES.items():
-        h_first = hits(first, policy, capacity, args)
-        h_all = hits(whole, policy, capacity, args)
+        h_first = hits(first, policy, capacity, device_blocks, args.store)
+        h_all = hits(whole, policy, capacity, device_blocks, args.store)
         ratios = (h_first / n_first, (h_all - h_first) / n_rest, h_all / trace.num_blocks)
         keys = ("head_hit_ratio", "tail_hit_ratio", "whole_hit_ratio")
         rows.append({"policy": name, **dict(zip(keys, ratios, strict=True))})

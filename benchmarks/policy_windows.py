@@ -19,27 +19,18 @@ from pathlib import Path
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.policies import registered_policies
 from kvtier.policies.base import CachePolicy
-from kvtier.policies.kvaware import KVAwarePolicy
 from kvtier.sim import read_trace
 from kvtier.sim.replay import replay_flat
 from kvtier.sim.trace import Request, Trace
+from policy_phases import held
 
 SHARES = (0.01, 0.05, 0.10, 0.25)
-
-
-def _held(mode: str) -> type[CachePolicy]:
-    class Held(KVAwarePolicy):
-        def __init__(self, capacity: int) -> None:
-            super().__init__(capacity, mode=mode)
-
-    return Held
-
 
 # kvaware fixed in one mode, beside the registered policies: what the adaptive policy would
 # get if it never changed mode.
 HELD: dict[str, type[CachePolicy]] = {
-    "kvaware-open": _held("open"),
-    "kvaware-filter": _held("filter"),
+    "kvaware-open": held("open"),
+    "kvaware-filter": held("filter"),
 }
 
 
@@ -49,7 +40,9 @@ def windows(requests: list[Request], size: int, starts: int) -> list[int]:
     if size > len(requests):
         return []
     last = len(requests) - size
-    step = max(1, last // max(1, starts - 1)) if starts > 1 else last + 1
+    if starts == 1:
+        return [0]
+    step = max(1, last // (starts - 1))
     return sorted({min(last, i * step) for i in range(starts)})
 
 
