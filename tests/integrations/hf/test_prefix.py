@@ -13,6 +13,7 @@ Mistral, seeds 0-2, about 7 ulps of the largest logit. 1e-4 leaves ~10x margin. 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -147,3 +148,25 @@ def test_bad_input_is_rejected(llama: Any) -> None:
     with pytest.raises(ValueError, match="cache holds 40 tokens but the prompt has 20"):
         generate_greedy(llama, ids, 3, cache=longer)
     assert longer.get_seq_length() == 40  # unchanged by the refused call
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_first_token_time_waits_for_the_gpu() -> None:
+    """TTFT on a GPU is when the logits exist, not when the prefill was queued: a busy kernel
+    queued first delays the first token by its length."""
+    model = make_demo_model("llama", seed=0)[0].to("cuda")
+    ids = torch.randint(0, 2048, (1, 32), generator=torch.Generator().manual_seed(3)).cuda()
+    generate_greedy(model, ids, 1)  # warm-up: kernels loaded, allocator primed
+    cycles = 200_000_000
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    busy = begin.elapsed_time(end) / 1e3
+    assert busy > 0.02  # long enough to tell apart from queueing a few kernels
+    t0 = time.perf_counter()
+    torch.cuda._sleep(cycles)
+    out = generate_greedy(model, ids, 1)
+    assert out.first_token_time - t0 >= 0.8 * busy

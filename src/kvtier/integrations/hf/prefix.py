@@ -108,6 +108,10 @@ def generate_greedy(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} is invalid; expected >= 1")
     logits, cache, ran = prefill(model, input_ids, cache)
+    if logits.device.type == "cuda":
+        # Kernels run asynchronously: without this wait the time would be when the prefill
+        # was queued, not when its logits exist (the first `.cpu()` below waits anyway).
+        torch.cuda.synchronize(logits.device)
     first_token_time = time.perf_counter()
     batch = input_ids.shape[0]
     tokens = torch.empty((batch, max_new_tokens), dtype=torch.int64, device=input_ids.device)
