@@ -21,6 +21,10 @@ is the median of per-round ratios, steadier when the machine's speed drifts duri
 "own work" is kvtier against the paged cache alone.
 
     python benchmarks/e2e_hf.py --json out/e2e_hf.json
+    python benchmarks/e2e_hf.py --device cuda --dtype bfloat16 --size 1b   # on a GPU
+
+On a GPU the bound's copy is from pinned host memory to the device (what a load moves), and
+every time is taken after the device finishes.
 """
 
 from __future__ import annotations
@@ -46,18 +50,37 @@ from kvtier.integrations.hf.prefix import generate_greedy, prefill
 BS = 16
 
 
-def _copy_seconds(nbytes: int) -> float:
-    """One contiguous copy of `nbytes` between two touched buffers: the bandwidth ceiling."""
-    src = torch.full((nbytes,), 3, dtype=torch.uint8)
-    dst = torch.zeros(nbytes, dtype=torch.uint8)
+SIZES: dict[str, dict[str, int]] = {
+    "demo": {},
+    # Llama-3.2-1B's shape (16 layers, 8 KV heads of 64) with a small vocabulary: 32 KiB of KV
+    # a token in bfloat16, as in the real model, without its 128k-row output matrix.
+    "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+           "num_attention_heads": 32, "num_key_value_heads": 8},
+}  # fmt: skip
+"""`--size`: fields of `make_demo_model`; "demo" is the default demo model."""
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _copy_seconds(nbytes: int, device: torch.device) -> float:
+    """One contiguous copy of `nbytes` into `device` from touched host memory (pinned where the
+    device is a GPU): the bandwidth ceiling of a load."""
+    src = torch.full((nbytes,), 3, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    _sync(device)
     start = time.perf_counter()
-    dst.copy_(src)
+    dst.copy_(src, non_blocking=True)
+    _sync(device)
     return time.perf_counter() - start
 
 
 def bench_prefix(model: Any, prefix_len: int, tail: int, repeats: int, seed: int) -> dict[str, Any]:
     """One row of part 1: median TTFTs of recompute, kvtier and the bound for one prefix."""
     vocab = model.config.vocab_size
+    device = model.device
     rng = torch.Generator().manual_seed(seed + prefix_len)
     prefix = torch.randint(0, vocab, (prefix_len,), generator=rng)
     blocks = -(-(prefix_len + tail) // BS) + 1
@@ -70,18 +93,20 @@ def bench_prefix(model: Any, prefix_len: int, tail: int, repeats: int, seed: int
         # The bound's forward runs on the same kind of cache as kvtier's: a paged buffer that
         # already holds the prefix's KV (computed once here), so it measures the model's work
         # on the tail and nothing kvtier could avoid.
-        ref = PagedKVBuffer(model.config, blocks, BS)
-        prefill(model, prefix.unsqueeze(0), ref.cache(0, blocks, 0))
+        ref = PagedKVBuffer(model.config, blocks, BS, dtype=model.dtype, device=device)
+        prefill(model, prefix.unsqueeze(0).to(device), ref.cache(0, blocks, 0))
         for r in range(repeats):
             prompt = torch.cat([prefix, torch.randint(0, vocab, (tail,), generator=rng)])
-            ids = prompt.unsqueeze(0)
+            ids = prompt.unsqueeze(0).to(device)
 
             def recompute(ids: torch.Tensor = ids) -> None:
+                _sync(device)
                 t0 = time.perf_counter()
                 out = generate_greedy(model, ids, 1)
                 times["recompute"].append(out.first_token_time - t0)
 
             def kvtier(prompt: torch.Tensor = prompt) -> None:
+                _sync(device)
                 before = gen.stats.bytes_loaded
                 res = gen.generate_one(prompt, 1)
                 if res.hit_tokens != prefix_len:
@@ -92,14 +117,16 @@ def bench_prefix(model: Any, prefix_len: int, tail: int, repeats: int, seed: int
 
             def tail_only(ids: torch.Tensor = ids) -> None:
                 cache = ref.cache(0, blocks, prefix_len)  # the tail overwrites the last one's
+                _sync(device)
                 t0 = time.perf_counter()
                 prefill(model, ids, cache)
+                _sync(device)
                 times["tail"].append(time.perf_counter() - t0)
 
             variants: list[Callable[[], None]] = [recompute, kvtier, tail_only]
             for fn in variants if r % 2 == 0 else variants[::-1]:
                 fn()
-            times["copy"].append(_copy_seconds(loaded[-1]))
+            times["copy"].append(_copy_seconds(loaded[-1], device))
     med = {k: statistics.median(v) for k, v in times.items()}
     nbytes = statistics.median(loaded)
     bandwidth = nbytes / med["copy"]
@@ -153,6 +180,7 @@ def bench_fresh(model: Any, tokens: int, new_tokens: int, rounds: int, seed: int
     disturbed than wall time by other processes on a shared machine.
     """
     vocab = model.config.vocab_size
+    device = model.device
     rng = torch.Generator().manual_seed(seed)
     blocks = -(-(tokens + new_tokens) // BS)
     names = ("kvtier", "plain", "paged")
@@ -162,10 +190,11 @@ def bench_fresh(model: Any, tokens: int, new_tokens: int, rounds: int, seed: int
     outside: list[float] = []
     timer = _ModelTimer()
     config = KVTierConfig(num_slots=blocks * POOL_REQUESTS)
-    paged = PagedKVBuffer(model.config, blocks, BS)
+    paged = PagedKVBuffer(model.config, blocks, BS, dtype=model.dtype, device=device)
     with KVTierGenerator(model, config, block_size=BS, max_blocks=2 * blocks) as gen:
 
         def kvtier(prompt: torch.Tensor) -> tuple[float, float]:
+            _sync(device)
             in_model = timer.seconds
             t0 = time.perf_counter()
             res = gen.generate_one(prompt, new_tokens)
@@ -177,13 +206,16 @@ def bench_fresh(model: Any, tokens: int, new_tokens: int, rounds: int, seed: int
             return seconds, res.ttft_s
 
         def plain(prompt: torch.Tensor) -> tuple[float, float]:
+            _sync(device)
             t0 = time.perf_counter()
-            out = generate_greedy(model, prompt.unsqueeze(0), new_tokens)
+            out = generate_greedy(model, prompt.unsqueeze(0).to(device), new_tokens)
             return time.perf_counter() - t0, out.first_token_time - t0
 
         def paged_only(prompt: torch.Tensor) -> tuple[float, float]:
+            _sync(device)
             t0 = time.perf_counter()
-            out = generate_greedy(model, prompt.unsqueeze(0), new_tokens, paged.cache(0, blocks, 0))
+            ids = prompt.unsqueeze(0).to(device)
+            out = generate_greedy(model, ids, new_tokens, paged.cache(0, blocks, 0))
             return time.perf_counter() - t0, out.first_token_time - t0
 
         def new_prompt() -> torch.Tensor:
@@ -247,11 +279,25 @@ def main() -> None:
     ap.add_argument("--fresh-tokens", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    ap.add_argument("--size", choices=list(SIZES), default="demo", help="the model's shape")
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args()
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        ap.error(f"--device {args.device}: expected cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: no CUDA device is visible to torch {torch.__version__}")
+    if device.type not in ("cpu", "cuda"):
+        ap.error(f"--device {args.device}: expected cpu, cuda or cuda:N")
     prefixes = [int(p) for p in args.prefixes.split(",") if p]
     longest = max(prefixes, default=0) + args.tail + args.new_tokens
-    model, _ = make_demo_model("llama", args.seed, max_position_embeddings=max(4096, longest))
+    model, _ = make_demo_model(
+        "llama", args.seed, max_position_embeddings=max(4096, longest), **SIZES[args.size]
+    )
+    model = model.to(device=device, dtype=getattr(torch, args.dtype))
     console = Console(width=120)
     rows = []
     for p in prefixes:
