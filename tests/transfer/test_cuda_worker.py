@@ -190,6 +190,45 @@ def test_large_and_small_jobs_round_trip_in_every_copy_mode(
     pool.close()
 
 
+@pytest.mark.skipif(not cuda_dma.available(), reason="driver has no cuMemcpyBatchAsync")
+@pytest.mark.parametrize(
+    ("blocks", "head_bytes", "batched"), [(2100, 256, False), (600, 2048, True)]
+)
+def test_auto_leaves_large_jobs_of_small_copies_to_the_kernel(
+    blocks: int, head_bytes: int, batched: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two copies a block (K and V) of 16 x head_bytes: 4 KiB copies in a 17 MB job, which the
+    # copy engines move slowly, a copy at a time; or 32 KiB copies in a 39 MB job.
+    calls: list[int] = []
+    run = cuda_dma.DmaCopier.run
+
+    def counted(self: cuda_dma.DmaCopier, job: Any, stream: int) -> None:
+        calls.append(len(job))
+        run(self, job, stream)
+
+    monkeypatch.setattr(cuda_dma.DmaCopier, "run", counted)
+    n = blocks + 8
+    kv = torch.empty(2, n, 16, 1, head_bytes, dtype=torch.uint8, device="cuda")
+    fill_random_bytes(kv, 11)
+    kvs = [KVTensor(kv, "flash")]
+    reg = KVCacheRegistration(kvs)
+    assert blocks * reg.page_bytes(0) > 16 << 20
+    pool = HostPool(reg, 1, num_slots=blocks)
+    before = snapshot(kvs, n)
+    rng = np.random.default_rng(blocks)
+    src = rng.permutation(blocks)
+    with make_transfer_worker(reg, pool, "cuda", compiled=False) as w:
+        w.submit_store(1, src, np.arange(blocks))
+        w.wait([1])
+        w.submit_load(2, np.arange(blocks), src[::-1] + 8)
+        w.wait([2])
+        assert all(r.success for r in w.get_finished())
+    assert calls == ([blocks, blocks] if batched else [])
+    for s, d in zip(src, src[::-1] + 8, strict=True):
+        assert_block_equals(kvs, int(d), before[int(s)])
+    pool.close()
+
+
 @pytest.mark.parametrize("bpc", [1, 4])
 def test_round_trip_with_a_pageable_pool(layout: str, bpc: int) -> None:
     _round_trip(make_layout(layout, torch.float16, "cuda", seed=bpc), bpc, bpc, pin=False)

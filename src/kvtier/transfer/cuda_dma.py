@@ -115,6 +115,10 @@ class DmaCopier:
         self._zero = (ctypes.c_size_t * 1)(0)
         self._fail = ctypes.c_size_t(0)
 
+    def mean_copy_bytes(self, job: Job) -> float:
+        """Bytes of one of the job's copies, on average (a copy per block and segment)."""
+        return job.nbytes / max(1, len(job) * len(self._segments[job.group]))
+
     def run(self, job: Job, stream_handle: int) -> None:
         """Queue every copy of `job` on the stream; raises if the driver refuses the batch."""
         dev_parts, host_parts, sizes = [], [], []

@@ -33,13 +33,20 @@ logger = logging.getLogger(__name__)
 
 COPY_MODES = ("auto", "kernel", "dma")
 """kernel: kernels through the mapped pool; dma: the copy engines, one batched driver call per
-job; auto: dma where the driver has it for jobs of DMA_MIN_JOB_BYTES or more, and on the
-compiled path also for jobs whose copies (one per block and segment) average 256 KiB or more."""
+job; auto: dma where the driver has it for jobs of DMA_MIN_JOB_BYTES or more whose copies (one
+per block and segment) average DMA_MIN_COPY_BYTES or more, and on the compiled path also for
+jobs whose copies average 256 KiB or more."""
 
 DMA_MIN_JOB_BYTES = 16 << 20
 """Crossover measured on an H100 (docs/bench/transfer.md): below it a batched DMA call costs
 more than the kernels' launch for small pages; from it the copy engines run at 94-99% of a
 contiguous copy, against 90-94% for the compiled kernel."""
+
+DMA_MIN_COPY_BYTES = 32 << 10
+"""Below this average copy the kernel takes even a large job (cudaengine.c's KVT_DMA_SMALL_COPY):
+on an H200, 16 KiB copies in 8-16 MiB jobs moved at 24-48% of a contiguous copy through the
+copy engines against 85-89% by the kernel, and a transformers paged cache's 2 KiB pieces (one
+per layer, K or V, and head) loaded at 1.6 GB/s through them (docs/bench/transfer.md)."""
 
 DEFAULT_CUDA_STAGE_BYTES = 32 << 20
 """Device scratch per lane for jobs whose both sides are scattered."""
@@ -316,6 +323,17 @@ class CUDATransferWorker(TransferWorker):
             return False
         return True
 
+    def _on_copy_engines(self, job: Job) -> bool:
+        """Whether the torch-ops path hands `job` to the copy engines (COPY_MODES)."""
+        if self._dma is None:
+            return False
+        if self._dma_min_bytes == 0:  # copy_mode="dma"
+            return True
+        return (
+            job.nbytes >= self._dma_min_bytes
+            and self._dma.mean_copy_bytes(job) >= DMA_MIN_COPY_BYTES
+        )
+
     def _submit(self, job: Job) -> None:
         if self._engine is not None:
             store = job.direction is Direction.STORE
@@ -336,7 +354,7 @@ class CUDATransferWorker(TransferWorker):
             ln = self._lanes["urgent" if job.urgent else "load"]
         n = len(job)
         buf = None
-        if self._dma is None or job.nbytes < self._dma_min_bytes:
+        if not self._on_copy_engines(job):
             buf = self._indices.take(max(1, 2 * n))
             staged = buf.host.numpy()
             staged[:n] = job.dev_rows

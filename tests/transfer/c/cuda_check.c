@@ -221,7 +221,7 @@ static void check_paths(void) {
     if (depth) { /* how jobs merge depends on the threads' timing: only bytes are checked */
         round_trip(4098, 2054, 0, 0, &launches, &batches, "narrow");
         round_trip(4096, 4096, 1, 0, &launches, &batches, "dma");
-        round_trip(4096, 4096, 1, 1 << 20, &launches, &batches, "auto");
+        round_trip(32768, 32768, 1, 4 << 20, &launches, &batches, "auto");
         return;
     }
     if (launches != 8 || batches != 0) /* stores 2 + 1 + 1, loads 2 + 1 + 1 */
@@ -233,10 +233,16 @@ static void check_paths(void) {
     round_trip(4096, 4096, 1, 0, &launches, &batches, "dma");
     if (launches != 0 || batches != 6)
         FAIL("dma: %d launches and %d batched copies, want 0 and 6", launches, batches);
-    /* "auto": 600 blocks of 8 KiB (about 4.9 MB) batched, the small jobs on kernels. */
-    round_trip(4096, 4096, 1, 1 << 20, &launches, &batches, "auto");
+    /* "auto" (4 MiB jobs and up): 600 blocks of two 32 KiB copies (about 39 MB) batched, the
+     * jobs of 30 and 2 blocks on kernels. */
+    round_trip(32768, 32768, 1, 4 << 20, &launches, &batches, "auto");
     if (launches != 4 || batches != 2)
         FAIL("auto: %d launches and %d batched copies, want 4 and 2", launches, batches);
+    /* "auto" with copies under 32 KiB: kernels for every job, however large (4.9 MB here). */
+    round_trip(4096, 4096, 1, 1 << 20, &launches, &batches, "auto, small copies");
+    if (launches != 8 || batches != 0)
+        FAIL("auto, small copies: %d launches and %d batched copies, want 8 and 0", launches,
+             batches);
 }
 
 static unsigned char *compute_block;
