@@ -1,5 +1,5 @@
 """What the benchmark scripts share: parsing a `PAGE_KIBxBLOCKS` case, a timed burst of jobs,
-showing and saving rows.
+waiting for a device, showing and saving rows.
 
 The scripts run as `python benchmarks/NAME.py`, which puts this folder on `sys.path`.
 """
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -78,6 +79,12 @@ def run_burst(
     results = worker.get_finished()
     assert len(results) == len(ids) and all(x.success for x in results), "a job failed"
     return Burst(t1 - t0, wall, results, each)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the work queued on `device` (a GPU's kernels run asynchronously); no-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def show_and_save(table: Table, rows: list[dict[str, object]], json_path: str | None) -> None:

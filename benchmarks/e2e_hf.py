@@ -41,6 +41,7 @@ from rich.console import Console
 from rich.table import Table
 
 import kvtier.integrations.hf.generator as generator_module
+from _bench import sync
 from kvtier.config import KVTierConfig
 from kvtier.integrations.hf.generator import KVTierGenerator
 from kvtier.integrations.hf.models import make_demo_model
@@ -60,20 +61,15 @@ SIZES: dict[str, dict[str, int]] = {
 """`--size`: fields of `make_demo_model`; "demo" is the default demo model."""
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _copy_seconds(nbytes: int, device: torch.device) -> float:
     """One contiguous copy of `nbytes` into `device` from touched host memory (pinned where the
     device is a GPU): the bandwidth ceiling of a load."""
     src = torch.full((nbytes,), 3, dtype=torch.uint8, pin_memory=device.type == "cuda")
     dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     dst.copy_(src, non_blocking=True)
-    _sync(device)
+    sync(device)
     return time.perf_counter() - start
 
 
@@ -100,13 +96,13 @@ def bench_prefix(model: Any, prefix_len: int, tail: int, repeats: int, seed: int
             ids = prompt.unsqueeze(0).to(device)
 
             def recompute(ids: torch.Tensor = ids) -> None:
-                _sync(device)
+                sync(device)
                 t0 = time.perf_counter()
                 out = generate_greedy(model, ids, 1)
                 times["recompute"].append(out.first_token_time - t0)
 
             def kvtier(prompt: torch.Tensor = prompt) -> None:
-                _sync(device)
+                sync(device)
                 before = gen.stats.bytes_loaded
                 res = gen.generate_one(prompt, 1)
                 if res.hit_tokens != prefix_len:
@@ -117,10 +113,10 @@ def bench_prefix(model: Any, prefix_len: int, tail: int, repeats: int, seed: int
 
             def tail_only(ids: torch.Tensor = ids) -> None:
                 cache = ref.cache(0, blocks, prefix_len)  # the tail overwrites the last one's
-                _sync(device)
+                sync(device)
                 t0 = time.perf_counter()
                 prefill(model, ids, cache)
-                _sync(device)
+                sync(device)
                 times["tail"].append(time.perf_counter() - t0)
 
             variants: list[Callable[[], None]] = [recompute, kvtier, tail_only]
@@ -194,7 +190,7 @@ def bench_fresh(model: Any, tokens: int, new_tokens: int, rounds: int, seed: int
     with KVTierGenerator(model, config, block_size=BS, max_blocks=2 * blocks) as gen:
 
         def kvtier(prompt: torch.Tensor) -> tuple[float, float]:
-            _sync(device)
+            sync(device)
             in_model = timer.seconds
             t0 = time.perf_counter()
             res = gen.generate_one(prompt, new_tokens)
@@ -206,13 +202,13 @@ def bench_fresh(model: Any, tokens: int, new_tokens: int, rounds: int, seed: int
             return seconds, res.ttft_s
 
         def plain(prompt: torch.Tensor) -> tuple[float, float]:
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             out = generate_greedy(model, prompt.unsqueeze(0).to(device), new_tokens)
             return time.perf_counter() - t0, out.first_token_time - t0
 
         def paged_only(prompt: torch.Tensor) -> tuple[float, float]:
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             ids = prompt.unsqueeze(0).to(device)
             out = generate_greedy(model, ids, new_tokens, paged.cache(0, blocks, 0))

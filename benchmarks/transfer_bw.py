@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from rich.table import Table
 
-from _bench import KiB, show_and_save
+from _bench import KiB, show_and_save, sync
 from kvtier.transfer import (
     CPUTransferWorker,
     HostPool,
@@ -36,16 +36,11 @@ from kvtier.transfer import (
 MiB = 1 << 20
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(fn: Callable[[], None], device: torch.device) -> float:
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     fn()
-    _sync(device)
+    sync(device)
     return time.perf_counter() - start
 
 

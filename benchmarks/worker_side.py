@@ -26,14 +26,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from _bench import sync
 from kvtier.connector import OffloadingScheduler, OffloadingWorker, StepProgress
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor, make_transfer_worker
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _hashes(name: str, n: int) -> list[bytes]:
@@ -93,7 +89,7 @@ class Rig:
         meta = sched.build_step_metadata(progress)
         jobs = meta.loads if load else meta.stores
         assert jobs, "the wave planned no transfers"
-        _sync(self.device)
+        sync(self.device)
         start = time.perf_counter()
         if load:
             self.worker.start_step(meta)
@@ -101,7 +97,7 @@ class Rig:
         else:
             self.worker.finish_step(meta)
             self.transfer.wait([j.job_id for j in jobs])
-        _sync(self.device)
+        sync(self.device)
         seconds = time.perf_counter() - start
         results = self.worker.get_finished()
         assert all(r.success for r in results), "a transfer failed"
@@ -119,10 +115,10 @@ class Rig:
         dev = self._scratch[:nbytes]
         host = self.pool.tensor.view(-1)[:nbytes]
         dst, src = (host, dev) if store else (dev, host)
-        _sync(self.device)
+        sync(self.device)
         start = time.perf_counter()
         dst.copy_(src, non_blocking=True)
-        _sync(self.device)
+        sync(self.device)
         return time.perf_counter() - start
 
     def check_round_trip(self) -> None:
