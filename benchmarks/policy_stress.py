@@ -22,7 +22,7 @@ from kvtier.policies import registered_policies
 from policy_hit_ratios import as_trace, replay
 
 
-class _Ids:
+class ChainIds:
     """Chained block ids: a block is named by its parent's id and its own tag."""
 
     def __init__(self) -> None:
@@ -45,7 +45,7 @@ def bursty_documents(
 ) -> list[list[int]]:
     """Up to `live` documents in use at once; each is asked about `reuses` times and then
     dropped. A request is a 2-block system prompt, the document, and a 1-block question."""
-    rng, ids = random.Random(seed), _Ids()
+    rng, ids = random.Random(seed), ChainIds()
     docs: list[list[int]] = []  # [doc id, length, questions left]
     next_doc = 0
     out = []
@@ -67,7 +67,7 @@ def bursty_documents(
 def few_sessions_chat(seed: int, num_requests: int, live: int, max_turns: int) -> list[list[int]]:
     """`live` chat sessions served mostly in turn; each turn appends 1-3 blocks to the
     session's context and ends in a partial block; a session ends after `max_turns`."""
-    rng, ids = random.Random(seed), _Ids()
+    rng, ids = random.Random(seed), ChainIds()
     sessions: list[dict[str, Any]] = []
     next_session = 0
     out = []
