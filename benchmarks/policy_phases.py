@@ -2,10 +2,10 @@
 policy: where following the shadows loses to LRU because the best mode changes mid-trace.
 
 On Mooncake's synthetic trace behind a device cache that stores on eviction, the filter mode
-leads the first half and collapses in the second, and the shadows, which see one key in 16 or
-32 there, notice late (docs/policies.md, "Other device sizes, and a phase change"). A head is
-the trace's first requests up to `--split` of its block accesses; the tail's hits are the whole
-run's minus the head's, since a replay of the head is the start of the whole replay.
+leads the first half and collapses in the second, and the shadows, which see one key in 16 or 32
+there, notice late (docs/kvaware-evaluation.md, "Other device sizes, and a phase change"). A
+head is the trace's first requests up to `--split` of its block accesses; the tail's hits are
+the whole run's minus the head's, since a replay of the head is the start of the whole replay.
 
     python benchmarks/policy_phases.py synthetic_trace.jsonl [--mode engine] [--store on-evict]
         [--device 1%] [--capacity 10%] [--split 0.5] [--json FILE]

@@ -2,8 +2,9 @@
 handful of live sessions. Both are recency-friendly at capacities of one or two documents.
 
 kvaware promises to be no worse than LRU on traffic it was not designed on. These families
-were built to break that promise after the design was fixed (docs/policies.md, "Where it
-loses to LRU"); the benchmark prints kvaware - LRU per cell so the losses stay visible.
+were built to break that promise after the design was fixed (docs/kvaware-evaluation.md,
+"Where it loses to LRU"); the benchmark prints kvaware - LRU per cell so the losses stay
+visible.
 Flat mode through the real `CPUOffloadingManager`, capacities in blocks.
 
     python benchmarks/policy_stress.py [--policies lru,arc,kvaware] [--json FILE]

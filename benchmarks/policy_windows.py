@@ -2,9 +2,9 @@
 shares of its own unique blocks.
 
 A short trace is where an adaptive policy is weakest: its evidence is thin and each change of
-mode costs the cache more of the run (docs/policies.md, "Short traces"). Windows of 500, 1,000
-and 3,000 requests at four evenly spaced starts give 48 cells per policy and trace, each
-printed as policy − LRU in points.
+mode costs the cache more of the run (docs/kvaware-evaluation.md, "Short traces"). Windows of
+500, 1,000 and 3,000 requests at four evenly spaced starts give 48 cells per policy and trace,
+each printed as policy − LRU in points.
 
     python benchmarks/policy_windows.py TRACE [TRACE ...] [--policies kvaware,arc]
         [--sizes 500,1000,3000] [--starts 4] [--json FILE]

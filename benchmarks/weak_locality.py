@@ -6,7 +6,7 @@ designed for that regime and look past the last use: LIRS ranks blocks by the ga
 last two uses, LRU-2 by the time of the use before the last. Both are simulated here offline
 over the trace's block ids, in their most favourable form (the history of every block ever
 seen, unbounded), next to LRU and kvaware replayed through the real manager in the same run.
-Evidence for docs/policies.md ("What was tried"), not shipped policies.
+Evidence for docs/kvaware-evaluation.md ("What was tried"), not shipped policies.
 
     python benchmarks/weak_locality.py [--capacities 0.01,0.05,0.10,0.25] [--hir-share 0.01]
         [--json FILE]

@@ -1,4 +1,4 @@
-"""The random trace families behind docs/policies.md's "Random trace families" figures."""
+"""The random trace families behind docs/kvaware-evaluation.md's "Random trace families" figures."""
 
 from __future__ import annotations
 

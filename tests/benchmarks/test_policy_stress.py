@@ -1,4 +1,4 @@
-"""The stress workloads behind docs/policies.md's "Where it loses to LRU" figures."""
+"""The stress workloads behind docs/kvaware-evaluation.md's "Where it loses to LRU" figures."""
 
 from __future__ import annotations
 

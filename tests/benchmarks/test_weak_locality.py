@@ -1,4 +1,4 @@
-"""The offline reference policies behind docs/policies.md's LIRS and LRU-2 figures."""
+"""The offline reference policies behind docs/kvaware-evaluation.md's LIRS and LRU-2 figures."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 switched on and off by six miniature simulations, in front of GreedyDual-Frequency; plain LRU
 until a simulation shows something better, and again when following them costs hits.
 
-The design and its measurements are in docs/policies.md ("The KV-aware policy").
+The design is in docs/policies.md ("The KV-aware policy"), its measurements on other traces
+and the variants tried in docs/kvaware-evaluation.md.
 """
 
 from __future__ import annotations
