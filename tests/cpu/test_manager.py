@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Iterable
 
 import pytest
@@ -280,10 +281,16 @@ def test_custom_admission_object() -> None:
 # -- bad arguments: a clear error and no change -------------------------------------------------
 
 
-@pytest.mark.parametrize("num_slots", [0, -1, 1.5, None])
+@pytest.mark.parametrize("num_slots", [0, -1, 1.5, None, True])
 def test_bad_num_slots(num_slots: object) -> None:
-    with pytest.raises(ValueError, match="num_slots"):
+    with pytest.raises(ValueError, match=re.escape(f"num_slots={num_slots!r}")):
         CPUOffloadingManager(num_slots)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [0, 1.5, float("nan"), "10"])
+def test_bad_max_pending_events(bad: object) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"max_pending_events={bad!r}")):
+        CPUOffloadingManager(4, enable_events=True, max_pending_events=bad)  # type: ignore[arg-type]
 
 
 def test_unknown_policy_lists_registered_ones() -> None:

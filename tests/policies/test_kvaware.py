@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from itertools import islice
@@ -91,6 +92,49 @@ def test_request_tail_is_evicted_before_its_head() -> None:
     policy.insert(keys, ctx)
     assert policy.evict(1, set()) == [key(3)]
     assert policy.evict(1, set()) == [key(2)]  # then the tail of what is left
+
+
+def test_deepest_block_follows_a_request_that_grows() -> None:
+    # The connector adds each step's chunks to the same ReqContext.key_positions.
+    policy = KVAwarePolicy(64, mode="open")
+    ctx = ReqContext("r", key_positions={key(0): 16})
+    policy.insert([key(0)], ctx)
+    ctx.key_positions[key(1)] = 32
+    policy.insert([key(1)], ctx)
+    assert policy._tail_of(ctx) == key(1)
+    ctx.key_positions[key(2)] = 8  # not deeper: the tail stays
+    assert policy._tail_of(ctx) == key(1)
+    # The same answer whatever other requests came in between.
+    twin = KVAwarePolicy(64, mode="open")
+    other = ReqContext("o", key_positions={key(9): 16})
+    for i, c in ((0, ctx), (9, other), (1, ctx)):
+        twin.insert([key(i)], c)
+    assert twin._tail_of(ctx) == key(1)
+
+
+def test_protected_keys_set_aside_in_evict_leave_the_order_unchanged() -> None:
+    # evict() sets protected keys at the front of a bucket aside instead of rescanning them
+    # for every victim; the victims and the order left behind must be the plain scan's.
+    rng = random.Random(5)
+    fast, slow = KVAwarePolicy(48, mode="filter"), KVAwarePolicy(48, mode="filter")
+    slow._main_victim = lambda protected, aside=None: KVAwarePolicy._main_victim(  # type: ignore[method-assign]
+        slow, protected
+    )
+    for step in range(20_000):
+        k = key(rng.randrange(200))
+        c = ReqContext(str(step // 6), key_positions={k: rng.randint(1, 8) * 16})
+        if k in fast:
+            fast.touch([k], c)
+            slow.touch([k], c)
+            continue
+        if len(fast) >= 48:
+            held = [h for h in map(key, range(200)) if h in fast]
+            protected = set(rng.sample(held, rng.randrange(len(held) // 2)))
+            n = rng.randint(1, 4)
+            assert fast.evict(n, protected) == slow.evict(n, protected)
+        fast.insert([k], c)
+        slow.insert([k], c)
+    assert fast.evict(len(fast), set()) == slow.evict(len(slow), set())
 
 
 def test_head_of_a_call_outlives_its_tail() -> None:

@@ -44,3 +44,10 @@ def test_main_queue_gives_reused_keys_a_second_chance() -> None:
 def test_bad_small_ratio_is_rejected() -> None:
     with pytest.raises(ValueError, match=r"small_ratio=1\.5"):
         S3FIFOPolicy(10, small_ratio=1.5)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 4, 1.5, True])
+def test_bad_promote_freq_is_rejected(bad: object) -> None:
+    # Frequencies stop at 3: a threshold of 4 would promote nothing, 0 everything.
+    with pytest.raises(ValueError, match=f"promote_freq={bad!r}"):
+        S3FIFOPolicy(10, promote_freq=bad)  # type: ignore[arg-type]

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import random
+import re
+from collections.abc import Collection
 
+import numpy as np
 import pytest
 
 from kvtier.base import OffloadKey, ReqContext, make_offload_key
@@ -123,6 +126,57 @@ def test_remove_and_clear_forget_keys(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_unpin_returns_only_keys_still_pinned(name: str) -> None:
+    # vLLM's adapter unpins on mark_evictable, whatever happened to the key meanwhile.
+    policy, keys = filled(name)
+    policy.pin(keys[:3])
+    policy.remove([keys[0]])
+    policy.unpin(keys[:3], None)
+    assert keys[0] not in policy and keys[1] in policy and len(policy) == 7
+    policy.unpin([keys[4]], None)  # held, never pinned: nothing to return
+    assert len(policy) == 7
+    policy.pin([keys[5]])
+    policy.clear()
+    policy.unpin([keys[5]], None)
+    assert len(policy) == 0 and keys[5] not in policy
+    assert policy.evict(1, set()) is None
+
+
+class CountingSet(set[OffloadKey]):
+    """A protected set that counts membership tests."""
+
+    lookups = 0
+
+    def __contains__(self, item: object) -> bool:
+        self.lookups += 1
+        return super().__contains__(item)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("as_list", [False, True])
+def test_evict_with_many_protected_keys_is_linear(name: str, as_list: bool) -> None:
+    # The manager protects the keys of a store call already present: a long request's prefix.
+    # When they are the oldest, each victim must not rescan them (quadratic in the request).
+    n = 2000
+    policy = make_policy(name, n)
+    keys = [key(i) for i in range(n)]
+    for k in keys:  # one per call: the first are the oldest
+        policy.insert([k], None)
+    protected = CountingSet(keys[: n // 2])
+    given: Collection[OffloadKey] = list(protected) if as_list else protected
+    victims = policy.evict(n // 4, given)
+    assert victims is not None and len(set(victims)) == n // 4
+    assert not protected & set(victims)
+    assert all(k in policy for k in protected)
+    if not as_list:
+        assert protected.lookups <= 4 * n, protected.lookups
+    assert len(policy) == n - n // 4
+    if name in ("lru", "kvaware"):
+        # Protection keeps their place: the oldest, next in line once unprotected.
+        assert policy.evict(n // 2, set()) == keys[: n // 2]
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_tables_stay_bounded_under_random_operations(name: str) -> None:
     capacity = 64
     policy = make_policy(name, capacity)
@@ -183,6 +237,14 @@ def test_module_class_spec_loads_policy() -> None:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_bad_capacity_is_rejected(name: str) -> None:
-    with pytest.raises(ValueError, match="capacity=0"):
-        make_policy(name, 0)
+@pytest.mark.parametrize("bad", [0, -3, 2.5, 8.0, float("nan"), float("inf"), True, "8", None])
+def test_bad_capacity_is_rejected(name: str, bad: object) -> None:
+    # A float size is refused, not rounded; NaN would disable every bound compared with it.
+    with pytest.raises(ValueError, match=re.escape(f"capacity={bad!r} is invalid")):
+        make_policy(name, bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_integer_like_capacity_is_accepted(name: str) -> None:
+    policy = make_policy(name, np.int64(4))  # type: ignore[arg-type]
+    assert policy.capacity == 4 and type(policy.capacity) is int

@@ -19,6 +19,7 @@ from kvtier.base import (
 )
 from kvtier.cpu.spec import CPULoadStoreSpec
 from kvtier.policies import CachePolicy, make_policy
+from kvtier.policies.base import slot_count
 
 if TYPE_CHECKING:
     from kvtier.config import KVTierConfig
@@ -52,10 +53,8 @@ class CPUOffloadingManager(OffloadingManager):
         enable_events: bool = False,
         max_pending_events: int = 100_000,
     ) -> None:
-        if not isinstance(num_slots, int) or num_slots < 1:
-            raise ValueError(f"num_slots={num_slots!r} is invalid; expected a positive integer")
-        if max_pending_events < 1:
-            raise ValueError(f"max_pending_events={max_pending_events} is invalid; expected >= 1")
+        num_slots = slot_count("num_slots", num_slots)
+        max_pending_events = slot_count("max_pending_events", max_pending_events)
         self.num_slots = num_slots
         self._policy: CachePolicy = make_policy(cache_policy, num_slots)
         self._admission: AdmissionPolicy = (

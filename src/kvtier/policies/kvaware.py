@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
+from itertools import islice
+from operator import itemgetter
 
 from kvtier.base import OffloadKey, ReqContext
-from kvtier.policies.base import CachePolicy, register_policy
+from kvtier.policies.base import CachePolicy, register_policy, slot_count
 from kvtier.policies.kvaware_sketch import M64, MAX_COUNT, FrequencySketch, key_hash
 
 __all__ = ["FrequencySketch", "KVAwarePolicy", "key_hash"]
@@ -97,12 +99,11 @@ class KVAwarePolicy(CachePolicy):
         _counts: bool = True,
     ) -> None:
         super().__init__(capacity)
+        capacity = self.capacity  # validated, and a plain int
         if not 0.0 < window < 1.0:
             raise ValueError(f"window={window} is invalid; expected 0 < window < 1")
-        if sketch_width < 1:
-            raise ValueError(f"sketch_width={sketch_width} is invalid; expected >= 1")
-        if model_size < 1:
-            raise ValueError(f"model_size={model_size} is invalid; expected >= 1")
+        sketch_width = slot_count("sketch_width", sketch_width)
+        model_size = slot_count("model_size", model_size)
         if mode not in _MODE_NAMES:
             raise ValueError(f"mode={mode!r} is invalid; expected one of {_MODE_NAMES}")
         self._win_target = max(1, int(window * capacity))
@@ -114,6 +115,7 @@ class KVAwarePolicy(CachePolicy):
         self._pinned: dict[OffloadKey, int] = {}
         self._tail_req: str | None = None
         self._tail_key: OffloadKey | None = None
+        self._tail_len = 0
         # Keys already counted per live request: an engine reports one use of a chunk more than
         # once (a device hit when the request arrives and again when it ends; a load's unpin
         # and the same end-of-request touch), and a use must count once, as in a replay.
@@ -182,12 +184,23 @@ class KVAwarePolicy(CachePolicy):
         """The deepest key of `ctx`'s request, or None without positions."""
         if ctx is None or not ctx.key_positions:
             return None
-        if ctx.req_id != self._tail_req:
+        if ctx.req_id == self._tail_req and len(ctx.key_positions) == self._tail_len:
+            return self._tail_key
+        return self._find_tail(ctx.req_id, ctx.key_positions)
+
+    def _find_tail(self, req_id: str, positions: dict[OffloadKey, int]) -> OffloadKey:
+        n, seen, tail = len(positions), self._tail_len, self._tail_key
+        if req_id == self._tail_req and n > seen and tail in positions:
+            # An engine adds the chunks it stores step by step: only the new ones can be
+            # deeper (a tie keeps the earlier key, as max() over the whole table would).
+            key, pos = max(islice(positions.items(), seen, None), key=itemgetter(1))
+            if pos > positions[tail]:
+                tail = key
+        else:
             # Once per request: O(request length).
-            positions = ctx.key_positions
-            self._tail_req = ctx.req_id
-            self._tail_key = max(positions, key=positions.__getitem__)
-        return self._tail_key
+            tail = max(positions, key=positions.__getitem__)
+        self._tail_req, self._tail_len, self._tail_key = req_id, n, tail
+        return tail
 
     def _is_tail(self, key: OffloadKey, ctx: ReqContext | None) -> bool:
         return self._tail_first and key == self._tail_of(ctx)
@@ -347,7 +360,14 @@ class KVAwarePolicy(CachePolicy):
             self._win.pop(key, None)
             self._unplace(key)
 
-    def _main_victim(self, protected: Collection[OffloadKey]) -> OffloadKey | None:
+    def _main_victim(
+        self,
+        protected: Collection[OffloadKey],
+        aside: dict[int, list[OffloadKey]] | None = None,
+    ) -> OffloadKey | None:
+        """The lowest-credit key not in `protected` (oldest first among equals). With `aside`,
+        protected keys at a bucket's front are moved there, in order, so that the next call
+        in the same `evict` does not scan them again; `_restore` puts them back."""
         # Credits lie in [floor, floor + 15]: placed there, and the floor only rises. The
         # floor may pass only credits with no key at all, or protected keys would be stranded.
         buckets = self._buckets
@@ -355,17 +375,41 @@ class KVAwarePolicy(CachePolicy):
         for credit in range(self._floor, self._floor + MAX_COUNT + 1):
             bucket = buckets.get(credit)
             if bucket is None:
+                if aside is not None and credit in aside:
+                    raise_floor = False
                 continue
             if not protected:
                 self._floor = credit
                 return next(iter(bucket))
-            for key in bucket:
-                if key not in protected:
-                    if raise_floor:
-                        self._floor = credit
-                    return key
+            if aside is None:
+                for key in bucket:
+                    if key not in protected:
+                        if raise_floor:
+                            self._floor = credit
+                        return key
+            else:
+                while bucket:
+                    key = next(iter(bucket))
+                    if key not in protected:
+                        if raise_floor:
+                            self._floor = credit
+                        return key
+                    del bucket[key]
+                    aside.setdefault(credit, []).append(key)
+                del buckets[credit]
             raise_floor = False
         return None
+
+    def _restore(self, aside: dict[int, list[OffloadKey]]) -> None:
+        """Put the keys `_main_victim` set aside back at the front of their buckets."""
+        buckets = self._buckets
+        for credit, keys in aside.items():
+            bucket = buckets.get(credit)
+            if bucket is None:
+                bucket = buckets[credit] = OrderedDict()
+            for key in reversed(keys):
+                bucket[key] = None
+                bucket.move_to_end(key, last=False)
 
     def _evict_one(self) -> None:
         """`evict(1, ())` for a full shadow, which pins nothing: the same choice, less work."""
@@ -411,27 +455,34 @@ class KVAwarePolicy(CachePolicy):
             return None
         victims: list[OffloadKey] = []
         target, sketch = self._win_target, self._sketch
-        while len(victims) < n:
-            # A window over its size (the tier was filling) hands its surplus to main.
-            while len(win) > target:
-                moved, tail = win.popitem(last=False)
-                self._place(moved, sketch.estimate_key(moved) if self._counts else 1, tail)
-            if len(win) == target:
-                cand = _first(win, protected) if protected else next(iter(win))
-            else:
-                cand = None
-            victim = self._main_victim(protected) if credit else None
-            if cand is not None and victim is not None:
-                tail = win.pop(cand)
-                victims.append(victim if self._duel(cand, tail, victim) else cand)
-            elif victim is not None:
-                self._unplace(victim)
-                victims.append(victim)
-            else:
-                cand = _first(win, protected)
-                assert cand is not None, "the count check above guarantees a candidate"
-                del win[cand]
-                victims.append(cand)
+        # Protected keys at the front of the lowest buckets, set aside for this call: each
+        # victim would otherwise rescan them (O(n * protected) for a long request's store).
+        aside: dict[int, list[OffloadKey]] | None = {} if protected else None
+        try:
+            while len(victims) < n:
+                # A window over its size (the tier was filling) hands its surplus to main.
+                while len(win) > target:
+                    moved, tail = win.popitem(last=False)
+                    self._place(moved, sketch.estimate_key(moved) if self._counts else 1, tail)
+                if len(win) == target:
+                    cand = _first(win, protected) if protected else next(iter(win))
+                else:
+                    cand = None
+                victim = self._main_victim(protected, aside) if credit else None
+                if cand is not None and victim is not None:
+                    tail = win.pop(cand)
+                    victims.append(victim if self._duel(cand, tail, victim) else cand)
+                elif victim is not None:
+                    self._unplace(victim)
+                    victims.append(victim)
+                else:
+                    cand = _first(win, protected)
+                    assert cand is not None, "the count check above guarantees a candidate"
+                    del win[cand]
+                    victims.append(cand)
+        finally:
+            if aside:
+                self._restore(aside)
         return victims
 
     def clear(self) -> None:
@@ -441,6 +492,7 @@ class KVAwarePolicy(CachePolicy):
         self._pinned.clear()
         self._floor = 0
         self._tail_req = self._tail_key = None
+        self._tail_len = 0
         self._counted.clear()
         self._counted_req, self._counted_keys = None, set()
         if self._owns_sketch:
@@ -459,6 +511,7 @@ class KVAwarePolicy(CachePolicy):
     def on_request_finished(self, ctx: ReqContext) -> None:
         if ctx.req_id == self._tail_req:
             self._tail_req = self._tail_key = None
+            self._tail_len = 0
         self._counted.pop(ctx.req_id, None)
         if ctx.req_id == self._counted_req:
             self._counted_req, self._counted_keys = None, set()

@@ -20,6 +20,9 @@ class LRUPolicy(CachePolicy):
         super().__init__(capacity)
         # Oldest first; values unused. OrderedDict gives O(1) move-to-end and delete.
         self._order: OrderedDict[OffloadKey, None] = OrderedDict()
+        # Pinned keys, so that unpin returns only those, never a key removed (or cleared)
+        # while pinned.
+        self._pinned: set[OffloadKey] = set()
 
     def __len__(self) -> int:
         return len(self._order)
@@ -42,21 +45,32 @@ class LRUPolicy(CachePolicy):
                 order.move_to_end(key)
 
     def pin(self, keys: Iterable[OffloadKey]) -> None:
-        order = self._order
+        order, pinned = self._order, self._pinned
         for key in keys:
-            order.pop(key, None)
+            if key in order:
+                del order[key]
+                pinned.add(key)
 
     def unpin(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
-        self.insert(keys, ctx)
+        order, pinned = self._order, self._pinned
+        for key in reversed(keys):
+            if key in pinned:
+                pinned.discard(key)
+                order[key] = None
 
     def remove(self, keys: Iterable[OffloadKey]) -> None:
-        self.pin(keys)
+        order, pinned = self._order, self._pinned
+        for key in keys:
+            order.pop(key, None)
+            pinned.discard(key)
 
     def evict(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
         if n <= 0:
             return []
         if n > len(self._order):
             return None
+        if protected and not isinstance(protected, (set, frozenset, dict)):
+            protected = set(protected)  # the manager passes a list: O(1) membership
         victims: list[OffloadKey] = []
         for key in self._order:
             if key not in protected:
@@ -71,3 +85,7 @@ class LRUPolicy(CachePolicy):
 
     def clear(self) -> None:
         self._order.clear()
+        self._pinned.clear()
+
+    def table_sizes(self) -> dict[str, int]:
+        return {"candidates": len(self._order), "pinned": len(self._pinned)}

@@ -26,10 +26,22 @@ class S3FIFOPolicy(CachePolicy):
 
     def __init__(self, capacity: int, small_ratio: float = 0.1, promote_freq: int = 2) -> None:
         super().__init__(capacity)
+        capacity = self.capacity  # validated, and a plain int
         if not 0.0 < small_ratio < 1.0:
             raise ValueError(f"small_ratio={small_ratio} is invalid; expected 0 < ratio < 1")
         self._small_target = max(1, int(capacity * small_ratio))
         self._ghost_cap = max(1, capacity - self._small_target)
+        # Frequencies stop at _MAX_FREQ: a threshold above it would promote nothing, one
+        # below 1 everything (no filter at all).
+        if (
+            isinstance(promote_freq, bool)
+            or not isinstance(promote_freq, int)
+            or not (1 <= promote_freq <= _MAX_FREQ)
+        ):
+            raise ValueError(
+                f"promote_freq={promote_freq!r} is invalid; expected an integer from 1 to "
+                f"{_MAX_FREQ} (frequencies stop at {_MAX_FREQ})"
+            )
         self._promote_freq = promote_freq
         # Queues map key -> access frequency (0..3); the first item is the oldest (tail).
         self._small: OrderedDict[OffloadKey, int] = OrderedDict()
