@@ -156,7 +156,25 @@ def test_advise(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
         (["--max-tracker-size=0x"], "--max-tracker-size='0x'"),
         (["--store", "on-evict"], "--store applies only to --mode engine"),
         (["--device-capacity", "2%", "--store", "eager"], "--device-capacity and --store apply"),
-        (["--mode", "engine", "--device-capacity", "0%"], "capacity '0%' is less than one"),
+        (["--capacities", "0"], "capacity '0' is less than one block"),
+        (["--capacities", "0%"], "capacity '0%' is less than one block"),
+        (
+            ["--mode", "engine", "--device-capacity", "1KiB", "--model-shape", "llama-3-8b"],
+            "capacity '1KiB' is less than one block",
+        ),
+        (["--max-tracker-size", "infx"], "--max-tracker-size='infx' is invalid"),
+        (["--max-tracker-size", "1e400x"], "--max-tracker-size='1e400x' is invalid"),
+        (["--max-tracker-size", "nanx"], "--max-tracker-size='nanx' is invalid"),
+        (
+            ["--model-shape", "llama-3-8b", "--capacities", "0.5B"],
+            "capacity '0.5B' is not a whole number of bytes",
+        ),
+        (["--advise", "--plot", "x.png"], "--plot applies only without --advise"),
+        (["--advise", "--capacities", "5%"], "--capacities applies only without --advise"),
+        (
+            ["--advise", "--capacities", "5%", "--plot", "x.png"],
+            "--capacities and --plot apply only without --advise",
+        ),
     ],
 )
 def test_simulate_errors(
@@ -174,6 +192,9 @@ def test_bad_trace_line_is_reported(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "t.jsonl:2: field 'hash_ids'" in capsys.readouterr().err
     assert main(["simulate", str(tmp_path / "none.jsonl"), "-q"]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert main(["simulate", str(tmp_path), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert f"trace {str(tmp_path)!r} is a directory; expected a trace file" in err
 
 
 def test_policies_lists_cache_and_admission_policies(capsys: pytest.CaptureFixture[str]) -> None:
@@ -217,3 +238,90 @@ def test_help_renders(command: list[str], capsys: pytest.CaptureFixture[str]) ->
         main([*command, "--help"])
     assert info.value.code == 0
     assert "usage: kvtier" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("device", ["0", "0%"])
+def test_engine_with_an_empty_device_equals_flat(
+    trace: Path, device: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = [str(trace), "--policies", "lru,s3fifo,opt", "--capacities", "5%,12", "--hits", "touch"]
+    flat = _json_rows(capsys, *base)
+    engine = _json_rows(capsys, *base, "--mode", "engine", "--device-capacity", device)
+    fields = ("policy", "capacity_blocks", "block_hit_ratio", "prefix_hit_ratio", "stores")
+    assert [[r[f] for f in fields] for r in engine] == [[r[f] for f in fields] for r in flat]
+    assert {r["device_blocks"] for r in engine} == {0}
+
+
+def test_capacities_beyond_the_trace_report_what_was_asked(
+    trace: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    huge = ["100000000000000000000", "1000000000000"]
+    rows = _json_rows(capsys, str(trace), "--policies", "lru,opt", "--capacities", ",".join(huge))
+    infinite = rows[-1]
+    assert [r["capacity_blocks"] for r in rows[:-1]] == [10**20, 10**12] * 2
+    for r in rows[:-1]:
+        assert r["block_hit_ratio"] == infinite["block_hit_ratio"] and r["evictions"] == 0
+        assert r["capacity_frac"] == r["capacity_blocks"] / infinite["capacity_blocks"]
+
+
+def test_advise_skips_the_capacities_and_writes_csv(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = [
+        {"input_length": 512 * (i % 3 + 1), "hash_ids": list(range(i % 3 + 1))} for i in range(9)
+    ]
+    path = tmp_path / "tiny.jsonl"  # 3 unique blocks: 1% of them is less than one
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "advice.csv"
+    assert main(["simulate", str(path), "--advise", "--policies", "lru", "--csv", str(out)]) == 0
+    assert "smallest capacity" in capsys.readouterr().out
+    (advice,) = csv.DictReader(out.open())
+    assert advice["policy"] == "lru" and int(advice["capacity_blocks"]) >= 1
+    assert main(["simulate", str(path), "--advise", "--policies", "lru", "--csv", "-"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("policy,target,capacity_blocks")
+
+
+@pytest.mark.parametrize(
+    ("flag", "name", "message"),
+    [
+        ("--plot", "{tmp}/mrc", "--plot='{tmp}/mrc' is invalid; expected a file name ending in"),
+        ("--plot", "{tmp}/mrc.txt", "expected a file name ending in one of: "),
+        ("--plot", "{tmp}", "--plot='{tmp}' is invalid; it is a directory"),
+        ("--json", "{tmp}", "--json='{tmp}' is invalid; it is a directory"),
+        ("--plot", "{tmp}/no/x.png", "--plot='{tmp}/no/x.png' is invalid; '{tmp}/no' does not"),
+        ("--json", "{tmp}/no/x.json", "--json='{tmp}/no/x.json' is invalid; '{tmp}/no' does not"),
+        ("--csv", "{tmp}/no/x.csv", "--csv='{tmp}/no/x.csv' is invalid; '{tmp}/no' does not"),
+        ("--csv", "{trace}/x.csv", "--csv='{trace}/x.csv' is invalid; '{trace}' is not a dir"),
+    ],
+)
+def test_bad_outputs_are_rejected_before_any_replay(
+    trace: Path,
+    tmp_path: Path,
+    flag: str,
+    name: str,
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    pytest.importorskip("matplotlib")
+    from kvtier.sim import command
+
+    def no_replay(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the trace was read before the outputs were checked")
+
+    monkeypatch.setattr(command, "read_trace", no_replay)
+    fill = {"tmp": str(tmp_path), "trace": str(trace)}
+    assert main(["simulate", str(trace), flag, name.format(**fill), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtier simulate: error: ") and message.format(**fill) in err
+
+
+def test_plot_writes_exactly_the_path_given(
+    trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    svg = tmp_path / "curve.SVG"
+    assert main(["simulate", str(trace), "--policies", "lru", "--plot", str(svg), "-q"]) == 0
+    assert "block hit %" in capsys.readouterr().out
+    assert [p.name for p in tmp_path.iterdir() if p.name != trace.name] == ["curve.SVG"]
+    assert b"<svg" in svg.read_bytes()[:1000]

@@ -72,6 +72,8 @@ def test_reader_streams(tmp_path: Path) -> None:
         ('{"input_length": 5, "hash_ids": [18446744073709551616]}', "hash id"),
         ('{"input_length": 5, "hash_ids": [0], "output_length": "x"}', "output_length='x'"),
         ('{"input_length": 5, "hash_ids": [0], "timestamp": -3}', "timestamp=-3"),
+        ('{"input_length": 1536, "hash_ids": [7, 8, 7]}', "hash id 7 repeats (positions 0 and 2)"),
+        ('{"input_length": 1024, "hash_ids": [9, 9]}', "hash id 9 repeats (positions 0 and 1)"),
     ],
 )
 def test_mooncake_rejects_bad_lines_with_line_number(
@@ -156,6 +158,10 @@ def test_token_prompts_hash_full_blocks(tmp_path: Path, trace_file: WriteTrace) 
         ('{"token_ids": [1, -2]}', "bad token_ids"),
         ('{"token_ids": [4294967296]}', "bad token_ids"),
         ('{"token_ids": [1.5]}', "bad token_ids"),
+        ('{"token_ids": [1, 2, true]}', "token id True at index 2 is not an integer"),
+        ('{"token_ids": [false, 3]}', "token id False at index 0 is not an integer"),
+        ('{"token_ids": [true]}', "token id True at index 0 is not an integer"),
+        ('{"token_ids": [1, null]}', "token id None at index 1 is not an integer"),
         ('{"token_ids": [1], "conversation_id": [1]}', "conversation_id=[1]"),
     ],
 )
@@ -182,6 +188,8 @@ def test_format_detection_and_arguments(tmp_path: Path) -> None:
         iter_trace(odd, block_tokens=0)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         iter_trace(tmp_path / "missing.jsonl")
+    with pytest.raises(IsADirectoryError, match="is a directory; expected a trace file"):
+        iter_trace(tmp_path)
 
 
 def test_trace_rejects_mixed_block_sizes() -> None:

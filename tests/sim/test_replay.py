@@ -188,3 +188,43 @@ def test_a_request_stream_replays_like_a_trace(mode: str, make_trace: MakeTrace)
     )
     assert streamed.capacity_frac == whole.capacity_frac == 6 / trace.num_unique_blocks
     assert sum(seen) == len(trace)
+
+
+@pytest.mark.parametrize("threshold", [0, 2])
+@pytest.mark.parametrize("mode", ["flat", "engine"])
+def test_a_tier_beyond_the_unique_blocks_behaves_as_one_of_that_size(
+    policy_name: str, mode: str, threshold: int, make_trace: MakeTrace
+) -> None:
+    """Why `run_one` may size the manager at the unique-block count: a larger tier never
+    evicts, so every counter is the same."""
+    trace = make_trace(13, num_requests=80)
+    unique = trace.num_unique_blocks
+
+    def replay(capacity: int) -> RunResult:
+        mgr = make_manager(policy_name, capacity, store_threshold=threshold)
+        if mode == "flat":
+            return replay_flat(trace, mgr)
+        return replay_engine(trace, mgr, device_blocks=3, store_on="on-evict")
+
+    exact = replay(unique)
+    assert _counters(replay(3 * unique)) == _counters(exact) and exact.evictions == 0
+    opts = ReplayOptions(mode=mode, store_threshold=threshold, device_blocks=3, store_on="on-evict")
+    huge = run_one(trace, policy_name, 10**20, opts)  # would allocate 10**20 slots unsized
+    assert _counters(huge) == _counters(exact)
+    assert (huge.capacity_blocks, huge.capacity_frac) == (10**20, 10**20 / unique)
+
+
+def test_a_per_slot_tracker_is_kept_for_capacities_beyond_the_unique_blocks(
+    make_trace: MakeTrace,
+) -> None:
+    trace = make_trace(13, num_requests=80)
+    unique = trace.num_unique_blocks
+    for capacity, per_slot in ((unique // 3, 0.5), (unique // 3, 5.0), (2 * unique, 0.25)):
+        tracker = max(1, round(per_slot * capacity))
+        expected = replay_flat(
+            trace, make_manager("lru", capacity, store_threshold=2, max_tracker_size=tracker)
+        )
+        opts = ReplayOptions(store_threshold=2, tracker_per_slot=per_slot)
+        assert _counters(run_one(trace, "lru", capacity, opts)) == _counters(expected)
+    opts = ReplayOptions(store_threshold=2, tracker_per_slot=1e300)
+    assert run_one(trace, "lru", 10**300, opts).capacity_blocks == 10**300

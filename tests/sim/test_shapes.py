@@ -47,11 +47,38 @@ def test_capacities() -> None:
         ("lots", "capacity 'lots' is invalid"),
         ("1.5", "must be an integer"),
         ("0", "less than one block"),
-        ("0.01%", "less than one block"),
+        ("0%", "less than one block"),
         ("5 parsecs", "unknown unit"),
+        ("0.5B", "capacity '0.5B' is not a whole number of bytes"),
+        ("1.GiB", "capacity '1.GiB' is invalid; expected a non-negative number"),
+        ("1" + "0" * 400, "is too large; expected at most 1e308 blocks"),
         ("64GiB", "give --model-shape"),
     ],
 )
 def test_bad_capacities(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_capacity(spec, unique_blocks=100)
+
+
+def test_a_share_above_zero_is_at_least_one_block() -> None:
+    assert parse_capacity("1%", unique_blocks=10) == (1, 0.1)
+    assert parse_capacity("0.01%", unique_blocks=100) == (1, 0.01)
+    assert parse_capacity("0." + "0" * 400 + "1%", unique_blocks=7)[0] == 1
+    assert parse_capacity("1%", unique_blocks=150)[0] == 2  # rounding above one is unchanged
+    with pytest.raises(ValueError, match="less than one block"):
+        parse_capacity("5%", unique_blocks=0)
+
+
+def test_a_device_capacity_may_be_zero() -> None:
+    for spec in ("0", "0%", "0.0%", "0GiB"):
+        assert parse_capacity(spec, unique_blocks=100, block_bytes=64, allow_zero=True) == (0, 0.0)
+    with pytest.raises(ValueError, match="'32B' is less than one block"):
+        parse_capacity("32B", unique_blocks=100, block_bytes=64, allow_zero=True)
+    with pytest.raises(ValueError, match="'0GiB' is less than one block"):
+        parse_capacity("0GiB", unique_blocks=100, block_bytes=64)  # a CPU tier
+
+
+def test_capacities_beyond_the_trace_are_kept() -> None:
+    assert parse_capacity("100000000000000000000", unique_blocks=10) == (10**20, 1e19)
+    huge = "1" + "0" * 310 + "%"  # a share beyond float range: exact arithmetic
+    assert parse_capacity(huge, unique_blocks=1) == (10**308, 1e308)

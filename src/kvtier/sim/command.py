@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import dataclasses
 import json
+import math
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +24,7 @@ from kvtier.sim.replay import HIT_ACTIONS, STORE_ON, ProgressFn
 from kvtier.sim.report import (
     PlotUnavailable,
     advice_table,
+    plot_format,
     plot_miss_ratio,
     results_table,
     write_csv,
@@ -54,9 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--capacities",
-        default=DEFAULT_CAPACITIES,
+        default=None,
         help="comma-separated CPU-tier sizes: a share of the trace's unique blocks (5%%), "
-        "a block count (20000) or bytes with --model-shape (64GiB); default %(default)s",
+        "a block count (20000) or bytes with --model-shape (64GiB); default "
+        + DEFAULT_CAPACITIES.replace("%", "%%"),
     )
     p.add_argument("--mode", choices=MODES, default="flat", help="replay mode (default flat)")
     p.add_argument(
@@ -107,13 +112,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hash", default="sha256", help="token prompts: block hash algorithm")
     p.add_argument("--namespace", default="", help="token prompts: hash namespace (model id)")
     p.add_argument("--json", default=None, metavar="FILE", help="write rows as JSON ('-': stdout)")
-    p.add_argument("--csv", default=None, metavar="FILE", help="write rows as CSV")
-    p.add_argument("--plot", default=None, metavar="FILE.png", help="save a miss-ratio curve")
+    p.add_argument("--csv", default=None, metavar="FILE", help="write rows as CSV ('-': stdout)")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="save a miss-ratio curve, in the format its extension names (.png, .svg, .pdf, ...)",
+    )
     p.add_argument(
         "--advise",
         action="store_true",
         help=f"print per policy the smallest capacity reaching {100 * ADVISE_SHARE:.0f}%% of the "
-        "infinite cache's block hit ratio",
+        "infinite cache's block hit ratio (--json and --csv write the answers)",
     )
     p.add_argument("--jobs", type=int, default=None, help="worker processes (default: one per CPU)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -139,7 +149,7 @@ def _tracker_size(spec: str) -> tuple[int, float | None]:
     try:
         if spec.endswith("x"):
             per_slot = float(spec[:-1])
-            if per_slot > 0:
+            if 0 < per_slot < math.inf:
                 return 64_000, per_slot
         elif int(spec) >= 1:
             return int(spec), None
@@ -177,6 +187,26 @@ def _open_out(name: str) -> Iterator[IO[str]]:
             yield f
 
 
+def _check_output(flag: str, name: str | None) -> None:
+    """Refuse an output path that cannot be written, before any replay."""
+    if name is None or (name == "-" and flag != "--plot"):
+        return
+    path = Path(name)
+    if path.is_dir():
+        raise ValueError(f"{flag}={name!r} is invalid; it is a directory, expected a file path")
+    parent = path.parent
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise ValueError(f"{flag}={name!r} is invalid; {str(parent)!r} {what}")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"{flag}={name!r} is invalid; it is not writable")
+    if flag == "--plot":
+        try:
+            plot_format(name)
+        except PlotUnavailable as e:
+            raise ValueError(str(e)) from None
+
+
 def _stdout_console() -> Console:
     # Piped output keeps whole rows (rich would wrap them at 80 columns).
     return Console() if sys.stdout.isatty() else Console(width=200)
@@ -201,12 +231,29 @@ def run(args: argparse.Namespace) -> int:
         if given:
             verb = "apply" if len(given) > 1 else "applies"
             raise ValueError(f"{' and '.join(given)} {verb} only to --mode engine")
+    if args.advise:
+        # --advise searches the capacity itself and draws no curve: ignoring these would
+        # leave the user waiting for a file or a grid that never comes.
+        given = [
+            flag
+            for flag, value in (("--capacities", args.capacities), ("--plot", args.plot))
+            if value is not None
+        ]
+        if given:
+            verb = "apply" if len(given) > 1 else "applies"
+            raise ValueError(
+                f"{' and '.join(given)} {verb} only without --advise (it searches the capacity "
+                "itself; --json and --csv write its answers)"
+            )
     store_on = args.store or "eager"
     if args.store_threshold < 0:
         raise ValueError(f"--store-threshold={args.store_threshold} is invalid; expected >= 0")
     jobs = args.jobs if args.jobs is not None else default_jobs()
     if jobs < 1:
         raise ValueError(f"--jobs={jobs} is invalid; expected >= 1")
+    tracker, per_slot = _tracker_size(args.max_tracker_size)
+    for flag, name in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)):
+        _check_output(flag, name)
     trace = read_trace(
         args.trace,
         fmt=args.format,
@@ -218,19 +265,24 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"trace {str(args.trace)!r} has no blocks to replay")
     unique = trace.num_unique_blocks
     block_bytes = shape.block_bytes(trace.block_tokens) if shape is not None else None
-    capacities = [
-        parse_capacity(c.strip(), unique_blocks=unique, block_bytes=block_bytes)[0]
-        for c in args.capacities.split(",")
-        if c.strip()
-    ]
-    if not capacities:
-        raise ValueError("--capacities is empty; expected e.g. 1%,5%,10%,25%")
+    capacities: list[int] = []
+    if not args.advise:
+        capacities = [
+            parse_capacity(c.strip(), unique_blocks=unique, block_bytes=block_bytes)[0]
+            for c in (args.capacities or DEFAULT_CAPACITIES).split(",")
+            if c.strip()
+        ]
+        if not capacities:
+            raise ValueError("--capacities is empty; expected e.g. 1%,5%,10%,25%")
     device_blocks = 0
     if args.mode == "engine":
+        # An empty device is valid: engine mode then equals flat mode.
         device_blocks = parse_capacity(
-            args.device_capacity or "1%", unique_blocks=unique, block_bytes=block_bytes
+            args.device_capacity or "1%",
+            unique_blocks=unique,
+            block_bytes=block_bytes,
+            allow_zero=True,
         )[0]
-    tracker, per_slot = _tracker_size(args.max_tracker_size)
     opts = ReplayOptions(
         mode=args.mode,
         store_threshold=args.store_threshold,
@@ -270,6 +322,9 @@ def run(args: argparse.Namespace) -> int:
 def _emit(
     results: list[RunResult], shape: ModelShape | None, args: argparse.Namespace, title: str
 ) -> None:
+    # The table first, so a file that fails to write does not cost the results.
+    if args.json != "-" and args.csv != "-":
+        _stdout_console().print(results_table(results, shape, title=title))
     if args.json is not None:
         with _open_out(args.json) as f:
             write_json(results, f, shape)
@@ -281,8 +336,6 @@ def _emit(
             plot_miss_ratio(results, args.plot, title=title.split(":")[0] + f" ({args.mode})")
         except PlotUnavailable as e:
             raise ValueError(str(e)) from None
-    if args.json != "-" and args.csv != "-":
-        _stdout_console().print(results_table(results, shape, title=title))
 
 
 def _run_advise(
@@ -308,10 +361,16 @@ def _run_advise(
                 answers.append(advise(trace, *a))
                 if progress is not None:
                     progress(1)
+    if args.json != "-" and args.csv != "-":
+        _stdout_console().print(advice_table(answers, trace.num_unique_blocks, infinite))
+    advice_rows = [dataclasses.asdict(a) for a in answers]
     if args.json is not None:
         with _open_out(args.json) as f:
-            json.dump([dataclasses.asdict(a) for a in answers], f, indent=2)
+            json.dump(advice_rows, f, indent=2)
             f.write("\n")
-    if args.json != "-":
-        _stdout_console().print(advice_table(answers, trace.num_unique_blocks, infinite))
+    if args.csv is not None and advice_rows:
+        with _open_out(args.csv) as f:
+            writer = csv.DictWriter(f, fieldnames=list(advice_rows[0]), lineterminator="\n")
+            writer.writeheader()
+            writer.writerows(advice_rows)
     return 0

@@ -24,6 +24,7 @@ FORMATS: Final = ("auto", "mooncake", "tokens")
 """Trace formats `read_trace` accepts."""
 
 _MAX_ID: Final = (1 << 64) - 1
+_MAX_TOKEN: Final = (1 << 32) - 1
 _decode = msgspec.json.Decoder()
 
 
@@ -95,6 +96,16 @@ def read_mooncake(
                     )
                 key = keys[block_id] = make_offload_key(block_id.to_bytes(8, "big"), group_idx)
             req_keys.append(key)
+        if len(set(ids)) != len(ids):
+            # Chained ids name a block by its whole prefix, so one request cannot repeat one.
+            first: dict[int, int] = {}
+            for i, block_id in enumerate(ids):
+                if block_id in first:
+                    raise TraceFormatError(
+                        f"{where}: hash id {block_id} repeats (positions {first[block_id]} and "
+                        f"{i}); expected distinct chained prefix block ids within a request"
+                    )
+                first[block_id] = i
         yield Request(
             req_id=f"r{lineno}",
             keys=req_keys,
@@ -133,6 +144,15 @@ def read_token_prompts(
             raise TraceFormatError(
                 f"{where}: conversation_id={conv!r} is invalid; expected a string or integer"
             )
+        try:
+            # numpy would read a JSON true among ints as token 1; msgspec's strict check is cheap.
+            msgspec.convert(tokens, list[int])
+        except msgspec.ValidationError:
+            i, bad = next((i, t) for i, t in enumerate(tokens) if type(t) is not int)
+            raise TraceFormatError(
+                f"{where}: bad token_ids (token id {bad!r} at index {i} is not an integer; "
+                f"expected 0..{_MAX_TOKEN})"
+            ) from None
         try:
             hashes = hasher.hash_blocks(tokens)
         except (ValueError, TypeError, OverflowError) as e:
@@ -233,6 +253,10 @@ def iter_trace(
     if block_tokens is not None and (type(block_tokens) is not int or block_tokens < 1):
         raise ValueError(f"block_tokens={block_tokens!r} is invalid; expected a positive int")
     if not Path(path).is_file():
+        if Path(path).is_dir():
+            raise IsADirectoryError(f"trace {str(path)!r} is a directory; expected a trace file")
+        if Path(path).exists():
+            raise OSError(f"trace {str(path)!r} is not a regular file; expected a trace file")
         raise FileNotFoundError(f"trace file {str(path)!r} does not exist")
     if fmt == "auto":
         fmt = detect_format(path)

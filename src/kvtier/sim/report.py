@@ -110,8 +110,7 @@ class PlotUnavailable(RuntimeError):
     """matplotlib is not installed."""
 
 
-def plot_miss_ratio(results: Sequence[RunResult], path: str | Path, *, title: str = "") -> None:
-    """Save a miss-ratio curve: miss ratio against capacity, one line per policy."""
+def _pyplot() -> Any:
     try:
         import matplotlib
 
@@ -121,6 +120,37 @@ def plot_miss_ratio(results: Sequence[RunResult], path: str | Path, *, title: st
         raise PlotUnavailable(
             "--plot needs matplotlib; install it with `pip install kvtier[plot]`"
         ) from e
+    return plt
+
+
+def plot_format(path: str | Path) -> str:
+    """The image format `path`'s extension names, if matplotlib can write it.
+
+    The extension decides, so the file written is exactly `path` (matplotlib would append
+    `.png` to a name without one). Raises `ValueError` for a missing or unknown extension and
+    `PlotUnavailable` without matplotlib.
+    """
+    _pyplot()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    # pgf needs a LaTeX install, which would fail only once the replays are done.
+    formats = set(FigureCanvasBase.get_supported_filetypes()) - {"pgf"}
+    fmt = Path(path).suffix.lower().removeprefix(".")
+    if fmt not in formats:
+        raise ValueError(
+            f"--plot={str(path)!r} is invalid; expected a file name ending in one of: "
+            + ", ".join(f".{f}" for f in sorted(formats))
+        )
+    return fmt
+
+
+def plot_miss_ratio(results: Sequence[RunResult], path: str | Path, *, title: str = "") -> None:
+    """Save a miss-ratio curve: miss ratio against capacity, one line per policy.
+
+    The format is the one `path`'s extension names (see `plot_format`).
+    """
+    fmt = plot_format(path)
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     infinite = [r for r in results if r.policy == "infinite"]
     policies = dict.fromkeys(r.policy for r in results if r.policy != "infinite")
@@ -138,5 +168,5 @@ def plot_miss_ratio(results: Sequence[RunResult], path: str | Path, *, title: st
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format=fmt)
     plt.close(fig)

@@ -74,17 +74,24 @@ def run_one(
             progress(len(trace))
         return result
     threshold = opts.store_threshold
+    unique = max(1, trace.num_unique_blocks)
     if policy == "infinite":
         # Room for every block, so nothing is ever evicted and the policy is irrelevant; the
         # bound admits everything, whatever the runs' admission.
-        capacity = max(1, trace.num_unique_blocks)
+        capacity = unique
         threshold = 0
         mgr = make_manager("lru", capacity)
     else:
         tracker = opts.max_tracker_size
         if opts.tracker_per_slot is not None:
-            tracker = max(1, round(opts.tracker_per_slot * capacity))
-        mgr = make_manager(policy, capacity, store_threshold=threshold, max_tracker_size=tracker)
+            # The trace offers at most `unique` keys, so a larger tracker never drops one.
+            want = opts.tracker_per_slot * capacity
+            tracker = unique if want >= unique else max(1, round(want))
+        # A tier with more slots than the trace has blocks never evicts, so it behaves exactly
+        # as one of `unique` slots (and a huge one is not allocated); the row reports `capacity`.
+        mgr = make_manager(
+            policy, min(capacity, unique), store_threshold=threshold, max_tracker_size=tracker
+        )
     if opts.mode == "flat":
         result = replay_flat(
             trace,
@@ -104,6 +111,10 @@ def run_one(
             progress=progress,
         )
     result.policy = policy
+    if capacity > mgr.num_slots:
+        result.capacity_blocks = capacity
+        n = trace.num_unique_blocks
+        result.capacity_frac = capacity / n if n else 0.0
     return result
 
 

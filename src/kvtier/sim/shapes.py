@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Final
 
 from kvtier.config import parse_size
@@ -79,16 +80,20 @@ def parse_model_shape(spec: str) -> ModelShape:
 
 
 _CAPACITY_RE: Final = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(%|[a-zA-Z]+)?\s*$")
+_MAX_BLOCKS: Final = 10**308
+_SIZE_UNITS: Final = ("B", "KB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB")
 
 
 def parse_capacity(
-    spec: str, *, unique_blocks: int, block_bytes: int | None = None
+    spec: str, *, unique_blocks: int, block_bytes: int | None = None, allow_zero: bool = False
 ) -> tuple[int, float]:
     """Turn a capacity spec into `(blocks, share of the trace's unique blocks)`.
 
-    `"5%"` is a share of `unique_blocks` (rounded to the nearest block), `"20000"` a block
-    count, `"64GiB"` (or GB, MiB, …) a byte size divided by `block_bytes`, which needs a
-    model shape. Every capacity is at least one block.
+    `"5%"` is a share of `unique_blocks` (rounded to the nearest block, and up to one block if
+    the share is above 0 and the trace has blocks), `"20000"` a block count, `"64GiB"` (or GB,
+    MiB, …) a byte size divided by `block_bytes` (rounded down), which needs a model shape.
+    Every capacity is at least one block; with `allow_zero` (a device cache) a spec of zero
+    (`"0"`, `"0%"`, `"0GiB"`) gives 0 blocks.
     """
     m = _CAPACITY_RE.match(spec)
     if m is None:
@@ -96,20 +101,30 @@ def parse_capacity(
             f"capacity {spec!r} is invalid; expected a share ('5%'), a block count ('20000') "
             "or a size ('64GiB')"
         )
-    number, unit = float(m.group(1)), (m.group(2) or "")
+    digits, unit = m.group(1), (m.group(2) or "")
+    exact = Fraction(digits)
     if unit == "%":
-        blocks = round(unique_blocks * number / 100)
-    elif not unit:
-        if not m.group(1).isdigit():
-            raise ValueError(f"capacity {spec!r} is invalid; a block count must be an integer")
-        blocks = int(m.group(1))
-    else:
         try:
-            nbytes = parse_size(spec.strip())
-        except ValueError:
+            blocks = round(unique_blocks * float(digits) / 100)
+        except OverflowError:  # a share beyond float range: exact arithmetic instead
+            blocks = round(exact * unique_blocks / 100)
+        if blocks == 0 and exact > 0:
+            blocks = min(1, unique_blocks)
+    elif not unit:
+        if not digits.isdigit():
+            raise ValueError(f"capacity {spec!r} is invalid; a block count must be an integer")
+        blocks = int(digits)
+    else:
+        if unit.lower() not in (u.lower() for u in _SIZE_UNITS):
             raise ValueError(
                 f"capacity {spec!r} has unknown unit {unit!r}; expected % or one of: "
-                "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+                f"{', '.join(_SIZE_UNITS)}"
+            )
+        try:
+            nbytes = parse_size(spec.strip())
+        except ValueError as e:  # "size '0.5B' is not a whole number of bytes", ...
+            raise ValueError(
+                str(e).replace(f"size {spec.strip()!r}", f"capacity {spec!r}", 1)
             ) from None
         if block_bytes is None:
             raise ValueError(
@@ -117,6 +132,8 @@ def parse_capacity(
                 "converted to blocks"
             )
         blocks = nbytes // block_bytes
-    if blocks < 1:
+    if blocks < 1 and not (allow_zero and exact == 0):
         raise ValueError(f"capacity {spec!r} is less than one block")
+    if blocks > _MAX_BLOCKS:  # its share of the trace must stay a finite float
+        raise ValueError(f"capacity {spec!r} is too large; expected at most 1e308 blocks")
     return blocks, blocks / unique_blocks if unique_blocks else 0.0
