@@ -1,5 +1,6 @@
 import random
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
@@ -52,6 +53,54 @@ def test_threshold_three_needs_three_requests() -> None:
     assert policy.admit(keys(1), ReqContext("b")) == []
     assert policy.admit(keys(1, 2), ReqContext("c")) == keys(1)
     assert policy.admit(keys(2), ReqContext("d")) == keys(2)
+
+
+def test_a_request_offering_again_after_others_is_still_counted_once() -> None:
+    policy = ReuseAdmission(store_threshold=3)
+    assert policy.admit(keys(1), ReqContext("a")) == []
+    assert policy.admit(keys(1), ReqContext("b")) == []
+    # a's second offer, after b's, is not a third request.
+    assert policy.preview(keys(1), ReqContext("a")) == []
+    assert policy.admit(keys(1), ReqContext("a")) == []
+    assert policy.admit(keys(1), ReqContext("c")) == keys(1)
+
+
+def test_reuse_admission_counts_distinct_requests() -> None:
+    rng = random.Random(11)
+    for threshold in (2, 3, 4):
+        policy = ReuseAdmission(store_threshold=threshold)
+        offered_by: dict[OffloadKey, set[str]] = {}
+        for _ in range(300):
+            offer = keys(*rng.sample(range(10), rng.randint(1, 4)))
+            req_id = f"r{rng.randrange(5)}"
+            expected = [k for k in offer if len(offered_by.get(k, set()) | {req_id}) >= threshold]
+            assert policy.admit(offer, ReqContext(req_id)) == expected
+            for k in offer:
+                offered_by.setdefault(k, set()).add(req_id)
+
+
+def test_duplicate_keys_in_one_offer_take_one_tracker_entry() -> None:
+    policy = ReuseAdmission(store_threshold=2, max_tracker_size=3)
+    policy.admit(keys(1, 2), ReqContext("a"))
+    policy.admit(keys(3, 3), ReqContext("b"))
+    # Key 3 needs one entry, not two: keys 1 and 2 both stay tracked.
+    assert policy.table_sizes()["tracker"] == 3
+    assert policy.admit(keys(1, 2), ReqContext("c")) == keys(1, 2)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: ReuseAdmission("2"), "store_threshold='2'"),  # type: ignore[arg-type]
+        (lambda: ReuseAdmission(2.5), "store_threshold=2.5"),  # type: ignore[arg-type]
+        (lambda: ReuseAdmission(2, "10"), "max_tracker_size='10'"),  # type: ignore[arg-type]
+        (lambda: make_admission_policy("3"), "store_threshold='3'"),  # type: ignore[arg-type]
+        (lambda: make_admission_policy(True), "store_threshold=True"),
+    ],
+)
+def test_parameters_of_the_wrong_type_are_clear_errors(make: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make()
 
 
 def test_tracker_is_bounded_and_drops_oldest() -> None:

@@ -410,3 +410,51 @@ def test_transfer_cpus_from_a_list_or_a_cpu_list_string(tmp_path: Path) -> None:
     path = tmp_path / "kvtier.toml"
     path.write_text("transfer_cpus = [4, 2]\n")
     assert KVTierConfig.load(path, env={}).transfer_cpus == (2, 4)
+
+
+def test_transfer_library_switches_are_not_settings() -> None:
+    # docs/configuration.md documents these beside the settings; setting one for the transfer
+    # backend must not make every config load fail.
+    env = {"KVTIER_NATIVE_COPY": "0", "KVTIER_PORTABLE_COPY": "1", "KVTIER_CACHE_DIR": "/tmp/x"}
+    assert KVTierConfig.load(env=env) == KVTierConfig()
+    assert KVTierConfig.load(env={**env, "KVTIER_NUM_SLOTS": "8"}).num_slots == 8
+
+
+def test_environment_names_are_upper_case_only() -> None:
+    # Accepting both spellings let one silently override the other, by the environment's order.
+    env = {"KVTIER_CACHE_POLICY": "arc", "KVTIER_cache_policy": "lru"}
+    with pytest.raises(ConfigError, match=r"KVTIER_cache_policy='lru'.*unknown key") as info:
+        KVTierConfig.load(env=env)
+    assert "did you mean 'KVTIER_CACHE_POLICY'" in str(info.value)
+    with pytest.raises(ConfigError, match=r"KVTIER_Num_Slots='8'.*unknown key"):
+        KVTierConfig.load(env={"KVTIER_Num_Slots": "8"})
+
+
+def test_yaml_file_with_a_key_twice_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "kvtier.yaml"
+    path.write_text("cache_policy: arc\nstore_threshold: 2\ncache_policy: lru\n")
+    with pytest.raises(
+        ConfigError, match=r"(?s)kvtier\.yaml is not valid YAML.*'cache_policy' twice"
+    ):
+        KVTierConfig.load(path, env={})
+    # A merge key's values may be overridden: that is not a key given twice.
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("<<: {cache_policy: arc, store_threshold: 2}\ncache_policy: lru\n")
+    cfg = KVTierConfig.load(merged, env={})
+    assert (cfg.cache_policy, cfg.store_threshold) == ("lru", 2)
+
+
+def test_vllm_cpu_bytes_to_use_may_be_a_json_float() -> None:
+    # vLLM's spec takes int(cpu_bytes_to_use), and JSON reads 64e9 as a float.
+    cfg = KVTierConfig.from_vllm_extra_config({"cpu_bytes_to_use": 64e9})
+    assert cfg.cpu_bytes == 64 * 10**9 and isinstance(cfg.cpu_bytes, int)
+    with pytest.raises(ConfigError, match=r"cpu_bytes_to_use=1000\.5"):
+        KVTierConfig.from_vllm_extra_config({"cpu_bytes_to_use": 1000.5})
+    with pytest.raises(ConfigError, match=r"cpu_bytes=64000000000\.0 \(from dict\)"):
+        KVTierConfig.from_dict({"cpu_bytes": 64e9})  # kvtier's own layers keep integers exact
+
+
+@pytest.mark.parametrize("cpus", ["0-4000000000", "70000", [70000]])
+def test_cpu_list_beyond_any_cpu_id_is_an_error(cpus: Any) -> None:
+    with pytest.raises(ConfigError, match=r"transfer_cpus=.*CPU ids 0\.\.65535"):
+        KVTierConfig.from_dict({"transfer_cpus": cpus})

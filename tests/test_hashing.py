@@ -232,6 +232,52 @@ def test_bad_extra_keys() -> None:
         h.hash_blocks([1, 2], extra_keys=[True])
 
 
+@pytest.mark.parametrize("unordered", [{"lora-a", "salt"}, frozenset({"a"}), {"k": 1}])
+def test_extra_keys_without_a_fixed_order_are_refused(unordered: Any) -> None:
+    # A set of strings iterates in a PYTHONHASHSEED-dependent order: its hash would differ
+    # between processes.
+    with pytest.raises(TypeError, match=f"have type {type(unordered).__name__}"):
+        BlockHasher(2).hash_blocks([1, 2], extra_keys=[unordered])
+    with pytest.raises(TypeError, match="extra_keys has type dict"):
+        BlockHasher(2).hash_blocks([1, 2], extra_keys={0: "a"})  # type: ignore[arg-type]
+
+
+def test_set_of_extra_keys_is_refused_in_every_process() -> None:
+    code = (
+        "from kvtier.hashing import BlockHasher\n"
+        "try:\n"
+        "    print(BlockHasher(2).hash_blocks([1, 2], [{'lora-a', 'salt', 'x'}])[0].hex())\n"
+        "except TypeError:\n"
+        "    print('refused')\n"
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in (1, 2, 3, 4)
+    }
+    assert outs == {"refused\n"}
+
+
+def test_bytes_like_extra_keys_are_bytes_not_ints() -> None:
+    h = BlockHasher(2)
+    as_bytes = h.hash_blocks([1, 2], [b"ab"])
+    assert h.hash_blocks([1, 2], [bytearray(b"ab")]) == as_bytes
+    assert h.hash_blocks([1, 2], [memoryview(b"ab")]) == as_bytes
+    assert h.hash_blocks([1, 2], [("x", bytearray(b"ab"))]) == h.hash_blocks([1, 2], [("x", b"ab")])
+    assert h.hash_blocks([1, 2], [bytearray(b"ab")]) != h.hash_blocks([1, 2], [[97, 98]])
+
+
+@pytest.mark.parametrize("bad", [np.int64(3), 1.5, (x for x in "ab")])
+def test_extra_keys_of_another_type_are_clear_errors(bad: Any) -> None:
+    with pytest.raises(TypeError, match=f"extra keys .* have type {type(bad).__name__}; expected"):
+        encode_extra_keys(bad)
+
+
 def test_bad_parent() -> None:
     h = BlockHasher(2)
     with pytest.raises(ValueError, match="expected 32 bytes"):

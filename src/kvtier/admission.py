@@ -46,6 +46,10 @@ class AdmissionPolicy(ABC):
         return {}
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 _A = TypeVar("_A", bound=type[AdmissionPolicy])
 _REGISTRY: dict[str, type[AdmissionPolicy]] = {}
 
@@ -89,23 +93,27 @@ class ReuseAdmission(AdmissionPolicy):
     """Admit a key on its `store_threshold`-th sighting, counting each request at most once.
 
     A request that offers the same key again (a retry after "no room", a re-offer after
-    preemption) does not raise its count, so one long request cannot make its own blocks look
-    popular. The tracker keeps the most recently offered `max_tracker_size` keys; the keys of
-    the offer in progress are never dropped to make room for each other.
+    preemption, or after other requests offered it in between) does not raise its count, so one
+    long request cannot make its own blocks look popular. The tracker keeps the most recently
+    offered `max_tracker_size` keys; the keys of the offer in progress are never dropped to make
+    room for each other.
     """
 
     def __init__(self, store_threshold: int = 2, max_tracker_size: int = 64_000) -> None:
-        if store_threshold < 2:
+        if not _is_int(store_threshold) or store_threshold < 2:
             raise ValueError(
-                f"store_threshold={store_threshold} is invalid for reuse admission; "
-                "expected >= 2 (below 2 every chunk is admitted: use 'always')"
+                f"store_threshold={store_threshold!r} is invalid for reuse admission; "
+                "expected an int >= 2 (below 2 every chunk is admitted: use 'always')"
             )
-        if max_tracker_size < 1:
-            raise ValueError(f"max_tracker_size={max_tracker_size} is invalid; expected >= 1")
+        if not _is_int(max_tracker_size) or max_tracker_size < 1:
+            raise ValueError(
+                f"max_tracker_size={max_tracker_size!r} is invalid; expected an int >= 1"
+            )
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
-        # key -> (sightings, id of the last request counted); least recently offered first.
-        self._seen: OrderedDict[OffloadKey, tuple[int, str]] = OrderedDict()
+        # key -> ids of the distinct requests that offered it, the first `store_threshold` of
+        # them (one id alone would count A, B, A as three); least recently offered first.
+        self._seen: OrderedDict[OffloadKey, tuple[str, ...]] = OrderedDict()
 
     def admit(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[OffloadKey]:
         admitted = self.preview(keys, ctx)
@@ -118,30 +126,32 @@ class ReuseAdmission(AdmissionPolicy):
         for key in keys:
             entry = seen.get(key)
             # An untracked key is on its first sighting, below every threshold (>= 2).
-            if entry is not None and entry[0] + (entry[1] != req_id) >= threshold:
+            if entry is not None and len(entry) + (req_id not in entry) >= threshold:
                 admitted.append(key)
         return admitted
 
     def record(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         seen = self._seen
-        req_id = ctx.req_id
-        fresh: list[OffloadKey] = []
+        req_id, threshold = ctx.req_id, self.store_threshold
+        fresh: dict[OffloadKey, None] = {}  # a dict: a key offered twice is one new entry
         for key in keys:
             entry = seen.get(key)
             if entry is None:
-                fresh.append(key)
+                fresh[key] = None
                 continue
-            if entry[1] != req_id:
-                seen[key] = (entry[0] + 1, req_id)
+            # Past the threshold the key is admitted for good: more ids would change nothing.
+            if req_id not in entry and len(entry) < threshold:
+                seen[key] = (*entry, req_id)
             seen.move_to_end(key)
         # Make room for this offer's new keys by dropping the oldest entries of earlier offers;
         # the entries of this offer were just moved to the young end, so they are never dropped.
+        num_offered = len(keys) if len(keys) < 2 else len(set(keys))
         overflow = len(seen) + len(fresh) - self.max_tracker_size
-        num_older = len(seen) - (len(keys) - len(fresh))
+        num_older = len(seen) - (num_offered - len(fresh))
         for _ in range(min(overflow, num_older)):
             seen.popitem(last=False)
-        for key in fresh[: self.max_tracker_size - len(seen)]:
-            seen[key] = (1, req_id)
+        for key in list(fresh)[: self.max_tracker_size - len(seen)]:
+            seen[key] = (req_id,)
 
     def clear(self) -> None:
         self._seen.clear()
@@ -154,8 +164,8 @@ def make_admission_policy(
     store_threshold: int = 0, max_tracker_size: int = 64_000
 ) -> AdmissionPolicy:
     """The admission policy for vLLM-style settings: reuse filtering from threshold 2 up."""
-    if store_threshold < 0:
-        raise ValueError(f"store_threshold={store_threshold} is invalid; expected >= 0")
+    if not _is_int(store_threshold) or store_threshold < 0:
+        raise ValueError(f"store_threshold={store_threshold!r} is invalid; expected an int >= 0")
     if store_threshold < 2:
         return AlwaysAdmit()
     return ReuseAdmission(store_threshold, max_tracker_size)

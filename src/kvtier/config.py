@@ -12,7 +12,7 @@ import difflib
 import os
 import re
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -29,6 +29,11 @@ ENV_PREFIX: Final = "KVTIER_"
 """Environment variables starting with this prefix configure kvtier; unknown ones are errors."""
 
 _ENV_CONFIG_FILE: Final = "KVTIER_CONFIG"
+# Variables with the prefix that are not settings: the config file's name, and the switches of
+# the transfer backends' compiled library (docs/configuration.md; kvtier.transfer.native).
+_ENV_NOT_SETTINGS: Final = frozenset(
+    {_ENV_CONFIG_FILE, "KVTIER_NATIVE_COPY", "KVTIER_PORTABLE_COPY", "KVTIER_CACHE_DIR"}
+)
 _VLLM_SOURCE: Final = "vLLM kv_connector_extra_config"
 _DIRECT_SOURCE: Final = "KVTierConfig()"
 
@@ -192,11 +197,14 @@ def _parse_pin_memory(raw: object) -> bool | None:
 
 
 _CPULIST_RE: Final = re.compile(r"\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*")
+# Far above any machine's CPU count; it keeps a typo such as "0-4000000000" from expanding to
+# billions of ids.
+_MAX_CPU: Final = 2**16 - 1
 
 
 def _parse_cpus(raw: object) -> tuple[int, ...] | None:
     """A CPU list as taskset takes it (`"2-3,6"`) or a list of ints: sorted, distinct."""
-    expected = "a CPU list such as '2-3,6' or [2, 3, 6], or null"
+    expected = f"a CPU list such as '2-3,6' or [2, 3, 6] (CPU ids 0..{_MAX_CPU}), or null"
     if _is_none(raw):
         return None
     cpus: list[int] = []
@@ -207,12 +215,12 @@ def _parse_cpus(raw: object) -> tuple[int, ...] | None:
         for part in text.split(","):
             lo, _, hi = part.partition("-")
             first, last = int(lo), int(hi or lo)
-            if last < first:
+            if last < first or last > _MAX_CPU:
                 raise _Invalid(expected)
             cpus.extend(range(first, last + 1))
     elif isinstance(raw, (list, tuple)) and raw:
         for c in raw:
-            if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+            if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= _MAX_CPU:
                 raise _Invalid(expected)
             cpus.append(c)
     else:
@@ -332,6 +340,9 @@ class KVTierConfig:
             if key in _VLLM_ROUTING_KEYS:
                 continue
             name = _VLLM_ALIASES.get(key, key)
+            if name == "cpu_bytes" and isinstance(raw, float) and raw.is_integer():
+                # JSON has one number type: vLLM's own spec takes int(64e9), so kvtier does too.
+                raw = int(raw)
             if name in mapped:
                 raise ConfigError(
                     f"{labels[name]}={mapped[name]!r} and {key}={raw!r} (from {_VLLM_SOURCE}): "
@@ -405,7 +416,10 @@ def _field_for(
     if not isinstance(key, str):
         raise ConfigError(f"{key!r}={raw!r} (from {source}): expected a string key")
     if source == "environment":
-        name = key[len(ENV_PREFIX) :].lower()
+        # Upper case only, as documented: KVTIER_cache_policy beside KVTIER_CACHE_POLICY would
+        # set one field twice, with the environment's order picking the winner.
+        suffix = key[len(ENV_PREFIX) :]
+        name = suffix.lower() if suffix.isupper() else ""
         known = [_ENV_CONFIG_FILE] + [ENV_PREFIX + n.upper() for n in _PARSERS]
     else:
         name = key
@@ -413,7 +427,9 @@ def _field_for(
         if source == _VLLM_SOURCE:
             known += [*_VLLM_ALIASES, _VLLM_MODULE_PATH]
     if name not in _PARSERS:
-        close = difflib.get_close_matches(key, known, n=1)
+        close = difflib.get_close_matches(
+            key.upper() if source == "environment" else key, known, n=1
+        )
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ConfigError(
             f"{key}={raw!r} (from {source}): unknown key; {hint}expected one of: "
@@ -427,8 +443,30 @@ def _env_layer(env: Mapping[str, str]) -> tuple[dict[str, Any], str]:
     return {
         key: value
         for key, value in env.items()
-        if key.startswith(ENV_PREFIX) and key != _ENV_CONFIG_FILE
+        if key.startswith(ENV_PREFIX) and key not in _ENV_NOT_SETTINGS
     }, "environment"
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a key given twice in one mapping (PyYAML keeps the last
+    one silently, TOML refuses it)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[object] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base` then `key: value` overrides the merged value on purpose
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, Hashable):
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping",
+                        node.start_mark,
+                        f"found key {key!r} twice; expected each key once",
+                        key_node.start_mark,
+                    )
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def _read_file(path: Path) -> dict[str, Any]:
@@ -436,7 +474,7 @@ def _read_file(path: Path) -> dict[str, Any]:
     try:
         if suffix in (".yaml", ".yml"):
             with path.open(encoding="utf-8") as f:
-                data = yaml.safe_load(f)
+                data = yaml.load(f, Loader=_UniqueKeyLoader)
         elif suffix == ".toml":
             with path.open("rb") as f:
                 data = tomllib.load(f)

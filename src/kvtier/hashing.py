@@ -61,23 +61,34 @@ def _len_prefixed(tag: bytes, payload: bytes) -> bytes:
 def encode_extra_keys(keys: ExtraKeys | None) -> bytes:
     """Canonical bytes of one block's extra keys; `None` and `()` both encode to `b""`.
 
-    Raises `TypeError` for a key that is not `str`, `bytes` or `int` (`bool` included, so a
-    flag is never mistaken for the number 1).
+    `keys` is one key or a sequence (list, tuple) of them. Raises `TypeError` for a key that is
+    not `str`, `bytes` (`bytearray` and `memoryview` count as bytes) or `int` (`bool` excluded,
+    so a flag is never mistaken for the number 1), and for a collection without a fixed order
+    (a set's order of strings changes between processes).
     """
     if keys is None:
         return b""
-    if isinstance(keys, (str, bytes, int)):
-        keys = (keys,)
-    parts = [len(keys).to_bytes(4, "little")] if keys else []
-    for key in keys:
-        if isinstance(key, bool) or not isinstance(key, (str, bytes, int)):
+    items: Sequence[object]
+    if isinstance(keys, (str, bytes, bytearray, memoryview, int)):
+        items = (keys,)
+    elif isinstance(keys, Sequence):
+        items = keys
+    else:
+        raise TypeError(
+            f"extra keys {keys!r} have type {type(keys).__name__}; expected a str, bytes or "
+            "int, or a sequence (list, tuple) of them"
+        )
+    parts = [len(items).to_bytes(4, "little")] if items else []
+    for key in items:
+        if isinstance(key, bool) or not isinstance(key, (str, bytes, bytearray, memoryview, int)):
             raise TypeError(
                 f"extra key {key!r} has type {type(key).__name__}; expected str, bytes or int"
             )
         if isinstance(key, str):
             parts.append(_len_prefixed(_TAG_STR, key.encode("utf-8")))
-        elif isinstance(key, bytes):
-            parts.append(_len_prefixed(_TAG_BYTES, key))
+        elif not isinstance(key, int):
+            # bytes(), not iteration: bytearray(b"ab") is one bytes key, never the ints 97, 98.
+            parts.append(_len_prefixed(_TAG_BYTES, bytes(key)))
         else:
             # Decimal text gives every int, however large or negative, one encoding.
             parts.append(_len_prefixed(_TAG_INT, str(key).encode("ascii")))
@@ -176,6 +187,12 @@ class BlockHasher:
             )
         extras: list[bytes] | None = None
         if extra_keys is not None:
+            if not isinstance(extra_keys, (Sequence, np.ndarray)):
+                # A set or dict has no block order; a generator has no length.
+                raise TypeError(
+                    f"extra_keys has type {type(extra_keys).__name__}; expected a list with "
+                    "one entry per block"
+                )
             if len(extra_keys) not in (num_full, num_all):
                 raise ValueError(
                     f"extra_keys has {len(extra_keys)} entries; expected one per block "

@@ -3,6 +3,7 @@ submissions, bad step input, failed stores racing other requests, and multi-grou
 
 from __future__ import annotations
 
+import random
 import threading
 from collections.abc import Iterable, Iterator
 
@@ -341,3 +342,205 @@ def test_refused_submission_is_a_failed_transfer_and_the_rest_still_run() -> Non
     assert "d" in done.recving and "d" in done.failed_loads
     assert done.failed_load_blocks == {20, 21}
     assert m.get_stats().pinned == 0
+
+
+# -- an offered chunk evicted before the engine allocates for it ------------------------------
+
+
+def test_chunk_evicted_between_offer_and_alloc_fails_the_load_without_raising() -> None:
+    m = CPUOffloadingManager(2)
+    s = OffloadingScheduler(m, tokens_per_block=TPB)
+    hashes = block_hashes("a", 2)
+    s.add_request("a", hashes, 2 * TPB + 1)
+    store_all(s, "a", [[0, 1, 2]], 2 * TPB)
+    assert not s.request_finished("a")
+    s.add_request("b", hashes, 2 * TPB + 1)
+    assert s.get_num_new_matched_tokens("b", 0) == 2 * TPB  # a lookup, not a pin
+    # Another request's stores need the room before the engine allocates b's blocks.
+    s.add_request("c", block_hashes("c", 2), 2 * TPB + 1)
+    assert s.build_step_metadata([StepProgress("c", [[5, 6, 7]], 2 * TPB)]).stores
+    assert m.get_stats().evictions == 2
+    s.update_state_after_alloc("b", [[8, 9, 10]], 2 * TPB)
+    done = s.take_finished()
+    assert "b" in done.recving and "b" in done.failed_loads
+    assert done.failed_load_blocks == {8, 9}
+    assert s.build_step_metadata().loads == []
+    assert m.get_stats().pinned == 0
+    assert s.get_num_new_matched_tokens("b", 0) == 0  # recomputed, not offered again
+
+
+def test_multi_group_load_with_one_group_evicted_unpins_the_other() -> None:
+    m = CPUOffloadingManager(4)
+    s = OffloadingScheduler(m, tokens_per_block=TPB, groups=(0, 1))
+    hashes = block_hashes("g", 2)
+    s.add_request("a", hashes, 2 * TPB + 1)
+    store_all(s, "a", [[0, 1, 2], [10, 11, 12]], 2 * TPB)
+    assert not s.request_finished("a")
+    s.add_request("b", hashes, 2 * TPB + 1)
+    assert s.get_num_new_matched_tokens("b", 0) == 2 * TPB
+    # Group 0's chunks are the most recently used: new stores evict group 1's only.
+    ctx = ReqContext("other")
+    m.touch([make_offload_key(h, 0) for h in hashes], ctx)
+    new_keys = [make_offload_key(h, 0) for h in block_hashes("x", 2)]
+    out = m.prepare_store(new_keys, ctx)
+    assert out is not None and sorted(out.evicted_keys) == sorted(
+        make_offload_key(h, 1) for h in hashes
+    )
+    s.update_state_after_alloc("b", [[20, 21, 22], [30, 31, 32]], 2 * TPB)
+    done = s.take_finished()
+    assert "b" in done.failed_loads and done.failed_load_blocks == {20, 21, 30, 31}
+    assert s.num_jobs_in_flight() == 0
+    assert m.get_stats().pinned == 0  # group 0's pins were given back
+
+
+# -- bad step input: an error and no change ---------------------------------------------------
+
+
+def test_negative_num_computed_tokens_is_a_clear_error() -> None:
+    s = OffloadingScheduler(CPUOffloadingManager(4), tokens_per_block=TPB)
+    s.add_request("a", block_hashes("a", 3), 3 * TPB + 1)
+    for bad in (-TPB, -1, True, 1.5):
+        with pytest.raises(ValueError, match=r"num_computed_tokens=.*expected a non-negative"):
+            s.get_num_new_matched_tokens("a", bad)  # type: ignore[arg-type]
+    assert s.get_num_new_matched_tokens("a", np.int64(0)) == 0  # type: ignore[arg-type]
+
+
+def test_bad_block_table_in_a_step_plans_no_store_for_the_requests_before_it() -> None:
+    m = CPUOffloadingManager(16)
+    s = OffloadingScheduler(m, tokens_per_block=TPB)
+    for r in "ab":
+        s.add_request(r, block_hashes(r, 2), 2 * TPB + 1)
+    good = StepProgress("a", [[0, 1, 2]], 2 * TPB)
+    with pytest.raises(ValueError, match="device blocks"):
+        s.build_step_metadata([good, StepProgress("b", [[3]], 2 * TPB)])
+    assert (m.get_stats().pending_writes, s.num_jobs_in_flight()) == (0, 0)
+    # The engine corrects its call: both requests' stores are planned, once.
+    meta = s.build_step_metadata([good, StepProgress("b", [[3, 4, 5]], 2 * TPB)])
+    assert [j.req_id for j in meta.stores] == ["a", "b"]
+    assert m.get_stats().pending_writes == 4
+
+
+# -- the worker half: the same step fed twice ---------------------------------------------------
+
+
+def test_metadata_fed_twice_submits_each_job_once(engine: Engine) -> None:
+    e = engine
+    a = Request("a", block_hashes("a", 3))
+    e.add(a)
+    e.step()
+    e.drain()
+    e.finish("a")
+    assert e.add(Request("b", list(a.hashes))) == 3 * TOKENS_PER_BLOCK
+    meta = e.scheduler.build_step_metadata()
+    e.worker.start_step(meta)
+    e.worker.start_step(meta)  # an engine that repeats a call must not fail the running load
+    e.worker.wait_for_loads(meta)
+    results = e.worker.get_finished()
+    assert [(r.job_id, r.success) for r in results] == [(meta.loads[0].job_id, True)]
+    e.scheduler.on_worker_results(results)
+    done = e.scheduler.take_finished()
+    assert "b" in done.recving and not done.failed_loads
+    e.finish("b")
+    assert_clean(e)
+
+
+def test_bad_num_prompt_tokens_is_refused_when_the_request_is_added() -> None:
+    m = CPUOffloadingManager(4)
+    s = OffloadingScheduler(m, tokens_per_block=TPB)
+    for bad in (-1, "9", None, 2.0):
+        with pytest.raises(ValueError, match=r"num_prompt_tokens=.*expected a non-negative int"):
+            s.add_request("a", block_hashes("a", 2), bad)  # type: ignore[arg-type]
+    assert s.num_requests() == 0
+    s.add_request("a", block_hashes("a", 2), np.int64(2 * TPB + 1))  # type: ignore[arg-type]
+    assert s.get_num_new_matched_tokens("a", TPB) == 0
+
+
+def test_bytes_count_only_jobs_that_succeeded_on_every_worker() -> None:
+    m = CPUOffloadingManager(16)
+    s = OffloadingScheduler(m, tokens_per_block=TPB, num_workers=2)
+    for r in "ab":
+        s.add_request(r, block_hashes(r, 2), 2 * TPB + 1)
+    meta = s.build_step_metadata(
+        [StepProgress("a", [[0, 1, 2]], 2 * TPB), StepProgress("b", [[3, 4, 5]], 2 * TPB)]
+    )
+    ja, jb = (j.job_id for j in meta.stores)
+    s.on_worker_results([TransferResult(ja, True, 100), TransferResult(jb, True, 100)])
+    s.on_worker_results([TransferResult(ja, True, 100), TransferResult(jb, False)])
+    # b's store failed on the second worker: the chunks are gone, and so are its bytes.
+    assert s.bytes_stored == 200
+    assert m.get_stats().failed_stores == 2
+
+
+# -- random step loops: nothing leaks, whatever the order of events ----------------------------
+
+
+def _random_step_loop(seed: int) -> None:
+    """Requests sharing prefixes arrive, load, store, get preempted, finish or abort, while
+    workers report jobs late, out of order and sometimes failed, other requests' stores run
+    between an offer and its allocation, and the cache is reset."""
+    rng = random.Random(seed)
+    groups = (0, 1) if rng.random() < 0.5 else (0,)
+    workers = rng.choice([1, 2])
+    m = CPUOffloadingManager(rng.randint(2, 12), rng.choice(["lru", "arc"]))
+    bpc = rng.choice([1, 2])
+    s = OffloadingScheduler(
+        m, tokens_per_block=TPB, blocks_per_chunk=bpc, groups=groups, num_workers=workers
+    )
+    prefixes = [block_hashes(f"p{i}", rng.randint(1, 4)) for i in range(3)]
+    running: dict[str, tuple[list[list[int]], int]] = {}
+    waiting: dict[str, list[bytes]] = {}
+    hashes_of: dict[str, list[bytes]] = {}
+    in_flight: list[list[int]] = []  # [job id, reports left]
+
+    def step() -> None:
+        meta = s.build_step_metadata(StepProgress(r, b, n) for r, (b, n) in running.items())
+        in_flight.extend([j.job_id, workers] for j in meta.loads + meta.stores)
+
+    for n in range(60):
+        if rng.random() < 0.3:
+            hashes = rng.choice(prefixes) + block_hashes(f"r{n}", rng.randint(0, 3))
+            s.add_request(f"r{n}", hashes, len(hashes) * TPB + 1)
+            waiting[f"r{n}"] = hashes_of[f"r{n}"] = hashes
+        for r, hashes in list(waiting.items()):
+            offered = s.get_num_new_matched_tokens(r, 0)
+            if offered is None:
+                continue
+            if rng.random() < 0.2:
+                step()  # other requests' stores, between this offer and its allocation
+            blocks = [list(range(100 * g, 100 * g + len(hashes) + 1)) for g in groups]
+            s.update_state_after_alloc(r, blocks, offered)
+            running[r] = (blocks, len(hashes) * TPB)
+            del waiting[r]
+        if running and rng.random() < 0.15:
+            r = rng.choice(list(running))
+            s.request_preempted(r)
+            del running[r]
+            waiting[r] = hashes_of[r]
+        for table in (running, waiting):
+            if table and rng.random() < 0.15:
+                r = rng.choice(list(table))
+                del table[r]
+                s.request_finished(r)
+        if rng.random() < 0.03:
+            s.reset_cache()
+        step()
+        rng.shuffle(in_flight)
+        reports = []
+        for item in in_flight:
+            if rng.random() < 0.5:
+                reports.append(TransferResult(item[0], rng.random() < 0.85))
+                item[1] -= 1
+        in_flight[:] = [item for item in in_flight if item[1]]
+        s.on_worker_results(reports)
+        s.take_finished()
+    for r in [*running, *waiting]:
+        s.request_finished(r)
+    s.on_worker_results(TransferResult(j, True) for j, left in in_flight for _ in range(left))
+    stats = m.get_stats()
+    assert (stats.pinned, stats.pending_writes, stats.used_slots) == (0, 0, stats.ready)
+    assert (s.num_jobs_in_flight(), s.num_requests()) == (0, 0)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_step_loops_leak_nothing(seed: int) -> None:
+    _random_step_loop(seed)

@@ -74,3 +74,4 @@ class _Job:
     generation: int
     reports_left: int
     success: bool = True
+    bytes: int = 0  # moved by the workers that reported success so far

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import index
 from typing import Any
 
 import numpy as np
@@ -136,10 +137,18 @@ class OffloadingScheduler:
         the engine keeps extending as tokens are generated; it is read, never copied."""
         if req_id in self._requests:
             raise ValueError(f"request {req_id!r} is already tracked")
+        try:
+            prompt = -1 if isinstance(num_prompt_tokens, bool) else index(num_prompt_tokens)
+        except TypeError:
+            prompt = -1
+        if prompt < 0:
+            # Read only at the first lookup, where a bad value would fail after side effects.
+            raise ValueError(
+                f"request {req_id!r}: num_prompt_tokens={num_prompt_tokens!r} is invalid; "
+                "expected a non-negative int"
+            )
         ctx = ReqContext(req_id, kv_transfer_params)
-        self._requests[req_id] = _Request(
-            ctx, block_hashes, num_prompt_tokens, [[] for _ in self.groups]
-        )
+        self._requests[req_id] = _Request(ctx, block_hashes, prompt, [[] for _ in self.groups])
         self.manager.on_new_request(ctx)
 
     def request_finished(self, req_id: str) -> bool:
@@ -180,6 +189,17 @@ class OffloadingScheduler:
         request's own earlier transfers are still in flight.
         """
         req = self._get(req_id)
+        try:
+            computed = -1 if isinstance(num_computed_tokens, bool) else index(num_computed_tokens)
+        except TypeError:
+            computed = -1
+        if computed < 0:
+            # A negative count would index chunks from the end of the request.
+            raise ValueError(
+                f"request {req_id!r}: num_computed_tokens={num_computed_tokens!r} is invalid; "
+                "expected a non-negative int"
+            )
+        num_computed_tokens = computed
         req.planned_load = None
         if req.jobs:
             return None
@@ -221,8 +241,9 @@ class OffloadingScheduler:
     ) -> None:
         """The engine allocated device blocks (per group); plan the load of the matched tokens.
 
-        If `reset_cache` ran since the tokens were offered, they are gone: the load is reported
-        failed at once (`take_finished`), and the engine recomputes those tokens."""
+        If `reset_cache` ran since the tokens were offered, or another request's stores evicted
+        an offered chunk since, they are gone: the load is reported failed at once
+        (`take_finished`), and the engine recomputes those tokens."""
         req = self._get(req_id)
         if num_external_tokens == 0:
             req.planned_load = None
@@ -248,7 +269,21 @@ class OffloadingScheduler:
                     f"the load needs {end_block}"
                 )
         req.planned_load = None  # only now: a call refused above leaves the offer standing
-        if generation != self._generation:
+        keys = [self._chunk_keys(req, first_chunk, end_chunk, g) for g in range(len(self.groups))]
+        slots: list[npt.NDArray[np.int64]] = []
+        if generation == self._generation:
+            try:
+                for g_keys in keys:
+                    slots.append(_block_ids(self.manager.prepare_load(g_keys, req.ctx)))
+            except ValueError as e:
+                # The offer was only a lookup, not a pin: another request's stores may have
+                # evicted an offered chunk since. Unpin the groups pinned so far and fail the
+                # load, as after a reset, rather than raise with half of it pinned.
+                logger.warning("kvtier: load of request %s is gone since offered: %s", req_id, e)
+                for g_keys in keys[: len(slots)]:
+                    self.manager.complete_load(g_keys, req.ctx)
+                slots = []
+        if not slots:
             req.load_failed = True
             self._finished.recving.add(req_id)
             self._finished.failed_loads.add(req_id)
@@ -256,18 +291,16 @@ class OffloadingScheduler:
                 self._finished.failed_load_blocks.update(block_ids[g][first_block:end_block])
             return
         for g, group in enumerate(self.groups):
-            keys = self._chunk_keys(req, first_chunk, end_chunk, g)
-            spec = _block_ids(self.manager.prepare_load(keys, req.ctx))
             job = TransferJob(
                 job_id=self._new_job_id(),
                 kind=JobKind.LOAD,
                 req_id=req_id,
                 group=group,
-                slots=spec,
+                slots=slots[g],
                 device_blocks=np.asarray(block_ids[g][first_block:end_block], dtype=np.int64),
                 skip_blocks=first_block - first_chunk * bpc,
             )
-            self._track(req, job, keys)
+            self._track(req, job, keys[g])
         req.next_store_chunk = max(req.next_store_chunk, end_chunk)
         req.reused_chunks = max(req.reused_chunks, end_chunk)
 
@@ -277,17 +310,23 @@ class OffloadingScheduler:
         """Plan stores for newly completed chunks of the scheduled requests and hand the
         worker everything due this step."""
         tpc = self.tokens_per_chunk
+        due: dict[str, tuple[_Request, Sequence[Sequence[int]], int]] = {}
         for p in progress:
             req = self._requests.get(p.req_id)
-            if req is None or req.finished or req.jobs:
+            if req is None or req.finished or req.jobs or p.req_id in due:
                 continue  # one load or one set of stores in flight per request
             computed = p.num_computed_tokens
             if self.offload_prompt_only:
                 computed = min(computed, req.num_prompt_tokens)
             end_chunk = min(computed // tpc, self._num_chunks(req))
             if end_chunk > req.next_store_chunk:
-                self._plan_stores(req, p.block_ids, req.next_store_chunk, end_chunk)
-                req.next_store_chunk = end_chunk
+                # Every block table is checked before any store is planned: a bad entry
+                # raises with no slot reserved for the entries before it either.
+                self._check_block_table(req, p.block_ids, end_chunk)
+                due[p.req_id] = (req, p.block_ids, end_chunk)
+        for req, block_ids, end_chunk in due.values():
+            self._plan_stores(req, block_ids, req.next_store_chunk, end_chunk)
+            req.next_store_chunk = end_chunk
         meta = StepMetadata(
             loads=[j for j in self._unsent if j.kind is JobKind.LOAD],
             stores=[j for j in self._unsent if j.kind is JobKind.STORE],
@@ -297,8 +336,8 @@ class OffloadingScheduler:
         self._wait_for = []
         return meta
 
-    def _plan_stores(
-        self, req: _Request, block_ids: Sequence[Sequence[int]], start: int, end: int
+    def _check_block_table(
+        self, req: _Request, block_ids: Sequence[Sequence[int]], end: int
     ) -> None:
         bpc = self.blocks_per_chunk
         # Checked before any slot is reserved: a pending write never completed would answer
@@ -314,6 +353,11 @@ class OffloadingScheduler:
                     f"request {req.ctx.req_id!r}: group {group} has {len(block_ids[g])} device "
                     f"blocks; storing its first {end} chunks needs {end * bpc}"
                 )
+
+    def _plan_stores(
+        self, req: _Request, block_ids: Sequence[Sequence[int]], start: int, end: int
+    ) -> None:
+        bpc = self.blocks_per_chunk
         outs: list[tuple[int, list[OffloadKey], PrepareStoreOutput]] = []
         for g in range(len(self.groups)):
             keys = self._chunk_keys(req, start, end, g)
@@ -371,11 +415,15 @@ class OffloadingScheduler:
             job.reports_left -= 1
             job.success = job.success and r.success
             if r.success:
-                if job.spec.kind is JobKind.LOAD:
-                    self.bytes_loaded += r.bytes
-                else:
-                    self.bytes_stored += r.bytes
+                job.bytes += r.bytes
             if job.reports_left == 0:
+                # Counted once the job is done: a job that failed on one worker is not a
+                # successful job, whatever the other workers moved.
+                if job.success:
+                    if job.spec.kind is JobKind.LOAD:
+                        self.bytes_loaded += job.bytes
+                    else:
+                        self.bytes_stored += job.bytes
                 self._complete(self._jobs.pop(r.job_id))
 
     def take_finished(self) -> FinishedRequests:

@@ -52,6 +52,11 @@ class OffloadingWorker:
         self.transfer = transfer
         # Jobs the transfer worker refused to queue, reported failed by the next get_finished.
         self._refused: list[TransferResult] = []
+        # Jobs handed to the transfer worker and not yet returned by get_finished. A job fed
+        # again (the same step's metadata twice) is skipped: the transfer worker would refuse
+        # the duplicate id, and that refusal, reported as a failure, would release the pins
+        # and slots of the copy that is still running.
+        self._submitted: set[int] = set()
 
     def start_step(self, meta: StepMetadata) -> None:
         """Wait for `meta.wait_for`, then submit the step's loads."""
@@ -76,9 +81,21 @@ class OffloadingWorker:
         if self._refused:
             finished = self._refused + finished
             self._refused = []
+        submitted = self._submitted
+        for r in finished:
+            submitted.discard(r.job_id)
         return finished
 
     def _submit(self, job: TransferJob) -> None:
+        if job.job_id in self._submitted:
+            logger.warning(
+                "kvtier: %s job %d of request %s was already submitted; not submitted again",
+                job.kind.value,
+                job.job_id,
+                job.req_id,
+            )
+            return
+        self._submitted.add(job.job_id)
         # A job the transfer worker cannot queue (out of memory, shut down) is a failed
         # transfer: reported so, its pins and slots are released and a failed load is
         # recomputed. Raising instead would strand the step's later jobs, never submitted and
