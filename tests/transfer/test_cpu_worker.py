@@ -324,3 +324,73 @@ def test_threads_submitting_at_once_each_get_their_own_jobs(worker_cls: CPUWorke
     assert sorted(r.job_id for r in results) == list(range(64))
     assert all(r.success and r.bytes == 1024 for r in results)
     assert torch.equal(pool.rows[63 - torch.arange(64)], kv.view(torch.uint8).view(64, -1))
+
+
+def test_the_caller_may_reuse_its_id_arrays_at_once(worker_cls: CPUWorker) -> None:
+    """The job owns its rows: the Python worker once copied the caller's (reused) arrays'
+    new contents, reporting success for bytes put in the wrong slots."""
+    kv = torch.arange(16 * 64, dtype=torch.int32).view(16, 64)
+    reg = KVCacheRegistration([KVTensor(kv, 0)])
+    pool = HostPool(reg, 1, num_slots=8)
+    gate = threading.Event()
+    with worker_cls(reg, pool, fault_injector=lambda j, d: gate.wait(5)) as w:
+        blocks, slots = np.array([3, 4]), np.array([6, 7])
+        w.submit_store(1, blocks, slots)
+        dst = torch.tensor([10, 11])  # np.asarray of a tensor is a view of it
+        w.submit_load(2, [6, 7], dst)
+        blocks[:], slots[:], dst[:] = torch.tensor([0, 1]), torch.tensor([0, 1]), 12
+        gate.set()
+        assert [r.success for r in _drain(w, [1, 2])] == [True, True]
+    rows = pool.rows.view(torch.int32)
+    assert torch.equal(rows[6:8], kv[3:5]) and torch.equal(kv[10:12], kv[3:5])
+    assert not torch.equal(rows[0], kv[0])
+
+
+def test_a_storage_less_aligned_than_its_data_round_trips(worker_cls: CPUWorker) -> None:
+    """A tensor whose data is 16-byte aligned in a storage that is not (`torch.from_numpy`
+    of a sliced array): the Python worker once viewed the device rows as 8-byte and the host
+    rows as 16-byte elements, and every job of consecutive rows failed."""
+    nb, width = 8, 64
+    raw = np.zeros(nb * width + 32, dtype=np.uint8)
+    skew = (8 - raw.ctypes.data) % 16  # the storage starts at 8 mod 16
+    storage = torch.from_numpy(raw[skew : skew + nb * width + 8])
+    kv = storage[8:].view(nb, width)
+    assert storage.data_ptr() % 16 == 8 and kv.data_ptr() % 16 == 0
+    kv.copy_(torch.randint(0, 256, (nb, width), dtype=torch.uint8))
+    before = kv.clone()
+    reg = KVCacheRegistration([KVTensor(kv, 0)])
+    pool = HostPool(reg, 1, num_slots=4)
+    with worker_cls(reg, pool) as w:
+        w.submit_store(1, [2, 3], [0, 1])  # consecutive slots: one index op per segment
+        w.submit_load(2, [0, 1], [5, 6])  # consecutive device blocks
+        assert [r.success for r in _drain(w, [1, 2])] == [True, True]
+    assert torch.equal(kv[5:7], before[2:4])
+
+
+class _Abort(BaseException):
+    """Not an Exception, as pytest's `fail()` and `skip()` outcomes are not."""
+
+
+def test_an_injector_raising_a_base_exception_fails_only_its_job(worker_cls: CPUWorker) -> None:
+    """The Python worker's thread once died with the job (every later job lost, `wait`
+    hanging); the compiled one let ctypes return an undefined value for it."""
+    kvs = make_layout("mla", torch.float16, seed=3)
+    reg = KVCacheRegistration(kvs)
+    pool = HostPool(reg, 1, num_slots=4)
+    before = snapshot(kvs)
+
+    def abort_first(job_id: int, direction: str) -> None:
+        if job_id == 1:
+            raise _Abort("injected")
+
+    with worker_cls(reg, pool, fault_injector=abort_first) as w:
+        w.submit_store(1, [0], [0])
+        w.submit_store(2, [1], [1])
+        w.submit_load(3, [1], [20])
+        waiter = threading.Thread(target=w.wait, args=([1, 2, 3],), daemon=True)
+        waiter.start()
+        waiter.join(5)
+        assert not waiter.is_alive(), "wait() hung: a job was lost"
+        results = {r.job_id: r.success for r in w.get_finished()}
+    assert results == {1: False, 2: True, 3: True}
+    assert_block_equals(kvs, 20, before[1])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -127,6 +128,35 @@ def test_cuda_engine_refuses_to_start_and_says_why(
         reason in err.value.decode()
         for reason in ("cannot open libcuda.so.1", "no current CUDA context", "cuModuleLoadData")
     ), err.value
+
+
+@needs_compiler
+def test_threads_at_first_use_all_get_the_library(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Threads that first asked at once built into one temporary file; a loser cached None,
+    and the process could keep the slow fallbacks for good."""
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_cached", native._UNSET)
+    monkeypatch.setattr(native, "_cached_extension", native._UNSET)
+    start = threading.Barrier(4)
+    got: list[object] = []
+
+    def first_use() -> None:
+        start.wait(5)
+        got.append(native.library())
+        got.append(native.submit_extension() is not None)
+
+    threads = [threading.Thread(target=first_use) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    libs, exts = got[0::2], got[1::2]
+    assert len(libs) == 4 and all(lib is not None for lib in libs)
+    assert native.library() is libs[0] and len(set(map(id, libs))) == 1
+    assert len(set(exts)) == 1, "threads disagree on the submit extension"
+    assert not list((tmp_path / "cache").glob("*.tmp")), "a temporary file was left behind"
 
 
 @needs_compiler

@@ -5,6 +5,7 @@ servers such as Grace) run under qemu where the cross tools are installed (Debia
 - c/engine_check.c: the CPU engine. On Arm `rowcopy.c` copies rows with memcpy (no SSE2);
   test_native.py runs that loop on this machine too (KVTIER_PORTABLE_COPY=1), and this test
   runs it, with the engine's threads, on the architecture itself.
+- c/results_check.c: the CPU engine's result buffer stays bounded however the caller polls.
 - c/cuda_check.c: the CUDA submit path (`cudaengine.c`) against c/fake_cuda.c, a stand-in
   for the driver on host memory (the one thing here that needs a GPU), built as the
   `libcuda.so.1` that cudaengine.c opens: jobs launched by the submitter, and by launch
@@ -64,6 +65,18 @@ def _build_and_run(
 def test_the_library_copies_byte_exact_without_python(tmp_path: Path) -> None:
     assert HOST_CC is not None
     assert _build_and_run(HOST_CC, tmp_path, [], {}).startswith("ok:")
+
+
+@pytest.mark.skipif(HOST_CC is None, reason="needs a C compiler")
+def test_the_result_buffer_stays_bounded_when_a_result_is_always_pending(tmp_path: Path) -> None:
+    """c/results_check.c (which includes copyengine.c to read the buffer's size): 100,000+
+    jobs, each poll leaving the newest results unpolled; the buffer once grew by one result
+    a job."""
+    assert HOST_CC is not None
+    exe = tmp_path / "results_check"
+    _cc(HOST_CC, "-o", exe, HARNESSES / "results_check.c", SOURCES / "rowcopy.c")
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.startswith("ok:"), out.stdout + out.stderr
 
 
 @pytest.mark.skipif(HOST_CC is None, reason="needs a C compiler")

@@ -70,6 +70,14 @@ def worker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> A
         ),
         (lambda w: w.submit_load(1, [0], [3], skip_blocks=2**64 + 1), "must be in 0..1"),
         (lambda w: w.submit_load(1, [0, 1, 2], [3, 4], skip_blocks=1), "does not fit"),
+        # Slot 0 contributes no block: refused with skip_blocks=0, once taken with 1.
+        (lambda w: w.submit_load(1, [0], [], skip_blocks=1), "expected 1..1"),
+        # Not ints: a dict lookup took 0.0 for group 0 or raised TypeError on a list.
+        (lambda w: w.submit_store(1, [0, 1], [0], group=0.0), r"group=0\.0 must be an int"),
+        (lambda w: w.submit_store(1, [0, 1], [0], group=[0]), r"group=\[0\] must be an int"),
+        (lambda w: w.submit_load(1, [0], [3], group=False), "group=False must be an int"),
+        (lambda w: w.submit_load(1, [0], [3], urgent="no"), "urgent='no' must be a bool"),
+        (lambda w: w.submit_load(1, [0], [3], urgent=None), "urgent=None must be a bool"),
     ],
 )
 def test_bad_submit_raises_and_queues_nothing(worker: Any, call: Any, match: str) -> None:
@@ -80,6 +88,13 @@ def test_bad_submit_raises_and_queues_nothing(worker: Any, call: Any, match: str
     worker.submit_store(1, [0, 1], [0])  # the id is still free
     worker.wait([1])
     assert [r.job_id for r in worker.get_finished()] == [1]
+
+
+def test_numpy_group_and_urgent_are_taken(worker: Any) -> None:
+    worker.submit_store(1, [0, 1], [0], group=np.int64(0))
+    worker.submit_load(2, [0], [9], group=np.int32(0), urgent=np.bool_(True))
+    worker.wait([1, 2])
+    assert [r.success for r in worker.get_finished()] == [True, True]
 
 
 def test_duplicate_job_id_is_refused_until_reported(worker: Any) -> None:

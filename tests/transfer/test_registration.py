@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -85,6 +86,19 @@ def test_partial_overlap_in_a_group_is_refused_but_allowed_across_groups() -> No
     reg = KVCacheRegistration([KVTensor(a, 0, group=0), KVTensor(b, 0, group=1)])
     assert reg.groups == (0, 1)
     assert (reg.page_bytes(0), reg.page_bytes(1), reg.max_page_bytes) == (40, 40, 40)
+
+
+def test_overlaps_are_found_across_storages_that_share_memory() -> None:
+    """Two storages over one buffer (`torch.from_numpy` of two slices): compared by storage,
+    a partial overlap was accepted, and a load of block b then wrote into block b + 1."""
+    raw = np.zeros(8 * 16 + 8, dtype=np.uint8)
+    a = torch.from_numpy(raw[: 8 * 16]).view(8, 16)
+    b = torch.from_numpy(raw[8 : 8 + 8 * 16]).view(8, 16)  # straddles a's blocks
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    with pytest.raises(ValueError, match="partially overlaps"):
+        KVCacheRegistration([KVTensor(a, 0), KVTensor(b, 0)])
+    alias = torch.from_numpy(raw[: 8 * 16]).view(8, 16)  # the same bytes: counted once
+    assert KVCacheRegistration([KVTensor(a, 0), KVTensor(alias, 0)]).page_bytes() == 16
 
 
 def test_disagreeing_tensors_are_refused() -> None:

@@ -39,14 +39,17 @@ _WIDE: tuple[tuple[int, torch.dtype], ...] = (
 )
 
 
-def _wide(view: torch.Tensor, *alignments: int) -> torch.Tensor:
-    """`view` (uint8, 2-D, rows contiguous) as the widest dtype every alignment allows."""
+def _wide(*views: torch.Tensor) -> list[torch.Tensor]:
+    """`views` (uint8, 2-D, rows contiguous) as the widest dtype all of them allow: one dtype
+    for all, because the index ops between them need it. The storage offsets count too (a
+    storage need not be 16-byte aligned where its data is, as with `torch.from_numpy`)."""
     g = 0
-    for a in (*alignments, view.shape[1], view.stride(0), view.data_ptr(), view.storage_offset()):
-        g = math.gcd(g, a)
+    for v in views:
+        for a in (v.shape[1], v.stride(0), v.data_ptr(), v.storage_offset()):
+            g = math.gcd(g, a)
     for size, dtype in _WIDE:
         if g % size == 0:
-            return view.view(dtype)
+            return [v.view(dtype) for v in views]
     raise AssertionError("unreachable: 1 divides everything")
 
 
@@ -103,22 +106,13 @@ class BlockCopier:
                 dev = seg.rows
                 host = _rows(host_flat, n_host, seg.width, row_bytes, col)
                 st = _rows(stage, stage_rows, seg.width, page, col)
-                align = math.gcd(dev.data_ptr(), seg.stride, host.data_ptr(), row_bytes)
-                align = math.gcd(align, st.data_ptr(), page)
-                segments.append(
-                    _SegmentCopy(_wide(dev, align), _wide(host, align), _wide(st, align))
-                )
+                segments.append(_SegmentCopy(*_wide(dev, host, st)))
                 col += seg.width
-            host_page = _rows(host_flat, n_host, page, row_bytes, 0)
-            stage_page = _rows(stage, stage_rows, page, page, 0)
-            align = math.gcd(row_bytes, page)
-            self._groups[g] = _GroupCopy(
-                segments,
-                _wide(host_page, align),
-                _wide(stage_page, align),
-                stage_rows,
-                *tables[g],
+            host_page, stage_page = _wide(
+                _rows(host_flat, n_host, page, row_bytes, 0),
+                _rows(stage, stage_rows, page, page, 0),
             )
+            self._groups[g] = _GroupCopy(segments, host_page, stage_page, stage_rows, *tables[g])
 
     def run(self, job: Job, dev_idx: torch.Tensor, host_idx: torch.Tensor) -> None:
         """Copy `job`'s blocks; `dev_idx`/`host_idx` are its rows as int64 on the copy device."""

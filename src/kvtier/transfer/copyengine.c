@@ -15,6 +15,7 @@
 #include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "kvtier.h"
@@ -588,17 +589,32 @@ static int enqueue(kvt_engine *e, kvt_job *j, int lane) {
         need = e->outstanding + 1;
     }
     if (need > e->res_cap) {
-        size_t cap = e->res_cap ? 2 * e->res_cap : 64;
-        while (cap < need)
-            cap *= 2;
-        kvt_result *r = realloc(e->res, cap * sizeof *r);
-        if (!r) {
-            pthread_mutex_unlock(&e->mu);
-            free(j);
-            return -1;
+        if (e->res_head > 0) {
+            /* Polled results at the front: move the rest down. A caller that always leaves a
+             * result unpolled when it submits (one finished since its last poll) never gets
+             * the reset above, and the buffer grew by a result per job for as long as the
+             * engine ran. */
+            size_t live = e->res_len - e->res_head;
+            memmove(e->res, e->res + e->res_head, live * sizeof *e->res);
+            e->res_head = 0;
+            e->res_len = live;
+            need = live + e->outstanding + 1;
         }
-        e->res = r;
-        e->res_cap = cap;
+        /* Twice what is needed: the next move is then half a buffer of submits away, so
+         * moving costs O(1) a job. */
+        if (2 * need > e->res_cap) {
+            size_t cap = e->res_cap ? 2 * e->res_cap : 64;
+            while (cap < 2 * need)
+                cap *= 2;
+            kvt_result *r = realloc(e->res, cap * sizeof *r);
+            if (!r) {
+                pthread_mutex_unlock(&e->mu);
+                free(j);
+                return -1;
+            }
+            e->res = r;
+            e->res_cap = cap;
+        }
     }
     lane = lane ? 1 : 0;
     if (e->tail[lane])
@@ -678,7 +694,8 @@ int kvt_plan_rows(int store, const int64_t *blocks, size_t nblocks, const int64_
         if (skip >= bpc)
             return 1;
         cap -= skip;
-        if (!(n <= cap && n + bpc > cap) && !(n == 0 && nslots == 0))
+        /* n > 0 too: one slot with skip > 0 has cap < bpc (plan.py says the same) */
+        if (!(n <= cap && n + bpc > cap && n > 0) && !(n == 0 && nslots == 0))
             return 1;
     }
     int dup = store ? repeats(slots, nslots) : repeats(blocks, nblocks);

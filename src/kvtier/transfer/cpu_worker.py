@@ -144,9 +144,11 @@ class CPUTransferWorker(TransferWorker):
             if self._fault_injector is not None:
                 self._fault_injector(job.job_id, job.direction.value)
             self._copier.run(job, torch.from_numpy(job.dev_rows), torch.from_numpy(job.host_rows))
-        except Exception:
+        except BaseException:
             # The destination may be partly written; the caller must treat it as garbage,
-            # which a success=False result tells it to do.
+            # which a success=False result tells it to do. BaseException too (a test's
+            # injector may raise pytest's outcomes): escaping, it would end this thread, and
+            # every job behind it would never be reported.
             logger.exception("transfer job %d (%s) failed", job.job_id, job.direction.value)
             return False
         return True

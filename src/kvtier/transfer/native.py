@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import threading
 from collections.abc import Callable
 from importlib.machinery import ExtensionFileLoader
 from importlib.util import module_from_spec, spec_from_file_location
@@ -92,6 +93,7 @@ _EXTENSION = Path(__file__).with_name("submitext.c")
 _UNSET = object()
 _cached: object = _UNSET
 _cached_extension: object = _UNSET
+_build_lock = threading.Lock()
 _P, _SZ, _I64, _U64, _INT = (
     ctypes.c_void_p,
     ctypes.c_size_t,
@@ -179,7 +181,11 @@ def library() -> ctypes.CDLL | None:
     or cannot be built (see above)."""
     global _cached
     if _cached is _UNSET:
-        _cached = _load()
+        # One build per process: threads building at once wrote the same temporary file, and
+        # a thread that lost the race cached None (the slow fallbacks) for the whole process.
+        with _build_lock:
+            if _cached is _UNSET:
+                _cached = _load()
     return _cached  # type: ignore[return-value]
 
 
@@ -203,9 +209,11 @@ def submit_extension() -> ModuleType | None:
     without ctypes. None where the library is unavailable, Python's headers are not installed,
     the interpreter is not CPython or the build fails; the worker then submits through ctypes."""
     global _cached_extension
-    if _cached_extension is _UNSET:
-        _cached_extension = _load_extension() if library() is not None else None
-    return _cached_extension  # type: ignore[return-value]
+    if _cached_extension is _UNSET and library() is not None:
+        with _build_lock:
+            if _cached_extension is _UNSET:
+                _cached_extension = _load_extension()
+    return None if _cached_extension is _UNSET else _cached_extension  # type: ignore[return-value]
 
 
 def _compiler() -> str | None:
@@ -217,7 +225,7 @@ def _build(path: Path, cmd: list[str]) -> None:
     if path.exists():
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     cmd = [str(tmp) if a == "{output}" else a for a in cmd]
     subprocess.run(cmd, check=True, capture_output=True, timeout=120)
     os.replace(tmp, path)  # atomic: concurrent first uses never load a partial file

@@ -257,7 +257,9 @@ class NativeCPUTransferWorker(TransferWorker):
         try:
             assert self._fault_injector is not None
             self._fault_injector(job_id, live.direction if live else "unknown")
-        except Exception:
+        except BaseException:
+            # Not only Exception: ctypes would swallow anything else and return garbage, and
+            # the job might be reported done.
             logger.exception("transfer job %d failed", job_id)
             return 1
         return 0

@@ -60,7 +60,10 @@ def _ids(name: str, values: IdsLike, limit: int) -> IndexArray:
         return np.empty(0, dtype=np.int64)  # `[]` arrives as float64
     if arr.dtype.kind == "u" and arr.size and int(arr.max()) >= limit:
         raise ValueError(f"{name} contains {int(arr.max())}, outside 0..{limit - 1}")  # unwrapped
-    arr = arr.astype(np.int64, copy=False)
+    # The job is copied later, on another thread: its rows must not be the caller's array (or
+    # a view of it, as `np.asarray` gives of a tensor), which the caller may reuse at once.
+    own = arr is values or arr.base is not None
+    arr = arr.astype(np.int64, copy=own)
     # One pass on the hot path: as unsigned, a negative id is larger than any limit.
     if arr.size and int(arr.view(np.uint64).max()) >= limit:
         lo, hi = int(arr.min()), int(arr.max())
@@ -171,8 +174,9 @@ class JobPlanner:
         if not 0 <= skip_blocks < self.bpc:
             raise ValueError(f"skip_blocks={skip_blocks} must be in 0..{self.bpc - 1}")
         n, cap = dev.shape[0], sl.shape[0] * self.bpc - skip_blocks
-        # Every slot passed must contribute at least one block, and no block may be left out.
-        if not (cap - self.bpc < n <= cap) and not (n == 0 and sl.shape[0] == 0):
+        # Every slot passed must contribute at least one block, and no block may be left out
+        # (`n > 0` too: a single slot with skip_blocks > 0 has cap - bpc < 0).
+        if not (max(cap - self.bpc, 0) < n <= cap) and not (n == 0 and sl.shape[0] == 0):
             raise ValueError(
                 f"len(device_blocks)={n} does not fit len(slots)={sl.shape[0]} chunks of "
                 f"{self.bpc} blocks starting at skip_blocks={skip_blocks}: expected "

@@ -60,26 +60,26 @@ class Segment:
         """Absolute address of the first byte of block 0 (for alignment checks)."""
         return self.storage_ptr + self.offset
 
+    # Both compare addresses, not storages: two storages may share memory (tensors made with
+    # `torch.from_numpy` or `torch.frombuffer` over one buffer).
     def same_place(self, other: Segment) -> bool:
         """Whether `other` names exactly the same bytes (an alias, counted once)."""
-        return (self.storage_ptr, self.offset, self.width, self.stride) == (
-            other.storage_ptr,
-            other.offset,
+        return (self.address, self.width, self.stride) == (
+            other.address,
             other.width,
             other.stride,
         )
 
     def overlaps(self, other: Segment) -> bool:
-        """Conservative test for shared bytes with `other` (same storage only)."""
-        if self.storage_ptr != other.storage_ptr:
-            return False
-        a_end = self.offset + (self.num_blocks - 1) * self.stride + self.width
-        b_end = other.offset + (other.num_blocks - 1) * other.stride + other.width
-        if not (self.offset < b_end and other.offset < a_end):
+        """Conservative test for shared bytes with `other`."""
+        a, b = self.address, other.address
+        a_end = a + (self.num_blocks - 1) * self.stride + self.width
+        b_end = b + (other.num_blocks - 1) * other.stride + other.width
+        if not (a < b_end and b < a_end):
             return False
         if self.stride == other.stride and self.stride >= max(self.width, other.width):
             # Interleaved with the same period: compare the byte windows modulo the stride.
-            r = (other.offset - self.offset) % self.stride
+            r = (b - a) % self.stride
             return r < self.width or r + other.width > self.stride
         return True
 
@@ -232,7 +232,7 @@ class KVCacheRegistration:
                 if clash is not None:
                     raise ValueError(
                         f"{kv!r} partially overlaps another tensor of group {kv.group} "
-                        f"(bytes at offset {seg.offset} vs {clash.offset}); aliases must be exact"
+                        f"(bytes at {seg.address:#x} vs {clash.address:#x}); aliases must be exact"
                     )
                 group_segments.append(seg)
         self.tensors: tuple[KVTensor, ...] = tuple(tensors)

@@ -95,13 +95,14 @@ def block_bytes(kvs: list[KVTensor], block: int) -> list[torch.Tensor]:
     out = []
     for kv in kvs:
         part = kv.tensor.select(kv.block_dim, block).contiguous()
-        out.append(part.view(torch.uint8).reshape(-1).cpu().clone())
+        # reshape first: a block of one element is 0-d, which cannot be viewed as bytes.
+        out.append(part.reshape(-1).view(torch.uint8).cpu().clone())
     return out
 
 
-def snapshot(kvs: list[KVTensor], nb: int = NUM_BLOCKS) -> list[list[torch.Tensor]]:
-    """`block_bytes` of every block."""
-    return [block_bytes(kvs, b) for b in range(nb)]
+def snapshot(kvs: list[KVTensor], nb: int | None = None) -> list[list[torch.Tensor]]:
+    """`block_bytes` of every block (of the first `nb`; default: all the tensors hold)."""
+    return [block_bytes(kvs, b) for b in range(kvs[0].num_blocks if nb is None else nb)]
 
 
 def assert_block_equals(kvs: list[KVTensor], block: int, expected: list[torch.Tensor]) -> None:

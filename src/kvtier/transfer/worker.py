@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
+from numbers import Integral
 from typing import NamedTuple
 
 import numpy as np
@@ -106,6 +107,8 @@ class TransferWorker(ABC):
     ) -> None:
         """Queue a copy of whole chunks: `device_blocks` (`len(slots) * blocks_per_chunk` of
         them, in chunk order) into `slots`. On CUDA it runs after the compute queued so far."""
+        if type(group) is not int:
+            group = self._as_group(group)
         if self._plans_ids():
             self._submit_ids(job_id, Direction.STORE, device_blocks, slots, group, 0, False)
             return
@@ -127,6 +130,12 @@ class TransferWorker(ABC):
         """Queue a copy of the blocks of `slots`' chunks, in order from `skip_blocks` of the first
         chunk, into `device_blocks`; the last chunk may be used partially. `urgent` loads run in
         their own lane and do not wait behind queued loads."""
+        if type(group) is not int:
+            group = self._as_group(group)
+        if urgent is not False and urgent is not True:
+            if not isinstance(urgent, (bool, np.bool_)):
+                raise ValueError(f"urgent={urgent!r} must be a bool")
+            urgent = bool(urgent)
         if self._plans_ids():
             self._submit_ids(
                 job_id, Direction.LOAD, device_blocks, slots, group, skip_blocks, urgent
@@ -202,6 +211,15 @@ class TransferWorker(ABC):
             job = self._planner.load(c.job_id, c.slots, c.device_blocks, c.group, c.skip, c.urgent)
         self._submit(job)
         self._unreported.add(c.job_id)
+
+    def _as_group(self, group: object) -> int:
+        """`group` of another integer type (numpy's) as an int. Anything else is a ValueError
+        here: the lookups behind would take 0.0 or True for a group, or raise TypeError."""
+        if isinstance(group, bool) or not isinstance(group, Integral):
+            raise ValueError(
+                f"group={group!r} must be an int; groups are {list(self._planner.page_bytes)}"
+            )
+        return int(group)
 
     def _check_job_id(self, job_id: int) -> None:
         if self._closed:
