@@ -60,6 +60,18 @@ def test_bad_arguments_exit_2_with_a_clear_error(
     assert message in capsys.readouterr().err
 
 
+def test_unwritable_json_path_is_refused_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_run(*args: object) -> None:
+        raise AssertionError("the workload ran before --json was checked")
+
+    monkeypatch.setattr("kvtier.demo.run_demo", no_run)
+    out = tmp_path / "missing" / "demo.json"
+    assert main(["demo", *TINY, "--json", str(out), "--quiet"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
 def test_help_states_the_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["demo", "--help"])

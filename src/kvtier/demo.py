@@ -289,6 +289,9 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         model=args.model,
     )
+    if args.json is not None and not args.json.parent.is_dir():
+        # Checked first: a run takes tens of seconds, and its results would be lost at the end.
+        raise ValueError(f"--json {args.json}: directory {args.json.parent} does not exist")
     try:
         import transformers  # noqa: F401
     except ImportError:

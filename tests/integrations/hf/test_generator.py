@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -140,10 +141,12 @@ def test_bad_input_is_refused_before_any_work(model: Any) -> None:
             gen.generate_one([], 3)
         with pytest.raises(ValueError, match="max_new_tokens=0"):
             gen.generate_one([1, 2, 3], 0)
+        with pytest.raises(ValueError, match=r"max_new_tokens=2\.5"):
+            gen.generate_one([1, 2, 3], 2.5)  # type: ignore[arg-type]
         assert gen.stats.requests == 0
         assert gen.scheduler.num_requests() == 0
         # The generator still works after the refusals.
-        result = gen.generate_one(list(range(20)), 3)
+        result = gen.generate_one(list(range(20)), np.int64(3))  # type: ignore[arg-type]
         assert result.tokens.numel() == 3
 
 
@@ -168,6 +171,43 @@ def test_a_failed_generation_frees_its_blocks_and_request(model: Any) -> None:
         # All 4 blocks came back: a prompt that needs every one of them still runs.
         prompt = _ids(60, 31)
         _assert_matches_recompute(model, prompt, gen.generate_one(prompt, 5))
+
+
+def test_an_interrupt_during_the_load_frees_its_blocks_and_request(model: Any) -> None:
+    """Ctrl-C while a prefix loads must not strand the request or its device blocks."""
+    with KVTierGenerator(model, block_size=BS, max_blocks=8) as gen:
+        prompt = _ids(70, 32)
+        gen.generate_one(prompt, 4)
+        gen.flush()
+
+        def interrupted(meta: Any) -> None:
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt), pytest.MonkeyPatch.context() as mp:
+            mp.setattr(gen.worker, "wait_for_loads", interrupted)
+            gen.generate_one(torch.cat([prompt, _ids(10, 33)]), 4)
+        gen.flush()
+        assert gen.scheduler.num_requests() == 0
+        assert gen.manager.get_stats().pinned == 0
+        assert bool(gen._free.all())
+        # Every block came back: a prompt that needs all 8 of them still runs.
+        longer = torch.cat([prompt, _ids(50, 34)])
+        _assert_matches_recompute(model, longer, gen.generate_one(longer, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_prompt_on_the_models_gpu(model: Any) -> None:
+    """A prompt given on the model's device (as a tokenizer's output moved there) works."""
+    gpu = make_demo_model("qwen2", seed=2)[0].to("cuda")
+    prompt = _ids(40, 35)
+    with KVTierGenerator(gpu, block_size=BS, max_blocks=8) as gen:
+        gen.generate_one(prompt.cuda(), 3)
+        gen.flush()
+        again = gen.generate_one(prompt.cuda(), 3)
+    assert again.hit_tokens == 32
+    ref = generate_greedy(gpu, prompt.cuda().unsqueeze(0), 3)
+    assert torch.equal(again.tokens.cpu(), ref.tokens[0].cpu())
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="thread affinity is Linux-only")

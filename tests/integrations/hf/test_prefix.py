@@ -107,6 +107,27 @@ def test_whole_prompt_cached_recomputes_its_last_token(llama: Any) -> None:
     assert (out.logits - ref.logits).abs().max().item() <= LOGIT_ATOL
 
 
+def test_whole_prompt_in_a_full_sliding_window_is_refused_clearly() -> None:
+    """A sliding layer holding a full window cannot drop its last token: a clear error before
+    any layer is cropped, and loading all but the last token works."""
+    from transformers import DynamicCache
+
+    model, config = make_demo_model("mistral", seed=1, sliding_window=24, num_hidden_layers=2)
+    ids = torch.randint(0, config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(5))
+    pages = allocate_pages(config, num_blocks=4, block_size=BS)
+    full = generate_greedy(model, ids, 1, cache=DynamicCache())  # full layers hold every token
+    extract_blocks(full.cache, 0, 0, 4, BS, pages, [0, 1, 2, 3])
+    cache = build_cache_from_blocks(pages, [[0, 1, 2, 3]], 64, config)
+    with pytest.raises(ValueError, match="load at most 63 tokens"):
+        generate_greedy(model, ids, 4, cache=cache)
+    assert cache.get_seq_length() == 64  # nothing was cropped
+    ref = generate_greedy(model, ids, 4)
+    loaded = build_cache_from_blocks(pages, [[0, 1, 2, 3]], 63, config)
+    out = generate_greedy(model, ids, 4, cache=loaded)
+    assert out.prefill_tokens == 1 and torch.equal(out.tokens, ref.tokens)
+    assert (out.logits - ref.logits).abs().max().item() <= LOGIT_ATOL
+
+
 def test_wrong_block_is_caught(llama: Any) -> None:
     """Negative control: one block of another prompt's KV moves logits far beyond the tolerance.
 

@@ -67,6 +67,7 @@ def assert_no_leaks(engine: Engine) -> None:
     assert stats.pinned == 0 and stats.pending_writes == 0
     assert side.scheduler.num_jobs_in_flight() == 0
     assert side.scheduler.num_requests() == 0
+    assert not (side._requests or side._loads or side._loading or side._load_failed)
     assert not engine.worker.worker_side._jobs
     assert not engine.scheduler.requests
 
@@ -195,6 +196,30 @@ def test_abort_during_load_frees_blocks_once(vllm_loaded: None) -> None:
     assert_no_leaks(engine)
 
 
+def test_abort_during_a_failing_load_forgets_the_request(vllm_loaded: None) -> None:
+    """The load's failure arrives after request_finished: nothing of the request may stay."""
+    from vllm.v1.request import RequestStatus
+
+    engine = make_engine("KVTierConnector", EXTRA, load_failure_policy="recompute")
+    store_a_then_forget_on_device(engine)
+    opened = threading.Event()
+
+    def fail_loads_later(job_id: int, kind: str) -> None:
+        if kind == "load":
+            opened.wait(60)
+            raise RuntimeError("injected load failure")
+
+    _swap_transfer(engine, fail_loads_later)
+    engine.add("b", [*PROMPT, 5])
+    assert engine.step(settle=False).kv_connector_metadata.step.loads
+    engine.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    opened.set()
+    for _ in range(5):
+        engine.step()
+    assert "b" not in engine.scheduler.requests
+    assert_no_leaks(engine)
+
+
 def test_abort_with_stores_in_flight_holds_blocks_until_sent(vllm_loaded: None) -> None:
     from vllm.v1.request import RequestStatus
 
@@ -312,6 +337,37 @@ def test_offloading_connector_with_kvtier_policy(vllm_loaded: None) -> None:
     assert len(manager._policy.inner) == len(manager._policy.chunks)
 
 
+@pytest.mark.parametrize("name", ["lru", "arc"])
+def test_kvtier_policy_counts_reuse_reported_at_request_end(vllm_loaded: None, name: str) -> None:
+    """vLLM's manager reports a request's reuses (here: a device prefix hit offered again) only
+    through on_request_finished; the kvtier policy must keep that prefix, as vLLM's own does."""
+    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    def key(tag: str) -> Any:
+        return make_offload_key(tag.encode().ljust(32, b"."), 0)
+
+    def run(policy: str, module: str | None) -> list[Any]:
+        manager = CPUOffloadingManager(4, policy, module)
+        evicted: list[Any] = []
+        for req_id, tags in [("a", "a1 a2"), ("b", "b1 b2"), ("c", "a1 a2"), ("d", "d1 d2")]:
+            ctx = ReqContext(req_id)
+            manager.on_new_request(ctx)
+            keys = [key(t) for t in tags.split()]
+            for i, k in enumerate(keys):
+                ctx.set_offload_key_position(k, BLOCK_SIZE * (i + 1))
+            out = manager.prepare_store(keys, ctx)
+            assert out is not None
+            manager.complete_store(out.keys_to_store, ctx)
+            manager.on_request_finished(ctx)
+            evicted += out.evicted_keys
+        return sorted(evicted)
+
+    expected = run(name, None)
+    assert expected == sorted([key("b1"), key("b2")])  # "c" reused a1, a2
+    assert run(f"kvtier_{name}", "kvtier.integrations.vllm.policy") == expected
+
+
 def _feed(engine: Engine, so: Any, worker_meta: Any, recving: set[str]) -> None:
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
@@ -335,6 +391,39 @@ def _feed(engine: Engine, so: Any, worker_meta: Any, recving: set[str]) -> None:
         for o in eo.outputs:
             if o.finish_reason is not None:
                 engine.finished.add(o.request_id)
+
+
+def test_overrides_and_type_imports_match_the_pinned_vllm(vllm_loaded: None) -> None:
+    """Every vLLM method kvtier overrides keeps vLLM's parameters, and every name the vLLM
+    modules import for type checking exists in the installed vLLM."""
+    import ast
+    import importlib
+    import inspect
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
+    from vllm.v1.kv_offload.cpu.policies.base import CachePolicy
+
+    from kvtier.integrations.vllm import KVTierConnector
+    from kvtier.integrations.vllm.policy import KVTierPolicyAdapter
+
+    for cls, bases in [(KVTierConnector, (KVConnectorBase_V1, SupportsHMA)),
+                       (KVTierPolicyAdapter, (CachePolicy,))]:  # fmt: skip
+        for name, ours in vars(cls).items():
+            base = next((getattr(b, name) for b in bases if hasattr(b, name)), None)
+            if base is None or not callable(ours) or name.startswith("__"):
+                continue
+            ours_params = list(inspect.signature(ours).parameters.values())
+            base_params = list(inspect.signature(base).parameters.values())
+            assert [(p.name, p.kind) for p in ours_params] == [
+                (p.name, p.kind) for p in base_params
+            ], f"{cls.__name__}.{name}"
+    src = Path(__file__).resolve().parents[3] / "src" / "kvtier" / "integrations" / "vllm"
+    for path in sorted(src.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vllm"):
+                module = importlib.import_module(node.module or "")
+                for alias in node.names:
+                    assert hasattr(module, alias.name), f"{path.name}: {node.module}.{alias.name}"
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,7 @@ from kvtier.connector import OffloadingScheduler, OffloadingWorker, StepProgress
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.hashing import BlockHasher
 from kvtier.integrations.hf.paged_cache import PagedKVBuffer
-from kvtier.integrations.hf.prefix import generate_greedy
+from kvtier.integrations.hf.prefix import generate_greedy, new_token_count
 from kvtier.transfer import FaultInjector, HostPool, make_transfer_worker
 
 __all__ = ["GenerationResult", "GeneratorStats", "KVTierGenerator"]
@@ -142,11 +142,11 @@ class KVTierGenerator:
     ) -> GenerationResult:
         """Generate for one prompt: load its cached prefix, prefill the rest, store new blocks."""
         start = time.perf_counter()
-        ids = torch.as_tensor(prompt, dtype=torch.int64).reshape(-1)
+        # On the CPU: hashing reads the ids with numpy (a prompt may come on the model's GPU).
+        ids = torch.as_tensor(prompt, dtype=torch.int64).reshape(-1).cpu()
         if ids.numel() == 0:
             raise ValueError("prompt is empty; expected at least one token id")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} is invalid; expected >= 1")
+        max_new_tokens = new_token_count(max_new_tokens)
         # The cache ends up holding the prompt and every new token but the last.
         need = -(-(ids.numel() + max_new_tokens - 1) // self.block_size)
         if need > self.max_blocks:
@@ -158,28 +158,32 @@ class KVTierGenerator:
         hashes = self.hasher.hash_blocks(ids.numpy())
         scheduler = self.scheduler
         scheduler.add_request(req_id, hashes, ids.numel())
-        hit = scheduler.get_num_new_matched_tokens(req_id, 0)
-        while hit is None:  # a chunk of this prefix is still being written
-            self._drain()
-            hit = scheduler.get_num_new_matched_tokens(req_id, 0)
-        blocks = self._allocate(need)
-        scheduler.update_state_after_alloc(req_id, [blocks], hit)
-        if hit:
-            meta = scheduler.build_step_metadata()
-            self.worker.start_step(meta)
-            self.worker.wait_for_loads(meta)
-            self._collect()
-            if req_id in self._last_failed_loads:
-                hit = 0  # never use the blocks of a failed load: recompute them
-                self.stats.failed_loads += 1
-        # The model reads the loaded blocks and writes every new token's KV in place, so the
-        # request's blocks hold its whole KV when generation ends: nothing to copy out.
-        cache = self.kv.cache(blocks.start, need, hit)
-        device = self.pages[0].device
+        blocks = range(0)  # none yet
         try:
+            hit = scheduler.get_num_new_matched_tokens(req_id, 0)
+            while hit is None:  # a chunk of this prefix is still being written
+                self._drain()
+                hit = scheduler.get_num_new_matched_tokens(req_id, 0)
+            blocks = self._allocate(need)
+            scheduler.update_state_after_alloc(req_id, [blocks], hit)
+            if hit:
+                meta = scheduler.build_step_metadata()
+                self.worker.start_step(meta)
+                self.worker.wait_for_loads(meta)
+                self._collect()
+                if req_id in self._last_failed_loads:
+                    hit = 0  # never use the blocks of a failed load: recompute them
+                    self.stats.failed_loads += 1
+            # The model reads the loaded blocks and writes every new token's KV in place, so
+            # the request's blocks hold its whole KV when generation ends: nothing to copy out.
+            cache = self.kv.cache(blocks.start, need, hit)
+            device = self.pages[0].device
             out = generate_greedy(self.model, ids.unsqueeze(0).to(device), max_new_tokens, cache)
         except BaseException:
-            self._release(req_id, blocks)  # nothing is stored from a failed generation
+            # An error or interrupt anywhere before the stores (while waiting for a store, in
+            # the load, in the model) ends the request and frees its blocks, at once or when a
+            # load in flight ends; nothing is stored from a failed generation.
+            self._release(req_id, blocks)
             raise
         ttft = out.first_token_time - start
 

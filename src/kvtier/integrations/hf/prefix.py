@@ -14,14 +14,15 @@ ragged prompts run one batch per prompt; `kvtier.integrations.hf.generator` does
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer
 
-__all__ = ["GreedyOutput", "generate_greedy", "prefill"]
+__all__ = ["GreedyOutput", "generate_greedy", "new_token_count", "prefill"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,17 @@ class GreedyOutput:
     prefill_tokens: int
     first_token_time: float = 0.0
     """`time.perf_counter()` when the first token's logits were ready (time to first token)."""
+
+
+def new_token_count(max_new_tokens: object) -> int:
+    """`max_new_tokens` as an int (numpy and 0-d integer tensors too); ValueError unless >= 1."""
+    try:
+        n = operator.index(max_new_tokens)  # type: ignore[arg-type]
+    except TypeError:
+        n = 0  # a float or other non-integer: refused below, not truncated
+    if n < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid; expected an int >= 1")
+    return n
 
 
 def _check_ids(input_ids: torch.Tensor) -> None:
@@ -65,6 +77,24 @@ def _forward(model: Any, ids: torch.Tensor, cache: Cache, start: int) -> torch.T
     return logits.float()
 
 
+def _check_can_drop_last(cache: Cache, seq_len: int) -> None:
+    """Refuse, before any layer is cropped, a cache that cannot forget its last token."""
+    for i, layer in enumerate(cache.layers):
+        # Such a layer keeps only the last `window - 1` tokens: after dropping the newest, the
+        # oldest key that token attends to is already gone, so it cannot be recomputed.
+        if (
+            isinstance(layer, DynamicSlidingWindowLayer)
+            and not layer.record_past
+            and layer.get_seq_length() >= layer.sliding_window
+        ):
+            raise ValueError(
+                f"cache holds the whole prompt ({seq_len} tokens) and its sliding-window layer "
+                f"{i} a full window of {layer.sliding_window}, so the last token cannot be "
+                f"dropped and recomputed; load at most {seq_len - 1} tokens (e.g. "
+                f"build_cache_from_blocks(..., num_tokens={seq_len - 1}, ...))"
+            )
+
+
 @torch.no_grad()
 def prefill(
     model: Any, input_ids: torch.Tensor, cache: Cache | None = None
@@ -74,7 +104,9 @@ def prefill(
     `cache` holds the KV of the first `P` tokens of every row of `input_ids` (`P` =
     `cache.get_seq_length()`); it is extended in place. When it holds the whole prompt the
     last token is dropped from it and recomputed, since its logits are needed to choose the
-    first new token. `cache=None` starts a fresh `DynamicCache` (the recompute path).
+    first new token; a sliding-window layer that already holds a full window cannot drop it
+    (ValueError: load at most `T - 1` tokens). `cache=None` starts a fresh `DynamicCache`
+    (the recompute path).
     """
     _check_ids(input_ids)
     if cache is None:
@@ -86,6 +118,7 @@ def prefill(
             f"cache holds {cached} tokens but the prompt has {seq_len}; expected a prefix of it"
         )
     if cached == seq_len:
+        _check_can_drop_last(cache, seq_len)
         cache.crop(-1)
         cached -= 1
     logits = _forward(model, input_ids[:, cached:], cache, cached)
@@ -105,8 +138,7 @@ def generate_greedy(
     `model.generate(do_sample=False)`, minus its stopping rules (it always generates
     `max_new_tokens`). See `prefill` for what `cache` must hold.
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} is invalid; expected >= 1")
+    max_new_tokens = new_token_count(max_new_tokens)
     logits, cache, ran = prefill(model, input_ids, cache)
     if logits.device.type == "cuda":
         # Kernels run asynchronously: without this wait the time would be when the prefill

@@ -80,8 +80,17 @@ class KVTierPolicyAdapter(VCachePolicy):
         reused_keys: set[VOffloadKey],
         req_context: VReqContext,
     ) -> None:
-        # Loads already counted as uses when they unpinned; only the request hook remains.
-        self.inner.on_request_finished(_ctx(req_context))
+        # vLLM reports a request's reuses only here (it never calls `touch`): chunks it
+        # loaded, and chunks it hit in the device prefix cache and offered again. Touch them
+        # as kvtier's own connector does at a request's end (head last, so most recent), or a
+        # prefix served from the device cache would age as if never used.
+        ctx = _ctx(req_context)
+        if reused_keys:
+            for keys in key_groups:
+                used = [OffloadKey(k) for k in keys if k in reused_keys]
+                if used:
+                    self.inner.touch(used, ctx)
+        self.inner.on_request_finished(ctx)
 
     def evict(
         self, n: int, protected: set[VOffloadKey]

@@ -172,7 +172,9 @@ class KVTierSchedulerSide:
                 entry = self._loads.get(job_id)
                 if entry is None:
                     continue
-                if not ok:
+                if not ok and entry[0] in self._requests:
+                    # Only a live request is offered hits again; one aborted during its load
+                    # has had its request_finished, which would never drop the entry.
                     self._load_failed.add(entry[0])
                 entry[1] -= 1
                 if entry[1] == 0:
