@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from _bench import KiB, parse_case, run_burst, show_and_save
+from _cli import at_least, positive_int, require_writable
 from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor, NativeCPUTransferWorker
 from kvtier.transfer.native import library, submit_extension
 
@@ -126,17 +127,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compare", choices=["submit", "placement", "backlog"], default="submit",
                     help="the submit extension against ctypes, avoid_submitter_cpu on "
                     "against off, or share_backlog on against off")  # fmt: skip
-    ap.add_argument("--moved-mib", type=int, default=64, help="bytes moved per burst")
-    ap.add_argument("--rounds", type=int, default=9, help="timed rounds after a warm-up")
-    ap.add_argument("--region-mib", type=int, default=256, help="device and host memory each")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--moved-mib", type=positive_int, default=64, help="bytes moved per burst")
+    ap.add_argument("--rounds", type=positive_int, default=9,
+                    help="timed rounds after a warm-up")  # fmt: skip
+    ap.add_argument("--region-mib", type=positive_int, default=256,
+                    help="device and host memory each")  # fmt: skip
+    ap.add_argument("--seed", type=at_least(0), default=0)
     ap.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
     args = ap.parse_args(argv)
+    for page, blocks in args.cases:
+        if (args.region_mib << 20) // page < blocks:
+            ap.error(f"--region-mib {args.region_mib} holds fewer than the {blocks} pages of "
+                     f"{page // KiB} KiB a job of case {page // KiB}x{blocks} moves")  # fmt: skip
+    require_writable(ap, args.json)
     if library() is None or submit_extension() is None:
         ap.error("needs the compiled library and the submit extension (a C compiler and "
                  "Python's headers)")  # fmt: skip
-    if args.moved_mib < 1 or args.rounds < 1:
-        ap.error(f"--moved-mib={args.moved_mib} and --rounds={args.rounds} must be at least 1")
     rng = np.random.default_rng(args.seed)
     rows: list[dict[str, object]] = []
     console = Console(stderr=True)

@@ -26,6 +26,7 @@ import torch
 from rich.table import Table
 
 from _bench import KiB, parse_case, run_burst, show_and_save
+from _cli import at_least, positive_int, progress, require_writable
 from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor
 from kvtier.transfer.cuda_worker import CUDATransferWorker
 
@@ -86,26 +87,31 @@ def main(argv: list[str] | None = None) -> None:
     cases = ("256x16", "1024x1", "64x16", "256x1", "16x128")
     ap.add_argument("--cases", type=parse_case, nargs="+", default=[parse_case(c) for c in cases],
                     help="PAGE_KIBxBLOCKS per job")  # fmt: skip
-    ap.add_argument("--jobs", type=int, default=256, help="jobs per burst")
-    ap.add_argument("--rounds", type=int, default=3, help="timed rounds after a warm-up")
-    ap.add_argument("--region-mib", type=int, default=1024, help="device and host memory each")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jobs", type=positive_int, default=256, help="jobs per burst")
+    ap.add_argument("--rounds", type=positive_int, default=3, help="timed rounds after a warm-up")
+    ap.add_argument("--region-mib", type=positive_int, default=1024,
+                    help="device and host memory each")  # fmt: skip
+    ap.add_argument("--seed", type=at_least(0), default=0)
     ap.add_argument("--paths", choices=PATHS, nargs="+", default=list(PATHS))
-    ap.add_argument("--coalesce-depth", type=int, default=2,
+    ap.add_argument("--coalesce-depth", type=positive_int, default=2,
                     help="the coalesced path's batches queued on the GPU per lane")  # fmt: skip
     ap.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
-    if args.jobs < 1 or args.rounds < 1:
-        ap.error(f"--jobs={args.jobs} and --rounds={args.rounds} must be at least 1")
+    for page, blocks in args.cases:
+        if (args.region_mib << 20) // page < blocks:
+            ap.error(f"--region-mib {args.region_mib} holds fewer than the {blocks} pages of "
+                     f"{page // KiB} KiB a job of case {page // KiB}x{blocks} moves")  # fmt: skip
+    require_writable(ap, args.json)
     rng = np.random.default_rng(args.seed)
     rows: list[dict[str, object]] = []
-    for page, blocks in args.cases:
+    for i, (page, blocks) in enumerate(args.cases, 1):
         rows += bench_case(
             page, blocks, args.jobs, args.rounds, args.region_mib << 20, rng, args.paths,
             args.coalesce_depth,
         )  # fmt: skip
+        progress(f"{page // KiB} KiB x {blocks}: done ({i} of {len(args.cases)})")
     table = Table(title=f"CUDA worker: host time per submit and GPU time per job ({args.jobs} "
                   f"jobs a burst, medians of {args.rounds} rounds)")  # fmt: skip
     for col in ("page", "blocks/job", "path", "direction", "submit µs", "wall µs/job",

@@ -31,6 +31,7 @@ from pathlib import Path
 from rich.table import Table
 
 from _bench import show_and_save
+from _cli import require_writable
 
 REPO = Path(__file__).resolve().parent.parent
 HARNESSES = REPO / "tests" / "transfer" / "c"
@@ -103,21 +104,29 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         Path(args.child).write_text(json.dumps(measure(args.blocks, args.jobs, args.rounds)))
         return
+    require_writable(ap, args.json)
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         ap.error("needs a C compiler to build the stand-in driver")
     with tempfile.TemporaryDirectory() as tmp:
         lib = Path(tmp) / "libcuda.so.1"
-        subprocess.run(
+        build = subprocess.run(
             [cc, "-O2", "-pthread", "-fPIC", "-shared", "-Wl,-soname,libcuda.so.1", "-o",
              str(lib), str(HARNESSES / "fake_cuda.c")],
-            check=True,
+            check=False, capture_output=True, text=True,
         )  # fmt: skip
+        if build.returncode:
+            sys.stderr.write(build.stderr)
+            ap.error(f"CC={cc} could not build the stand-in driver (exit status "
+                     f"{build.returncode})")  # fmt: skip
         out = Path(tmp) / "rows.json"
         env = {**os.environ, "LD_LIBRARY_PATH": tmp}
         child = [sys.executable, __file__, "--child", str(out), "--jobs", str(args.jobs),
                  "--rounds", str(args.rounds), "--blocks", *map(str, args.blocks)]  # fmt: skip
-        subprocess.run(child, check=True, env=env)
+        # The child prints its own error; a traceback of this process would add nothing.
+        done = subprocess.run(child, check=False, env=env)
+        if done.returncode:
+            ap.error(f"the measurement failed (exit status {done.returncode}); its error is above")
         rows = json.loads(out.read_text())
     table = Table(title=f"CUDA worker submit over the stand-in driver ({args.jobs} jobs a "
                   f"route and round, medians of {args.rounds} rounds)")  # fmt: skip

@@ -42,6 +42,7 @@ from rich.table import Table
 
 import kvtier.integrations.hf.generator as generator_module
 from _bench import sync
+from _cli import positive_int, require_writable
 from kvtier.config import KVTierConfig
 from kvtier.integrations.hf.generator import KVTierGenerator
 from kvtier.integrations.hf.models import make_demo_model
@@ -162,7 +163,14 @@ POOL_REQUESTS = 8
 measured store then evicts, the steady state of a workload that never repeats."""
 
 
-def bench_fresh(model: Any, tokens: int, new_tokens: int, rounds: int, seed: int) -> dict[str, Any]:
+def bench_fresh(
+    model: Any,
+    tokens: int,
+    new_tokens: int,
+    rounds: int,
+    seed: int,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Part 2: time per request and TTFT when every prompt is new, kvtier on vs plain.
 
     Each round runs one new prompt through each of three variants, in an order that rotates
@@ -235,6 +243,8 @@ def bench_fresh(model: Any, tokens: int, new_tokens: int, rounds: int, seed: int
                 cpu[name].append(time.process_time() - c0)
                 total[name].append(seconds)
                 ttft[name].append(first)
+            if log is not None and ((r + 1) % max(1, rounds // 10) == 0 or r + 1 == rounds):
+                log(f"nothing repeats: round {r + 1} of {rounds} done")
         setattr(generator_module, "generate_greedy", original)  # noqa: B010
         stored = gen.stats.bytes_stored - stored_before
         evictions = gen.manager.get_stats().evictions
@@ -269,11 +279,13 @@ def main() -> None:
     """Run both parts, print the tables, write `--json`."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prefixes", default="1024,4096,8192", help="cached prefix lengths")
-    ap.add_argument("--tail", type=int, default=64, help="uncached tokens after the prefix")
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--rounds", type=int, default=48, help="part 2 rounds (a prompt per variant)")
-    ap.add_argument("--fresh-tokens", type=int, default=1024)
-    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--tail", type=positive_int, default=64,
+                    help="uncached tokens after the prefix")  # fmt: skip
+    ap.add_argument("--repeats", type=positive_int, default=7)
+    ap.add_argument("--rounds", type=positive_int, default=48,
+                    help="part 2 rounds (a prompt per variant)")  # fmt: skip
+    ap.add_argument("--fresh-tokens", type=positive_int, default=1024)
+    ap.add_argument("--new-tokens", type=positive_int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
@@ -288,7 +300,14 @@ def main() -> None:
         ap.error(f"--device {args.device}: no CUDA device is visible to torch {torch.__version__}")
     if device.type not in ("cpu", "cuda"):
         ap.error(f"--device {args.device}: expected cpu, cuda or cuda:N")
-    prefixes = [int(p) for p in args.prefixes.split(",") if p]
+    try:
+        prefixes = [int(p) for p in args.prefixes.split(",") if p]
+    except ValueError:
+        prefixes = [0]
+    if any(p < 1 for p in prefixes):
+        ap.error(f"--prefixes {args.prefixes!r} is invalid; expected comma-separated token "
+                 "counts, each at least 1")  # fmt: skip
+    require_writable(ap, args.json)
     longest = max(prefixes, default=0) + args.tail + args.new_tokens
     model, _ = make_demo_model(
         "llama", args.seed, max_position_embeddings=max(4096, longest), **SIZES[args.size]
@@ -299,7 +318,9 @@ def main() -> None:
     for p in prefixes:
         rows.append(bench_prefix(model, p, args.tail, args.repeats, args.seed))
         console.log(f"prefix {p}: done")
-    fresh = bench_fresh(model, args.fresh_tokens, args.new_tokens, args.rounds, args.seed)
+    fresh = bench_fresh(
+        model, args.fresh_tokens, args.new_tokens, args.rounds, args.seed, console.log
+    )
     table = Table(title=f"TTFT, cached prefix + {args.tail}-token tail (ms, medians)")
     for col in ("prefix", "recompute", "kvtier", "speedup", "MiB loaded", "copy GB/s",
                 "tail fwd", "bound", "kvtier/bound"):  # fmt: skip

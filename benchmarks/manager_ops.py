@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from _cli import positive_int, progress, require_file, require_known, require_writable
 from kvtier.base import LookupResult, OffloadKey, ReqContext, make_offload_key
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.policies import registered_policies
@@ -104,7 +105,10 @@ def replay_kvtier(workload: Workload, policy: str, num_slots: int) -> tuple[int,
 
 
 def run(
-    workloads: dict[str, Workload], policies: Sequence[str], repeats: int
+    workloads: dict[str, Workload],
+    policies: Sequence[str],
+    repeats: int,
+    log: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     rows = []
     for name, workload in workloads.items():
@@ -128,6 +132,8 @@ def run(
                     "prefix_hit_ratio": hit_ratio,
                 }
             )
+            if log is not None:
+                log(f"{name} {policy}: done")
     return rows
 
 
@@ -136,16 +142,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--policies", default=",".join(registered_policies()))
-    parser.add_argument("--zipf-requests", type=int, default=20_000)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--zipf-requests", type=positive_int, default=20_000)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--trace", type=Path, default=MOONCAKE)
     parser.add_argument("--json", type=Path, help="write the rows as JSON to this file")
     args = parser.parse_args(argv)
+    policies = args.policies.split(",")
+    require_known(parser, "--policies", policies, registered_policies())
+    require_writable(parser, args.json, make_parents=True)
+    require_file(parser, "--trace", args.trace)
     workloads = {
         "zipf": zipf_workload(args.zipf_requests),
         "mooncake": mooncake_workload(args.trace),
     }
-    rows = run(workloads, args.policies.split(","), args.repeats)
+    rows = run(workloads, policies, args.repeats, progress)
     print(
         f"{'workload':<9} {'policy':<8} {'slots':>7} {'calls/s':>11} {'blocks/s':>11} {'hit %':>6}"
     )

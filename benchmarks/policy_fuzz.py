@@ -26,6 +26,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from _cli import require_writable
 from kvtier.policies import registered_policies
 from policy_hit_ratios import FRACTIONS, as_trace, replay
 from policy_stress import ChainIds
@@ -231,6 +232,7 @@ def main() -> None:
         parser.error(f"--policies={args.policies!r}: expected registered policies including lru")
     if args.jobs < 1:
         parser.error(f"--jobs={args.jobs} is invalid; expected >= 1")
+    require_writable(parser, args.json)
     tasks = [(s, names, args.engine) for s in args.seeds]
     others = [n for n in names if n != "lru"]
     rows = []

@@ -23,6 +23,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from _cli import progress, require_file, require_writable
 from kvtier.base import OffloadKey, make_offload_key
 from kvtier.policies import registered_policies
 from kvtier.sim import make_manager, read_trace, replay_engine, replay_flat
@@ -211,16 +212,23 @@ def main() -> None:
     args = parser.parse_args()
     if args.jobs < 1:
         parser.error(f"--jobs={args.jobs} is invalid; expected >= 1")
+    require_writable(parser, args.json)
+    require_file(parser, "the Mooncake trace", TRACE)
     names = list(registered_policies())
     workloads = ["mooncake"]
     if not args.no_synthetic:
         workloads += [f"{kind}-{seed}" for kind in FAMILIES for seed in (1, 2)]
     tasks = [(w, n, f, args.engine) for w in workloads for n in names for f in FRACTIONS]
     start = time.perf_counter()
+    ratios: dict[tuple[str, str, float, str | None], float] = {}
+    every = max(1, len(tasks) // 20)
     with ProcessPoolExecutor(args.jobs) as pool:
-        ratios = dict(zip(tasks, pool.map(_run, tasks), strict=True))
+        for done, (task, ratio) in enumerate(zip(tasks, pool.map(_run, tasks), strict=True), 1):
+            ratios[task] = ratio
+            if done % every == 0 or done == len(tasks):
+                progress(f"[{done}/{len(tasks)} replays, {time.perf_counter() - start:.0f} s]")
     seconds = time.perf_counter() - start
-    requests = load_trace()
+    requests = load_trace(TRACE)
     unique = len({k for r in requests for k in r})
     caps = [int(f * unique) for f in FRACTIONS]
     results: dict[str, Any] = {

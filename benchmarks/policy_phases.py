@@ -17,6 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
+from _cli import require_file, require_writable
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.policies.base import CachePolicy
 from kvtier.policies.kvaware import KVAwarePolicy
@@ -82,16 +83,24 @@ def main() -> None:
     args = ap.parse_args()
     if not 0.0 < args.split < 1.0:
         ap.error(f"--split {args.split} is invalid; expected a share between 0 and 1")
+    require_writable(ap, args.json)
+    require_file(ap, "trace", args.trace)
     trace = read_trace(args.trace)
     unique = trace.num_unique_blocks
-    capacity, _ = parse_capacity(args.capacity, unique_blocks=unique)
     device_blocks = None
-    if args.mode == "engine":
-        device_blocks, _ = parse_capacity(args.device, unique_blocks=unique)
+    try:
+        capacity, _ = parse_capacity(args.capacity, unique_blocks=unique)
+        if args.mode == "engine":
+            device_blocks, _ = parse_capacity(args.device, unique_blocks=unique)
+    except ValueError as e:
+        ap.error(str(e))
     whole = trace.requests
     first = head(whole, args.split)
     n_first = sum(len(r.keys) for r in first)
     n_rest = trace.num_blocks - n_first
+    if n_rest == 0:
+        ap.error(f"--split {args.split}: the head of {args.trace.name} is the whole trace "
+                 f"({len(first):,} requests); no tail is left to compare")  # fmt: skip
     where = args.mode
     if device_blocks is not None:
         where += f", device {device_blocks:,} blocks, store {args.store}"

@@ -16,6 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
+from _cli import require_file, require_writable
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.policies import registered_policies
 from kvtier.policies.base import CachePolicy
@@ -75,6 +76,9 @@ def main() -> None:
         ap.error(f"unknown policies {unknown}; expected some of {known}")
     if args.starts < 1 or min(args.sizes) < 1:
         ap.error("--starts and every --sizes value must be at least 1")
+    require_writable(ap, args.json)
+    for path in args.traces:
+        require_file(ap, "trace", path)
     rows: list[dict[str, object]] = []
     diffs: dict[str, list[float]] = {p: [] for p in policies}
     print(f"{'window':34} {'policy':14} − LRU at " + " / ".join(f"{s:.0%}" for s in SHARES))

@@ -16,8 +16,10 @@ import sys
 import time
 from pathlib import Path
 
+from _cli import positive_int, progress, require_file, require_known, require_writable
+from kvtier.policies import registered_policies
 from kvtier.sim.readers import read_trace
-from kvtier.sim.runner import ReplayOptions, default_jobs, run_grid
+from kvtier.sim.runner import BOUNDS, ReplayOptions, default_jobs, run_grid
 from kvtier.sim.shapes import parse_capacity
 
 DEFAULT_TRACE = (
@@ -32,16 +34,22 @@ def main() -> int:
     p.add_argument("--policies", default="lru,arc,s3fifo,sieve,opt")
     p.add_argument("--capacities", default="1%,5%,10%,25%")
     p.add_argument("--mode", choices=("flat", "engine"), default="flat")
-    p.add_argument("--jobs", type=int, default=default_jobs())
+    p.add_argument("--jobs", type=positive_int, default=default_jobs())
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
+    policies = args.policies.split(",")
+    require_known(p, "--policies", policies, [*registered_policies(), *BOUNDS])
+    require_writable(p, args.json)
+    require_file(p, "--trace", args.trace)
 
     t0 = time.perf_counter()
     trace = read_trace(args.trace)
     read_s = time.perf_counter() - t0
     unique = trace.num_unique_blocks
-    caps = [parse_capacity(c, unique_blocks=unique)[0] for c in args.capacities.split(",")]
-    policies = args.policies.split(",")
+    try:
+        caps = [parse_capacity(c, unique_blocks=unique)[0] for c in args.capacities.split(",")]
+    except ValueError as e:
+        p.error(str(e))
     opts = ReplayOptions(
         mode=args.mode, device_blocks=round(0.01 * unique) if args.mode == "engine" else 0
     )
@@ -49,9 +57,11 @@ def main() -> int:
 
     # CPU time as well as wall time: the machine is shared, and CPU seconds of a single-process
     # grid say what the replay costs when nothing else runs.
+    progress(f"{len(runs)} replays in this process ...")
     t0, c0 = time.perf_counter(), time.process_time()
     serial = run_grid(trace, runs, opts, jobs=1)
     serial_s, serial_cpu = time.perf_counter() - t0, time.process_time() - c0
+    progress(f"... {serial_s:.1f} s; the same over {args.jobs} processes ...")
     t0 = time.perf_counter()
     run_grid(trace, runs, opts, jobs=args.jobs)
     parallel_s = time.perf_counter() - t0
@@ -81,7 +91,7 @@ def main() -> int:
         "per_policy": per_policy,
     }
     print(f"{trace!r}, mode {args.mode}, capacities {caps}")
-    print(f"{'policy':<8} {'median blocks/s':>16} {'seconds (4 runs)':>17}")
+    print(f"{'policy':<8} {'median blocks/s':>16} {f'seconds ({len(caps)} runs)':>17}")
     for row in per_policy:
         print(f"{row['policy']:<8} {row['median_blocks_per_s']:>16,.0f} {row['seconds']:>17.2f}")
     print(f"read trace: {read_s:.2f} s")

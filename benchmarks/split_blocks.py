@@ -18,6 +18,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from _cli import require_file
 from kvtier.sim.readers import MOONCAKE_BLOCK_TOKENS
 
 
@@ -53,7 +54,17 @@ def main() -> None:
     parser.add_argument("dst", type=Path, help="where to write the finer trace")
     parser.add_argument("--tokens", type=int, default=16, help="tokens per block (default 16)")
     args = parser.parse_args()
-    with args.dst.open("w") as out:
+    # Checked before `dst` is opened, which empties it.
+    if args.tokens < 1 or MOONCAKE_BLOCK_TOKENS % args.tokens:
+        parser.error(f"--tokens {args.tokens} is invalid; expected a divisor of 512")
+    require_file(parser, "src", args.src)
+    if args.dst.resolve() == args.src.resolve():
+        parser.error(f"dst {str(args.dst)!r} is src; expected another file")
+    try:
+        out = args.dst.open("w")
+    except OSError as e:
+        parser.error(f"dst {str(args.dst)!r}: cannot write there ({e.strerror or e})")
+    with out:
         out.writelines(split_trace(args.src, args.tokens))
 
 

@@ -24,6 +24,7 @@ import torch
 from rich.table import Table
 
 from _bench import KiB, show_and_save, sync
+from _cli import at_least, positive_int, progress, require_writable
 from kvtier.transfer import (
     CPUTransferWorker,
     HostPool,
@@ -174,28 +175,31 @@ def main(argv: list[str] | None = None) -> None:
     """Parse arguments, run every page size, print the table, write JSON if asked."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto")
-    ap.add_argument("--pages-kib", type=int, nargs="+", default=[8, 16, 64, 256, 1024, 2048])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 128])
-    ap.add_argument("--region-mib", type=int, default=256, help="device and host memory each")
-    ap.add_argument("--moved-mib", type=int, default=64, help="bytes moved per measurement")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pages-kib", type=positive_int, nargs="+",
+                    default=[8, 16, 64, 256, 1024, 2048])  # fmt: skip
+    ap.add_argument("--batches", type=positive_int, nargs="+", default=[1, 16, 128])
+    ap.add_argument("--region-mib", type=positive_int, default=256,
+                    help="device and host memory each")  # fmt: skip
+    ap.add_argument("--moved-mib", type=positive_int, default=64,
+                    help="bytes moved per measurement")  # fmt: skip
+    ap.add_argument("--repeats", type=positive_int, default=5)
+    ap.add_argument("--seed", type=at_least(0), default=0)
     ap.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
     ap.add_argument("--copy-mode", choices=["auto", "kernel", "dma"], default="auto",
                     help="CUDA: index kernels through mapped memory, or batched DMA")  # fmt: skip
     ap.add_argument("--cuda-path", choices=["auto", "compiled", "torch"], default="auto",
                     help="CUDA: submit through the compiled engine (where it builds), or "
                     "through torch ops")  # fmt: skip
-    ap.add_argument("--coalesce-depth", type=int, default=0,
+    ap.add_argument("--coalesce-depth", type=at_least(0), default=0,
                     help="CUDA, compiled path: launch threads that keep this many batches "
                     "queued per lane and merge the jobs behind them (0: off)")  # fmt: skip
     ap.add_argument("--cpu-worker", choices=["auto", "python"], default="auto",
                     help="CPU: the factory's worker (compiled copy thread where it builds), or "
                     "CPUTransferWorker (Python copy thread)")  # fmt: skip
-    ap.add_argument("--copy-threads", type=int, default=None,
+    ap.add_argument("--copy-threads", type=positive_int, default=None,
                     help="CPU: the compiled worker's copy threads (default: torch's, "
                     "at most 8)")  # fmt: skip
-    ap.add_argument("--copy-cpus", type=int, nargs="+", default=None,
+    ap.add_argument("--copy-cpus", type=at_least(0), nargs="+", default=None,
                     help="CPU: confine the compiled worker's copy threads to these CPUs, "
                     "and the submitting thread to the others (default: anywhere)")  # fmt: skip
     ap.add_argument("--settle-ms", type=float, default=50.0,
@@ -212,20 +216,29 @@ def main(argv: list[str] | None = None) -> None:
     backend = args.backend
     if backend == "auto":
         backend = "cuda" if torch.cuda.is_available() else "cpu"
+    elif backend == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--backend cuda: no CUDA device is visible to torch {torch.__version__}")
     if args.coalesce_depth and backend != "cuda":
         ap.error("--coalesce-depth sets the CUDA backend's launch threads; the backend is cpu")
     if args.copy_cpus and backend != "cpu":
         ap.error("--copy-cpus places the CPU backend's copy threads; the backend here is cuda")
+    cpus = os.cpu_count() or 1
+    if args.copy_cpus and max(args.copy_cpus) >= cpus:
+        ap.error(f"--copy-cpus {args.copy_cpus}: this machine has CPUs 0 to {cpus - 1}")
+    if args.settle_ms < 0:
+        ap.error(f"--settle-ms {args.settle_ms} is invalid; expected >= 0")
+    require_writable(ap, args.json)
     device = torch.device("cuda" if backend == "cuda" else "cpu")
     rng = np.random.default_rng(args.seed)
     rows: list[dict[str, object]] = []
-    for page_kib in args.pages_kib:
+    for i, page_kib in enumerate(args.pages_kib, 1):
         rows += bench_page(
             backend, device, page_kib * KiB, args.batches, args.region_mib * MiB,
             args.moved_mib * MiB, args.repeats, rng, args.pageable, args.copy_mode,
             args.cpu_worker, args.settle_ms / 1e3, args.copy_threads, args.copy_cpus,
             args.cuda_path, args.coalesce_depth,
         )  # fmt: skip
+        progress(f"{page_kib} KiB pages: done ({i} of {len(args.pages_kib)})")
     label = str(rows[0]["backend"]) if rows else backend
     table = Table(title=f"kvtier transfer throughput ({label}, torch threads "
                   f"{torch.get_num_threads()})")  # fmt: skip

@@ -25,20 +25,26 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from _cli import int_list, positive_int, progress, require_file, require_known, require_writable
 from kvtier.base import ReqContext
 from kvtier.cpu import CPUOffloadingManager
+from kvtier.policies import registered_policies
 from manager_ops import MOONCAKE, Workload, mooncake_workload, replay
 
 
 def compare_managers(
-    workload: Workload, policies: Sequence[str], num_slots: int, repeats: int
+    workload: Workload,
+    policies: Sequence[str],
+    num_slots: int,
+    repeats: int,
+    log: Callable[[str], None] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Calls/s and prefix hit ratio of both managers, alternating runs so noise hits both."""
     from vllm.v1.kv_offload.base import LookupResult as VLookup
@@ -66,6 +72,8 @@ def compare_managers(
             "vllm_hit_ratio": v_hit,
             "kvtier_hit_ratio": k_hit,
         }
+        if log is not None:
+            log(f"manager, {policy}: done")
     return out
 
 
@@ -329,6 +337,7 @@ def compare_schedulers(
     capacity: float,
     hash_seeds: Sequence[int],
     arrival_order: bool = False,
+    log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Steps/s and external hit ratio, OffloadingConnector vs KVTierConnector, per trace
     window (`num_requests` requests from each offset), one child process per hash seed.
@@ -341,7 +350,7 @@ def compare_schedulers(
     window's LRU figure moves by about 0.05 points with any change of tie order).
     """
     runs: list[dict[str, Any]] = []
-    for seed in hash_seeds:
+    for i, seed in enumerate(hash_seeds, 1):
         env = {**os.environ, "PYTHONHASHSEED": str(seed)}
         cmd = [
             sys.executable,
@@ -359,6 +368,8 @@ def compare_schedulers(
             raise RuntimeError(f"scheduler run with PYTHONHASHSEED={seed} failed:\n{done.stderr}")
         for run in json.loads(done.stdout.strip().splitlines()[-1]):
             runs.append({"hash_seed": seed, **run})
+        if log is not None:
+            log(f"scheduler, {policy}, PYTHONHASHSEED {seed}: done ({i} of {len(hash_seeds)})")
     windows = []
     for offset in offsets:
         rs = [r for r in runs if r["offset"] == offset]
@@ -426,22 +437,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--policies", default="lru,arc")
     parser.add_argument("--capacity", type=float, default=0.10, help="share of unique blocks")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--trace", type=Path, default=MOONCAKE)
     parser.add_argument(
         "--sched-requests",
-        type=int,
+        type=positive_int,
         default=2000,
         help="trace requests replayed through vLLM's Scheduler (c)/(d)",
     )
     parser.add_argument("--sched-policy", default="lru,arc", help="policies for (c)/(d)")
     parser.add_argument(
         "--sched-offsets",
+        type=int_list(0),
         default="0,2000,4000,6000,8000",
         help="first trace request of each window replayed through the Scheduler",
     )
     parser.add_argument(
         "--hash-seeds",
+        type=int_list(0),
         help="PYTHONHASHSEED of each scheduler run (default: 0 .. repeats-1)",
     )
     parser.add_argument(
@@ -455,7 +468,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the results as JSON to this file")
     args = parser.parse_args(argv)
 
-    offsets = [int(x) for x in args.sched_offsets.split(",")]
+    offsets = args.sched_offsets
+    if not 0.0 < args.capacity <= 1.0:
+        parser.error(f"--capacity {args.capacity} is invalid; expected a share in (0, 1]")
+    if args.hash_seeds and max(args.hash_seeds) > 4294967295:
+        parser.error(f"--hash-seeds {args.hash_seeds}: PYTHONHASHSEED is at most 4294967295")
+    if not args.scheduler_child:
+        require_writable(parser, args.json, make_parents=True)
+    require_file(parser, "--trace", args.trace)
+    policies = [
+        *([] if args.skip_manager else args.policies.split(",")),
+        *([] if args.skip_scheduler else args.sched_policy.split(",")),
+    ]
+    require_known(parser, "--policies/--sched-policy", policies, registered_policies())
+    try:
+        from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
+    except ImportError:
+        parser.error("needs vLLM 0.33.0 installed next to kvtier (see docs/vllm.md)")
+    both = [n for n in registered_policies() if n in CachePolicyFactory._registry]
+    require_known(parser, "--policies/--sched-policy", policies, both)
     if args.scheduler_child:
         runs = [
             scheduler_run(
@@ -476,7 +507,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         workload = mooncake_workload(args.trace)
         unique = len({k for chain in workload for k in chain})
         num_slots = max(1, int(args.capacity * unique))
-        manager = compare_managers(workload, args.policies.split(","), num_slots, args.repeats)
+        manager = compare_managers(
+            workload, args.policies.split(","), num_slots, args.repeats, progress
+        )
         result["manager"] = manager
         print(f"manager, Mooncake trace, {num_slots} slots ({args.capacity:.0%} of unique blocks)")
         print(
@@ -490,11 +523,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f" {100 * r['kvtier_hit_ratio']:>12.2f}"
             )
     if not args.skip_scheduler:
-        seeds = (
-            [int(x) for x in args.hash_seeds.split(",")]
-            if args.hash_seeds
-            else list(range(args.repeats))
-        )
+        seeds = args.hash_seeds or list(range(args.repeats))
         by_policy = {}
         for policy in args.sched_policy.split(","):
             by_policy[policy] = compare_schedulers(
@@ -505,6 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.capacity,
                 seeds,
                 args.vllm_finishes_in_arrival_order,
+                progress,
             )
             _print_scheduler(policy, by_policy[policy])
         # The first policy's figures at the top level, as the issue's JSON layout has them.

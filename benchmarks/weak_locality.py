@@ -18,9 +18,10 @@ import argparse
 import heapq
 import json
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from _cli import progress, require_file, require_writable
 from kvtier.sim import read_trace
 from policy_hit_ratios import TRACE, load_trace, replay
 
@@ -143,15 +144,21 @@ def main() -> None:
         parser.error(f"--capacities={args.capacities!r}: expected shares such as 0.01,0.05")
     if not fractions or any(not 0 < f <= 1 for f in fractions):
         parser.error(f"--capacities={args.capacities!r}: every share must be in (0, 1]")
-    stream = [k for req in load_trace() for k in req]
+    require_writable(parser, args.json)
+    require_file(parser, "the Mooncake trace", TRACE)
+    stream = [k for req in load_trace(TRACE) for k in req]
     caps = [max(2, int(f * len(set(stream)))) for f in fractions]
     trace = read_trace(TRACE)
-    rows = {
-        "lru": [replay("lru", trace, c) for c in caps],
-        "lirs": [lirs(stream, c, args.hir_share) for c in caps],
-        "lru2": [lru2(stream, c) for c in caps],
-        "kvaware": [replay("kvaware", trace, c) for c in caps],
+    runs: dict[str, Callable[[int], float]] = {
+        "lru": lambda c: replay("lru", trace, c),
+        "lirs": lambda c: lirs(stream, c, args.hir_share),
+        "lru2": lambda c: lru2(stream, c),
+        "kvaware": lambda c: replay("kvaware", trace, c),
     }
+    rows = {}
+    for name, run in runs.items():
+        rows[name] = [run(c) for c in caps]
+        progress(f"{name}: done")
     print("Mooncake conversation, flat mode, block hit ratio %")
     print(f"{'policy':<10}" + "".join(f"{f:>10.0%}" for f in fractions))
     for name, values in rows.items():

@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from _bench import sync
+from _cli import positive_int, progress, require_writable
 from kvtier.connector import OffloadingScheduler, OffloadingWorker, StepProgress
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor, make_transfer_worker
@@ -139,14 +140,15 @@ def main(argv: list[str] | None = None) -> None:
     """Parse arguments, run the waves, print the table, write JSON if asked."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--block-size", type=int, default=16, help="tokens per device block")
-    ap.add_argument("--blocks-per-chunk", type=int, default=16)
-    ap.add_argument("--prompt-tokens", type=int, default=4096)
-    ap.add_argument("--requests", type=int, default=8, help="requests per wave")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--layers", type=positive_int, default=32)
+    ap.add_argument("--kv-heads", type=positive_int, default=8)
+    ap.add_argument("--head-dim", type=positive_int, default=128)
+    ap.add_argument("--block-size", type=positive_int, default=16, help="tokens per device block")
+    ap.add_argument("--blocks-per-chunk", type=positive_int, default=16)
+    ap.add_argument("--prompt-tokens", type=positive_int, default=4096,
+                    help="a multiple of --block-size x --blocks-per-chunk")  # fmt: skip
+    ap.add_argument("--requests", type=positive_int, default=8, help="requests per wave")
+    ap.add_argument("--repeats", type=positive_int, default=5)
     ap.add_argument("--copy-mode", choices=["auto", "kernel", "dma"], default="auto",
                     help="CUDA only")  # fmt: skip
     ap.add_argument("--cuda-path", choices=["auto", "compiled", "torch"], default="auto",
@@ -154,9 +156,17 @@ def main(argv: list[str] | None = None) -> None:
                     "through torch ops")  # fmt: skip
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
+    chunk = args.block_size * args.blocks_per_chunk
+    if args.prompt_tokens % chunk:
+        # Only whole chunks are stored, so the loads would not find the whole prompt.
+        ap.error(f"--prompt-tokens {args.prompt_tokens} is invalid; expected a multiple of "
+                 f"--block-size x --blocks-per-chunk = {chunk}")  # fmt: skip
     name = args.device
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
+    elif name == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device cuda: no CUDA device is visible to torch {torch.__version__}")
+    require_writable(ap, args.json)
     device = torch.device(name)
     rig = Rig(args, device)
     gbps: dict[str, list[float]] = {"store": [], "load": []}
@@ -177,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
                 c = rig.ceiling(n, direction == "store")
                 if i:
                     ceil[direction].append(n / c / 1e9)
+            progress(f"round {i} of {args.repeats}: done" + ("" if i else " (warm-up)"))
     finally:
         rig.close()
     rows = [

@@ -77,3 +77,13 @@ def test_a_split_outside_zero_and_one_is_refused(
     argv = ["policy_phases.py", str(trace), "--split", "1.5"]
     err = refused_argv(policy_phases.main, argv, monkeypatch, capsys)
     assert "--split 1.5 is invalid" in err
+
+
+def test_a_trace_whose_head_is_the_whole_trace_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "one.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 1024, "hash_ids": [1, 2]}) + "\n")
+    argv = ["policy_phases.py", str(trace), "--mode", "flat"]
+    err = refused_argv(policy_phases.main, argv, monkeypatch, capsys)
+    assert "no tail is left" in err.strip().splitlines()[-1]

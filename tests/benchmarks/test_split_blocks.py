@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
+import split_blocks
 from kvtier.sim import read_trace
 from split_blocks import split_request, split_trace
 
@@ -51,3 +52,31 @@ def test_split_trace_keeps_shared_prefixes_and_reads_back_at_the_new_size(
 def test_block_sizes_that_do_not_divide_512_are_rejected(tokens: int) -> None:
     with pytest.raises(ValueError, match=f"tokens={tokens} is invalid"):
         split_request({"input_length": 5, "hash_ids": [1]}, tokens)
+
+
+def _main(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["split_blocks.py", *argv])
+    split_blocks.main()
+
+
+@pytest.mark.parametrize("tokens", ["0", "24"])
+def test_a_refused_block_size_leaves_the_destination_as_it_was(
+    tokens: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src, dst = tmp_path / "t.jsonl", tmp_path / "t16.jsonl"
+    src.write_text(json.dumps({"input_length": 5, "hash_ids": [1]}) + "\n")
+    dst.write_text("an earlier split\n")
+    with pytest.raises(SystemExit):
+        _main([str(src), str(dst), "--tokens", tokens], monkeypatch)
+    assert dst.read_text() == "an earlier split\n"
+
+
+def test_the_source_is_never_its_own_destination(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = tmp_path / "t.jsonl"
+    src.write_text(json.dumps({"input_length": 5, "hash_ids": [1]}) + "\n")
+    before = src.read_text()
+    with pytest.raises(SystemExit):
+        _main([str(src), str(tmp_path / "." / "t.jsonl")], monkeypatch)
+    assert src.read_text() == before

@@ -1,0 +1,94 @@
+"""Argument checks the benchmark scripts share: a bad value is refused in one line that names
+it (argparse's usage and `error:` line, exit status 2), before any long run starts.
+
+Kept free of torch and numpy: the trace and policy scripts import it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse `type`: an integer of at least `low`."""
+
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid; expected an integer >= {low}")
+        return value
+
+    return convert
+
+
+positive_int = at_least(1)
+"""An argparse `type`: an integer of at least 1."""
+
+
+def int_list(low: int) -> Callable[[str], list[int]]:
+    """An argparse `type`: comma-separated integers, each at least `low`, at least one."""
+
+    def convert(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",")]
+        except ValueError:
+            values = []
+        if not values or min(values) < low:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is invalid; expected comma-separated integers >= {low}"
+            )
+        return values
+
+    return convert
+
+
+def require_file(parser: argparse.ArgumentParser, what: str, path: Path | str) -> None:
+    """Refuse `path` unless it is an existing file (a trace, say)."""
+    if not Path(path).is_file():
+        parser.error(f"{what} {str(path)!r}: no such file")
+
+
+def require_writable(
+    parser: argparse.ArgumentParser,
+    path: Path | str | None,
+    option: str = "--json",
+    *,
+    make_parents: bool = False,
+) -> None:
+    """Refuse `path` (where `option` asks results to be written) unless a file can be written
+    there, so that a long run does not end in an error. Creates `path`'s folders with
+    `make_parents`; leaves an existing file as it is, and no new one behind."""
+    if path is None:
+        return
+    p = Path(path)
+    existed = p.exists()
+    try:
+        if make_parents:
+            p.parent.mkdir(parents=True, exist_ok=True)
+        with p.open("a"):
+            pass
+    except OSError as e:
+        parser.error(f"{option} {str(path)!r}: cannot write there ({e.strerror or e})")
+    if not existed:
+        p.unlink()
+
+
+def require_known(
+    parser: argparse.ArgumentParser, option: str, names: Iterable[str], known: Iterable[str]
+) -> None:
+    """Refuse any of `names` not in `known`."""
+    allowed = list(known)
+    unknown = [n for n in names if n not in allowed]
+    if unknown:
+        parser.error(f"{option}: unknown {unknown}; expected some of {allowed}")
+
+
+def progress(message: str) -> None:
+    """One line on stderr while a long run goes on (stdout keeps the results)."""
+    print(message, file=sys.stderr, flush=True)
