@@ -98,6 +98,19 @@ def test_factory_picks_the_compiled_engine_and_falls_back(monkeypatch: pytest.Mo
         assert type(w) is CPUTransferWorker  # and the native-only argument is dropped
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_factory_drops_the_cuda_options_on_the_cpu(
+    native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One configuration for every device: the CUDA options mean nothing to a CPU worker.
+    _, reg, pool = _setup()
+    if not native:
+        monkeypatch.setattr("kvtier.transfer.factory.library", lambda: None)
+    cuda_only = {"copy_mode": "engine", "compiled": True, "coalesce_depth": 2}
+    with make_transfer_worker(reg, pool, "cpu", **cuda_only) as w:
+        assert isinstance(w, NativeCPUTransferWorker) is native
+
+
 def test_refuses_to_start_without_the_library(monkeypatch: pytest.MonkeyPatch) -> None:
     _, reg, pool = _setup()
     monkeypatch.setattr("kvtier.transfer.native_worker.library", lambda: None)

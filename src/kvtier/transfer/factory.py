@@ -36,7 +36,8 @@ def make_transfer_worker(
     if backend == "auto":
         backend = "cuda" if registration.device.type == "cuda" else "cpu"
     if backend == "cuda":
-        kwargs.pop("copy_cpus", None)  # no copy threads of its own to place
+        kwargs.pop("copy_threads", None)  # no copy threads of its own to size or place
+        kwargs.pop("copy_cpus", None)
         kwargs.pop("avoid_submitter_cpu", None)
         kwargs.pop("share_backlog", None)
         # Imported here only so that a CPU-only install never touches torch.cuda set-up.
@@ -49,6 +50,7 @@ def make_transfer_worker(
             kwargs.pop("coalesce_depth", None)
             return PageableCUDATransferWorker(registration, pool, **kwargs)
         return CUDATransferWorker(registration, pool, **kwargs)
+    kwargs.pop("copy_mode", None)
     kwargs.pop("compiled", None)
     kwargs.pop("coalesce_depth", None)
     if library() is not None:

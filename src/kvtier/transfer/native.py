@@ -8,13 +8,13 @@ Three sources make one library (their shared types and prototypes are in `kvtier
 - `cudaengine.c` is the CUDA backend's submit path (`cuda_worker`): it reaches the driver
   with dlopen, so it builds without CUDA and does nothing where CUDA is absent.
 
-The library is compiled once per source version and machine into `$KVTIER_CACHE_DIR`
-(default `~/.cache/kvtier`) and loaded with ctypes. On x86-64 `rowcopy.c` copies with SSE2
-streaming stores; elsewhere (Arm servers such as Grace) it copies each row with memcpy, as it
-does everywhere with `KVTIER_PORTABLE_COPY=1`. Where the library cannot be built (no C
-compiler, a read-only cache, or `KVTIER_NATIVE_COPY=0`) `library()` returns None: the CPU
-backend then runs its copies on a Python thread with libc `memmove` per row, and the CUDA
-backend through torch ops, which is correct but slower.
+The library is compiled once per source version and machine into `$KVTIER_CACHE_DIR` (default
+`$XDG_CACHE_HOME/kvtier`, else `~/.cache/kvtier`) and loaded with ctypes. On x86-64 `rowcopy.c`
+copies with SSE2 streaming stores; elsewhere (Arm servers such as Grace) it copies each row
+with memcpy, as it does everywhere with `KVTIER_PORTABLE_COPY=1`. Where the library cannot be
+built (no C compiler, a read-only cache, or `KVTIER_NATIVE_COPY=0`) `library()` returns None:
+the CPU backend then runs its copies on a Python thread with libc `memmove` per row, and the
+CUDA backend through torch ops, which is correct but slower.
 
 A fourth source, `submitext.c`, is a CPython extension built beside the library where Python's
 headers are installed (`submit_extension()`): the CPU backend's submit call without ctypes.
