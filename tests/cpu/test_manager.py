@@ -6,6 +6,7 @@ import random
 import re
 from collections.abc import Iterable
 
+import numpy as np
 import pytest
 
 from helpers import key, keys
@@ -339,3 +340,75 @@ def test_from_config_carries_policy_admission_and_events() -> None:
     assert list(quiet.take_events()) == []
     assert type(m.policy) is type(CPUOffloadingManager(4, "arc").policy)
     assert type(m.policy) is not type(CPUOffloadingManager(4, "lru").policy)
+
+
+@pytest.mark.parametrize("bad", [5, "k", None])
+def test_non_bytes_keys_get_a_value_error_naming_them(policy_name: str, bad: object) -> None:
+    m = CPUOffloadingManager(4, policy_name)
+    stored(m, 1)
+    m.prepare_store(keys(2), CTX)
+    before = snapshot(m)
+    # Formatting the key with `.hex()` raised AttributeError for an int or str key.
+    with pytest.raises(ValueError, match=f"cannot load key {re.escape(repr(bad))}"):
+        m.prepare_load([key(1), bad], CTX)  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=f"complete_load of key {re.escape(repr(bad))}"):
+        m.complete_load([bad], CTX)  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=f"complete_store of key {re.escape(repr(bad))}"):
+        m.complete_store([key(2), bad], CTX)  # type: ignore[list-item]
+    assert snapshot(m) == before
+
+
+@pytest.mark.parametrize("bad", ["no", None, 1, 0.0])
+def test_complete_store_refuses_a_success_that_is_not_a_bool(policy_name: str, bad: object) -> None:
+    m = CPUOffloadingManager(4, policy_name, enable_events=True)
+    m.prepare_store(keys(1), CTX)
+    before = snapshot(m)
+    # "no" used to count as success: key 1 was announced and served, though never written.
+    with pytest.raises(ValueError, match=re.escape(f"success={bad!r}")):
+        m.complete_store(keys(1), CTX, bad)  # type: ignore[arg-type]
+    assert snapshot(m) == before
+    assert list(m.take_events()) == []
+    assert m.lookup(key(1), CTX) is LookupResult.HIT_PENDING
+    m.complete_store(keys(1), CTX, np.bool_(True))  # a numpy bool is a bool
+    assert m.lookup(key(1), CTX) is LookupResult.HIT
+
+
+def test_one_shot_iterators_of_keys_are_read_once(policy_name: str) -> None:
+    m = CPUOffloadingManager(2, policy_name, enable_events=True)
+    out = m.prepare_store(iter(keys(1, 2)), CTX)
+    assert out is not None
+    # complete_store read its keys twice: slots became readable, unannounced, never evictable.
+    m.complete_store(iter(out.keys_to_store), CTX)
+    assert [e.keys for e in m.take_events()] == [keys(1, 2)]
+    assert m.get_stats().stores == 2 and len(m.policy) == 2
+    # prepare_load read its keys twice: slots were handed out with nothing pinned.
+    spec = m.prepare_load(iter(keys(1)), CTX)
+    assert len(spec) == 1 and m.get_stats().pinned == 1
+    # prepare_store read its keys again to protect the present ones while evicting.
+    out = m.prepare_store(iter(keys(1, 3)), CTX)
+    assert out is not None and out.evicted_keys == keys(2)
+    m.complete_load(iter(keys(1)), CTX)
+    assert m.get_stats().pinned == 0
+
+
+def test_an_empty_complete_store_announces_nothing(policy_name: str) -> None:
+    m = CPUOffloadingManager(2, policy_name, enable_events=True, max_pending_events=2)
+    for _ in range(3):
+        m.complete_store([], CTX)
+    # Empty `stored` events used to fill the backlog and force a merge.
+    assert list(m.take_events()) == []
+    assert m.events_merged == 0
+
+
+def test_events_do_not_share_the_callers_evicted_keys(policy_name: str) -> None:
+    m = CPUOffloadingManager(1, policy_name, enable_events=True)
+    stored(m, 1)
+    list(m.take_events())
+    out = m.prepare_store(keys(2), CTX)
+    assert out is not None and out.evicted_keys == keys(1)
+    out.evicted_keys.clear()  # the caller's list to consume
+    m.complete_store(keys(2), CTX)
+    assert list(m.take_events()) == [
+        OffloadingEvent(keys(1), "CPU", removed=True),
+        OffloadingEvent(keys(2), "CPU", removed=False),
+    ]

@@ -7,6 +7,8 @@ from collections import Counter
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvtier.admission import AdmissionPolicy, AlwaysAdmit, make_admission_policy
 from kvtier.base import (
     LookupResult,
@@ -30,6 +32,12 @@ logger = logging.getLogger(__name__)
 _PENDING = -1  # being written: not readable, not evictable
 _READY = 0  # readable and evictable
 _FREE = -2
+
+
+def _key_str(key: object) -> str:
+    """A key for an error message: hex for bytes, repr for anything a caller passed by mistake
+    (an int or str key has no `.hex()`, and the error must name it, not fail on it)."""
+    return key.hex() if isinstance(key, bytes) else repr(key)
 
 
 class CPUOffloadingManager(OffloadingManager):
@@ -120,13 +128,15 @@ class CPUOffloadingManager(OffloadingManager):
         return LookupResult.HIT
 
     def prepare_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> CPULoadStoreSpec:
+        if not isinstance(keys, (list, tuple)):
+            keys = list(keys)  # read twice below: a one-shot iterator would pin nothing
         slot_of, ref = self._slot_of, self._ref
         slots: list[int] = []
         for key in keys:
             slot = slot_of.get(key)
             if slot is None or ref[slot] == _PENDING:
                 state = "absent" if slot is None else "still being written"
-                raise ValueError(f"cannot load key {key.hex()}: it is {state}")
+                raise ValueError(f"cannot load key {_key_str(key)}: it is {state}")
             slots.append(slot)
         newly_pinned = []
         for key, slot in zip(keys, slots, strict=True):
@@ -139,13 +149,15 @@ class CPUOffloadingManager(OffloadingManager):
         return CPULoadStoreSpec(slots)
 
     def complete_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+        if not isinstance(keys, (list, tuple)):
+            keys = list(keys)
         slot_of, ref = self._slot_of, self._ref
         counts = Counter(keys) if len(set(keys)) != len(keys) else None
         for key in keys:
             slot = slot_of.get(key)
             needed = counts[key] if counts is not None else 1
             if slot is None or ref[slot] < needed:
-                raise ValueError(f"complete_load of key {key.hex()} that no load pinned")
+                raise ValueError(f"complete_load of key {_key_str(key)} that no load pinned")
         unpinned = []
         for key in keys:
             slot = slot_of[key]
@@ -164,6 +176,8 @@ class CPUOffloadingManager(OffloadingManager):
         self, keys: Collection[OffloadKey], ctx: ReqContext
     ) -> PrepareStoreOutput | None:
         # Hot path of every engine step and of trace replays: kept flat on purpose.
+        if not isinstance(keys, (list, tuple)):
+            keys = list(keys)  # read again when evicting: a one-shot iterator would be empty
         slot_of = self._slot_of
         new = [key for key in keys if key not in slot_of]
         num_new = len(new)
@@ -211,7 +225,8 @@ class CPUOffloadingManager(OffloadingManager):
                 free.append(slot)
             self._evictions += len(evicted)
             if self._events is not None:
-                self._emit(evicted, removed=True)
+                # A copy: the caller owns `evicted_keys` and may consume it.
+                self._emit(list(evicted), removed=True)
 
         # Fresh slots first: they were never handed out, so no transfer can still touch them.
         if fresh_left >= n:
@@ -233,22 +248,28 @@ class CPUOffloadingManager(OffloadingManager):
     def complete_store(
         self, keys: Collection[OffloadKey], ctx: ReqContext, success: bool = True
     ) -> None:
+        if not isinstance(success, (bool, np.bool_)):
+            # "no" or None would silently pick a branch: announce unwritten bytes, or drop them.
+            raise ValueError(f"complete_store got success={success!r}; expected a bool")
+        # A copy: read twice (a one-shot iterator would leave slots ready but unannounced and
+        # never evictable), and the stored event must not alias the caller's list.
+        keys = list(keys)
         slot_of, ref = self._slot_of, self._ref
         slots = [slot_of.get(key, -1) for key in keys]
         for key, slot in zip(keys, slots, strict=True):
             if slot < 0 or ref[slot] != _PENDING:
-                raise ValueError(f"complete_store of key {key.hex()} that has no store pending")
+                raise ValueError(f"complete_store of key {_key_str(key)}: no store pending")
         if len(slots) > 1 and len(set(slots)) != len(slots):
             raise ValueError("complete_store got the same key twice")
         self._num_pending -= len(slots)
         if success:
             for slot in slots:
                 ref[slot] = _READY
-            stored = list(keys)
-            self._policy.insert(stored, ctx)
-            self._stores += len(stored)
-            if self._events is not None:
-                self._emit(stored, removed=False)
+            self._policy.insert(keys, ctx)
+            self._stores += len(keys)
+            # An empty event would only count towards max_pending_events and force merges.
+            if keys and self._events is not None:
+                self._emit(keys, removed=False)
         else:
             # Never announced, so nothing public to retract.
             for key, slot in zip(keys, slots, strict=True):
