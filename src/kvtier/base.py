@@ -141,7 +141,8 @@ class TransferResult:
 
 @dataclass(slots=True)
 class ManagerStats:
-    """Counters and gauges of a manager. Counters are cumulative since creation or reset."""
+    """Counters and gauges of a manager. Counters are cumulative since the manager was created
+    (`reset_cache` forgets the keys, not the counts); gauges describe the present."""
 
     num_slots: int
     used_slots: int
@@ -211,7 +212,9 @@ class OffloadingManager(ABC):
 
     @abstractmethod
     def reset_cache(self) -> None:
-        """Forget every key; completions of jobs prepared before the reset are ignored."""
+        """Forget every key. A completion of a job prepared before the reset is the caller's
+        to drop (the connector tags jobs with a generation): the manager cannot tell it from
+        a completion of the same key stored again since."""
 
     def on_reset_flushed(self) -> None:  # noqa: B027 - optional hook
         """Every transfer in flight at the last reset has finished; its room may be reused."""
