@@ -40,13 +40,17 @@ def _json_rows(capsys: pytest.CaptureFixture[str], *args: str) -> list[dict[str,
 
 def test_simulate_json_rows(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rows = _json_rows(capsys, str(trace), "--policies", "lru,opt", "--capacities", "5%,40")
+    lines = trace.read_text().splitlines()
+    unique = len({h for line in lines for h in json.loads(line)["hash_ids"]})
+    five_percent = round(unique * 5 / 100)  # 226 unique blocks: 11
     assert [(r["policy"], r["capacity_blocks"]) for r in rows][:4] == [
-        ("lru", rows[0]["capacity_blocks"]),
+        ("lru", five_percent),
         ("lru", 40),
-        ("opt", rows[0]["capacity_blocks"]),
+        ("opt", five_percent),
         ("opt", 40),
     ]
     assert rows[-1]["policy"] == "infinite" and rows[-1]["capacity_frac"] == 1.0
+    assert rows[-1]["capacity_blocks"] == unique
     for r in rows:
         assert {"policy", "capacity_blocks", "capacity_frac", "block_hit_ratio"} <= set(r)
         assert {"prefix_hit_ratio", "loads", "stores", "evictions", "stores_skipped"} <= set(r)
@@ -90,8 +94,7 @@ def test_simulate_table_csv_plot_and_shape(
     assert len(rows) == 5 and rows[1]["capacity_blocks"] == "32"  # 2 GiB / 64 MiB blocks
     assert rows[0]["mode"] == "engine" and rows[0]["store_on"] == "on-evict"
     assert int(rows[0]["bytes_stored"]) == int(rows[0]["stores"]) * 64 * 2**20
-    if png.exists():  # matplotlib installed
-        assert png.read_bytes()[:4] == b"\x89PNG"
+    assert png.read_bytes()[:4] == b"\x89PNG"  # matplotlib comes with the setup's [plot]
 
 
 def test_simulate_infers_a_16_token_block_size(
@@ -213,8 +216,10 @@ def test_parser_has_one_subparser_per_command() -> None:
     parser = build_parser()
     with pytest.raises(SystemExit):
         parser.parse_args([])
+    assert [cmd.name for cmd in COMMANDS] == ["simulate", "demo", "policies"]
     for cmd in COMMANDS:
-        assert parser.parse_args([cmd.name, *(["t.jsonl"] if cmd.name == "simulate" else [])])
+        args = parser.parse_args([cmd.name, *(["t.jsonl"] if cmd.name == "simulate" else [])])
+        assert args.command == cmd.name and args._run is cmd.run
 
 
 def test_python_m_kvtier_runs() -> None:

@@ -307,7 +307,9 @@ def test_chunk_keys_use_each_full_chunks_last_block_hash() -> None:
     assert chunk_keys(hashes[:2], 3) == []
 
 
-@pytest.mark.parametrize(("bpc", "gidx", "error"), [(0, 0, ValueError), (1, -1, ValueError)])
-def test_chunk_keys_bad_input(bpc: int, gidx: int, error: type[Exception]) -> None:
-    with pytest.raises(error, match=str(bpc) if bpc < 1 else str(gidx)):
+@pytest.mark.parametrize(
+    ("bpc", "gidx", "match"), [(0, 0, "blocks_per_chunk=0"), (1, -1, "group_idx=-1")]
+)
+def test_chunk_keys_bad_input(bpc: int, gidx: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
         chunk_keys([], bpc, gidx)

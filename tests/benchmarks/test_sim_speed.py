@@ -29,6 +29,7 @@ def test_the_table_counts_the_capacities_given_and_matches_the_json(
     assert "seconds (2 runs)" in captured.out
     result = json.loads(out.read_text())
     assert result["capacities_blocks"] == [5, 20]
+    assert [row["policy"] for row in result["per_policy"]] == ["lru", "opt"]
     for row in result["per_policy"]:
         assert len(row["block_hit_ratios"]) == 2
         assert f"{row['policy']:<8} {row['median_blocks_per_s']:>16,.0f}" in captured.out

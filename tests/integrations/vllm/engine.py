@@ -146,6 +146,8 @@ class Engine:
     group_of_layer: dict[str, int]
     finished: set[str] = field(default_factory=set)
     outputs: list[Any] = field(default_factory=list)
+    stats: list[Any] = field(default_factory=list)
+    """The `SchedulerStats` of every step, as vLLM's engine core hands them to its loggers."""
     sampled_token: int = 7
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 4) -> Any:
@@ -210,6 +212,8 @@ class Engine:
         )
         engine_outputs = self.scheduler.update_from_output(so, out)
         for eo in engine_outputs.values():
+            if eo.scheduler_stats is not None:
+                self.stats.append(eo.scheduler_stats)
             for o in eo.outputs:
                 if o.finish_reason is not None:
                     self.finished.add(o.request_id)
