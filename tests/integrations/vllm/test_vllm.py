@@ -372,6 +372,39 @@ def test_kvtier_policy_counts_reuse_reported_at_request_end(vllm_loaded: None, n
     assert run(f"kvtier_{name}", "kvtier.integrations.vllm.policy") == expected
 
 
+def test_kvaware_counts_a_loaded_chunk_once_for_the_request_that_loaded_it(
+    vllm_loaded: None,
+) -> None:
+    """vLLM's mark_evictable names no request: the adapter attributes the unpin to the request
+    that accessed the chunk, so its end-of-request touch is not a second use."""
+    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    from kvtier.policies import KVAwarePolicy
+
+    manager = CPUOffloadingManager(8, "kvtier_kvaware", "kvtier.integrations.vllm.policy")
+    adapter = manager._policy
+    keys = [make_offload_key(f"k{i}".encode().ljust(32, b"."), 0) for i in range(2)]
+    for req_id, load in (("a", False), ("b", True)):
+        ctx = ReqContext(req_id)
+        manager.on_new_request(ctx)
+        for i, k in enumerate(keys):
+            ctx.set_offload_key_position(k, BLOCK_SIZE * (i + 1))
+        if load:
+            manager.prepare_load(keys, ctx)
+            manager.complete_load(keys, ctx)
+        else:
+            out = manager.prepare_store(keys, ctx)
+            assert out is not None
+            manager.complete_store(out.keys_to_store, ctx)
+        manager.on_request_finished(ctx)
+    inner = adapter.inner
+    assert isinstance(inner, KVAwarePolicy)
+    # One use by "a" (its store) and one by "b" (its load), not three.
+    assert [inner._sketch.estimate_key(bytes(k)) for k in keys] == [2, 2]
+    assert not adapter._readers  # forgotten once the request finished
+
+
 def _feed(engine: Engine, so: Any, worker_meta: Any, recving: set[str]) -> None:
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 

@@ -51,6 +51,10 @@ class KVTierPolicyAdapter(VCachePolicy):
         self.chunks: dict[VOffloadKey, ChunkStatus] = {}
         # Chunks being written: they enter the kvtier policy when their store completes.
         self._pending: dict[VOffloadKey, ReqContext] = {}
+        # Resident chunks a live request accessed -> its context. vLLM's mark_evictable names
+        # no request; the unpin of a load is then that request's use, which its end-of-request
+        # touch does not count again (kvaware counts a chunk once per request).
+        self._readers: dict[VOffloadKey, ReqContext] = {}
 
     def get(self, key: VOffloadKey) -> ChunkStatus | None:
         return self.chunks.get(key)
@@ -64,6 +68,7 @@ class KVTierPolicyAdapter(VCachePolicy):
 
     def remove(self, key: VOffloadKey) -> None:
         del self.chunks[key]
+        self._readers.pop(key, None)
         if self._pending.pop(key, None) is None:
             self.inner.remove([OffloadKey(key)])
 
@@ -72,6 +77,12 @@ class KVTierPolicyAdapter(VCachePolicy):
 
     def on_store_miss(self, keys: Iterable[VOffloadKey], req_context: VReqContext) -> None:
         """kvtier policies learn from ghost hits when a key is inserted, not here."""
+
+    def on_request_access(self, keys: Iterable[VOffloadKey], req_context: VReqContext) -> None:
+        chunks, readers, ctx = self.chunks, self._readers, _ctx(req_context)
+        for k in keys:
+            if k in chunks:
+                readers[k] = ctx
 
     def on_request_finished(
         self,
@@ -90,6 +101,11 @@ class KVTierPolicyAdapter(VCachePolicy):
                 used = [OffloadKey(k) for k in keys if k in reused_keys]
                 if used:
                     self.inner.touch(used, ctx)
+        readers = self._readers
+        for keys in key_groups:
+            for k in keys:
+                if readers.get(k) is ctx:
+                    del readers[k]
         self.inner.on_request_finished(ctx)
 
     def evict(
@@ -100,11 +116,14 @@ class KVTierPolicyAdapter(VCachePolicy):
         victims = self.inner.evict(n, protected)  # type: ignore[arg-type]
         if victims is None:
             return None
+        for k in victims:
+            self._readers.pop(VOffloadKey(k), None)
         return [(VOffloadKey(k), self.chunks.pop(VOffloadKey(k))) for k in victims]
 
     def clear(self) -> None:
         self.chunks.clear()
         self._pending.clear()
+        self._readers.clear()
         self.inner.clear()
 
     def mark_evictable(self, key: VOffloadKey) -> None:
@@ -112,7 +131,8 @@ class KVTierPolicyAdapter(VCachePolicy):
         if ctx is not None:
             self.inner.insert([OffloadKey(key)], ctx)  # store completed
         else:
-            self.inner.unpin([OffloadKey(key)], None)  # last load completed
+            # Last load completed: a use by the request that read it, where known.
+            self.inner.unpin([OffloadKey(key)], self._readers.get(key))
 
     def mark_non_evictable(self, key: VOffloadKey) -> None:
         self.inner.pin([OffloadKey(key)])
