@@ -6,6 +6,9 @@ servers such as Grace) run under qemu where the cross tools are installed (Debia
   test_native.py runs that loop on this machine too (KVTIER_PORTABLE_COPY=1), and this test
   runs it, with the engine's threads, on the architecture itself.
 - c/results_check.c: the CPU engine's result buffer stays bounded however the caller polls.
+- c/plan_check.c: kvt_plan_rows's edge cases (counts whose products wrap included), row
+  copies at odd addresses and widths, and the CPU engine submitted to, polled, waited on and
+  stopped from several threads.
 - c/cuda_check.c: the CUDA submit path (`cudaengine.c`) against c/fake_cuda.c, a stand-in
   for the driver on host memory (the one thing here that needs a GPU), built as the
   `libcuda.so.1` that cudaengine.c opens: jobs launched by the submitter, and by launch
@@ -77,6 +80,16 @@ def test_the_result_buffer_stays_bounded_when_a_result_is_always_pending(tmp_pat
     _cc(HOST_CC, "-o", exe, HARNESSES / "results_check.c", SOURCES / "rowcopy.c")
     out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.startswith("ok:"), out.stdout + out.stderr
+
+
+@pytest.mark.skipif(HOST_CC is None, reason="needs a C compiler")
+def test_plans_edge_cases_odd_rows_and_threaded_engine_use(tmp_path: Path) -> None:
+    """c/plan_check.c: no blocks or slots, skip at the chunk's end, repeats, and products that
+    wrap (2 slots of 2^63 blocks once planned a store of no blocks; host rows past INT64_MAX
+    wrapped negative); unaligned rows of any width; submits, polls, waits and a stop with
+    jobs queued from several threads, results polled late or never."""
+    assert HOST_CC is not None
+    assert _build_and_run(HOST_CC, tmp_path, [], {}, "plan_check").startswith("ok")
 
 
 @pytest.mark.skipif(HOST_CC is None, reason="needs a C compiler")

@@ -683,8 +683,12 @@ static int repeats(const int64_t *a, size_t n) {
 int kvt_plan_rows(int store, const int64_t *blocks, size_t nblocks, const int64_t *slots,
                   size_t nslots, size_t bpc, size_t skip, int64_t num_blocks, int64_t num_slots,
                   int64_t *host, int64_t *dev) {
-    if (bpc == 0 || out_of_range(blocks, nblocks, num_blocks) ||
-        out_of_range(slots, nslots, num_slots))
+    /* Every host row (below num_slots * bpc) must fit an int64_t, and nslots * bpc a size_t:
+     * wrapped, a store of 2 slots of 2^63 blocks took no blocks, and a load wrote to rows far
+     * outside the pool. */
+    if (bpc == 0 || bpc > (uint64_t)INT64_MAX || nslots > SIZE_MAX / bpc ||
+        (num_slots > 0 && (uint64_t)num_slots > (uint64_t)INT64_MAX / bpc) ||
+        out_of_range(blocks, nblocks, num_blocks) || out_of_range(slots, nslots, num_slots))
         return 1;
     size_t n = nblocks, cap = nslots * bpc;
     if (store) {
@@ -693,9 +697,9 @@ int kvt_plan_rows(int store, const int64_t *blocks, size_t nblocks, const int64_
     } else {
         if (skip >= bpc)
             return 1;
-        cap -= skip;
-        /* n > 0 too: one slot with skip > 0 has cap < bpc (plan.py says the same) */
-        if (!(n <= cap && n + bpc > cap && n > 0) && !(n == 0 && nslots == 0))
+        /* No slots take no blocks, whatever the skip (cap - skip would wrap); else n > 0 too:
+         * one slot with skip > 0 has cap < bpc (plan.py says the same) */
+        if (nslots == 0 ? n != 0 : !(n > 0 && n <= cap - skip && cap - skip - n < bpc))
             return 1;
     }
     int dup = store ? repeats(slots, nslots) : repeats(blocks, nblocks);
