@@ -121,4 +121,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kvtier: interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as e:
+        # Imported only now: commands that never replay do not pay for the simulator.
+        from kvtier.sim.runner import ReplayError
+
+        if not isinstance(e, ReplayError):
+            raise
+        # The run failed, not its arguments: 1, not argparse's 2.
+        print(f"kvtier {args.command}: error: {e}", file=sys.stderr)
+        return 1
     return status

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
@@ -31,6 +33,21 @@ BOUNDS: Final = {
 """Rows the simulator computes besides the registered cache policies."""
 
 MODES: Final = ("flat", "engine")
+
+
+class ReplayError(RuntimeError):
+    """A replay that failed; the message names its policy and capacity (or the dead worker).
+
+    Built from a message alone, so it pickles back from a worker unchanged.
+    """
+
+    @classmethod
+    def of(cls, policy: str, capacity: int, error: BaseException) -> ReplayError:
+        """The error for `error`, raised by the replay of `policy` at `capacity` blocks."""
+        return cls(
+            f"policy {policy!r} at capacity {capacity:,} blocks failed: "
+            f"{type(error).__name__}: {error}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +135,19 @@ def run_one(
     return result
 
 
+def _run_named(
+    trace: Trace,
+    policy: str,
+    capacity: int,
+    opts: ReplayOptions,
+    progress: ProgressFn | None = None,
+) -> RunResult:
+    try:
+        return run_one(trace, policy, capacity, opts, progress)
+    except Exception as e:
+        raise ReplayError.of(policy, capacity, e) from e
+
+
 # The trace workers replay: set before the pool forks so children inherit it without pickling.
 _SHARED_TRACE: Trace | None = None
 
@@ -141,6 +171,31 @@ def default_jobs() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def _worker_init() -> None:
+    # A terminal's Ctrl-C reaches the whole process group. The parent alone handles it and
+    # stops the workers; left alone, each worker would abandon its run for the next queued one
+    # and never see the parent leave.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """End `pool` now: cancel the queued calls and terminate the running ones.
+
+    `shutdown` alone would wait for every call already handed to a worker, so a failed run or a
+    Ctrl-C would still wait out the rest of the grid.
+    """
+    # The executor keeps no public handle on its processes (`terminate_workers` is 3.14+).
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for proc in procs:
+        proc.terminate()
+    pool.shutdown(wait=True, cancel_futures=True)
+    for proc in procs:
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
 def map_trace(
     trace: Trace,
     fn: Callable[..., _T],
@@ -153,6 +208,8 @@ def map_trace(
 
     `fn` must be a module-level function. Returns `None` when the work should stay in this
     process (one job, or no fork on this platform), so the caller can report finer progress.
+    The first call to raise ends the others at once and its error is raised here; a worker
+    that dies raises `ReplayError`. `on_done` is called in this thread as each call finishes.
     """
     if jobs < 1:
         raise ValueError(f"jobs={jobs} is invalid; expected >= 1")
@@ -161,16 +218,31 @@ def map_trace(
         return None
     global _SHARED_TRACE
     _SHARED_TRACE = trace
+    pool = ProcessPoolExecutor(
+        max_workers=jobs, mp_context=multiprocessing.get_context("fork"), initializer=_worker_init
+    )
     try:
-        ctx = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-            futures = [pool.submit(_call_shared, fn, args) for args in arg_lists]
+        index: dict[Future[_T], int] = {
+            pool.submit(_call_shared, fn, args): i for i, args in enumerate(arg_lists)
+        }
+        results: list[_T | None] = [None] * len(arg_lists)
+        for fut in as_completed(index):
+            results[index[fut]] = fut.result()
             if on_done is not None:
-                for fut in futures:
-                    fut.add_done_callback(lambda _f: on_done())
-            return [f.result() for f in futures]
+                on_done()
+    except BrokenProcessPool:
+        _stop_workers(pool)
+        raise ReplayError(
+            "a worker process died (killed, or out of memory?); --jobs 1 runs the replays in "
+            "this process"
+        ) from None
+    except BaseException:
+        _stop_workers(pool)
+        raise
     finally:
         _SHARED_TRACE = None
+    pool.shutdown()
+    return results  # type: ignore[return-value]  # every slot is filled once all are done
 
 
 def run_grid(
@@ -184,10 +256,17 @@ def run_grid(
     """Replay `trace` once per `(policy, capacity)` in `runs`; results come in `runs` order.
 
     With `jobs > 1` the runs are spread over forked worker processes and `progress` hears of
-    each run when it finishes; otherwise it hears of requests as they are replayed.
+    each run when it finishes; otherwise it hears of requests as they are replayed. A run that
+    raises ends the grid with a `ReplayError` naming it.
     """
+    if any(p != "opt" for p, _ in runs):
+        # Every replay but OPT's uses each request's context; built here, before the fork,
+        # the workers share one copy instead of each building its own.
+        for req in trace.requests:
+            _ = req.ctx
     on_done = (lambda: progress(len(trace))) if progress is not None else None
-    results = map_trace(trace, run_one, [(p, c, opts) for p, c in runs], jobs=jobs, on_done=on_done)
+    arg_lists = [(p, c, opts) for p, c in runs]
+    results = map_trace(trace, _run_named, arg_lists, jobs=jobs, on_done=on_done)
     if results is None:
-        results = [run_one(trace, p, c, opts, progress) for p, c in runs]
+        results = [_run_named(trace, p, c, opts, progress) for p, c in runs]
     return results
