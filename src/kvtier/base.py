@@ -222,3 +222,16 @@ class OffloadingManager(ABC):
     @abstractmethod
     def get_stats(self) -> ManagerStats:
         """Return the manager's counters and gauges."""
+
+
+def checked_int(name: str, value: object, minimum: int = 1) -> int:
+    """`value` as an int of at least `minimum`, else a ValueError naming `name` and the value.
+    Anything with `__index__` counts (numpy ints, 0-d integer tensors); a float (even 2.0), a
+    bool or NaN is refused rather than rounded: a count given as one is a caller's mistake,
+    and NaN would disable every comparison with it."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise ValueError(f"{name}={value!r} is invalid; expected an integer >= {minimum}")
+    n = operator.index(value)
+    if n < minimum:
+        raise ValueError(f"{name}={value!r} is invalid; expected an integer >= {minimum}")
+    return n

@@ -400,7 +400,9 @@ def test_negative_num_computed_tokens_is_a_clear_error() -> None:
     s = OffloadingScheduler(CPUOffloadingManager(4), tokens_per_block=TPB)
     s.add_request("a", block_hashes("a", 3), 3 * TPB + 1)
     for bad in (-TPB, -1, True, 1.5):
-        with pytest.raises(ValueError, match=r"num_computed_tokens=.*expected a non-negative"):
+        with pytest.raises(
+            ValueError, match=r"num_computed_tokens=.* is invalid; expected an integer >= 0"
+        ):
             s.get_num_new_matched_tokens("a", bad)  # type: ignore[arg-type]
     assert s.get_num_new_matched_tokens("a", np.int64(0)) == 0  # type: ignore[arg-type]
 
@@ -448,7 +450,9 @@ def test_bad_num_prompt_tokens_is_refused_when_the_request_is_added() -> None:
     m = CPUOffloadingManager(4)
     s = OffloadingScheduler(m, tokens_per_block=TPB)
     for bad in (-1, "9", None, 2.0):
-        with pytest.raises(ValueError, match=r"num_prompt_tokens=.*expected a non-negative int"):
+        with pytest.raises(
+            ValueError, match=r"num_prompt_tokens=.* is invalid; expected an integer >= 0"
+        ):
             s.add_request("a", block_hashes("a", 2), bad)  # type: ignore[arg-type]
     assert s.num_requests() == 0
     s.add_request("a", block_hashes("a", 2), np.int64(2 * TPB + 1))  # type: ignore[arg-type]

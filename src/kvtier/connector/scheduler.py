@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from operator import index
 from typing import Any
 
 import numpy as np
@@ -31,6 +30,7 @@ from kvtier.base import (
     PrepareStoreOutput,
     ReqContext,
     TransferResult,
+    checked_int,
 )
 from kvtier.base import make_offload_key as _make_key
 from kvtier.connector.metadata import (
@@ -75,6 +75,14 @@ class StepProgress:
     req_id: str
     block_ids: Sequence[Sequence[int]]
     num_computed_tokens: int
+
+
+def _token_count(req_id: str, name: str, value: object) -> int:
+    """A token count from the engine, or a ValueError naming the request and the value."""
+    try:
+        return checked_int(name, value, 0)
+    except ValueError as e:
+        raise ValueError(f"request {req_id!r}: {e}") from None
 
 
 class OffloadingScheduler:
@@ -137,16 +145,8 @@ class OffloadingScheduler:
         the engine keeps extending as tokens are generated; it is read, never copied."""
         if req_id in self._requests:
             raise ValueError(f"request {req_id!r} is already tracked")
-        try:
-            prompt = -1 if isinstance(num_prompt_tokens, bool) else index(num_prompt_tokens)
-        except TypeError:
-            prompt = -1
-        if prompt < 0:
-            # Read only at the first lookup, where a bad value would fail after side effects.
-            raise ValueError(
-                f"request {req_id!r}: num_prompt_tokens={num_prompt_tokens!r} is invalid; "
-                "expected a non-negative int"
-            )
+        # Read only at the first lookup, where a bad value would fail after side effects.
+        prompt = _token_count(req_id, "num_prompt_tokens", num_prompt_tokens)
         ctx = ReqContext(req_id, kv_transfer_params)
         self._requests[req_id] = _Request(ctx, block_hashes, prompt, [[] for _ in self.groups])
         self.manager.on_new_request(ctx)
@@ -189,17 +189,8 @@ class OffloadingScheduler:
         request's own earlier transfers are still in flight.
         """
         req = self._get(req_id)
-        try:
-            computed = -1 if isinstance(num_computed_tokens, bool) else index(num_computed_tokens)
-        except TypeError:
-            computed = -1
-        if computed < 0:
-            # A negative count would index chunks from the end of the request.
-            raise ValueError(
-                f"request {req_id!r}: num_computed_tokens={num_computed_tokens!r} is invalid; "
-                "expected a non-negative int"
-            )
-        num_computed_tokens = computed
+        # A negative count would index chunks from the end of the request.
+        num_computed_tokens = _token_count(req_id, "num_computed_tokens", num_computed_tokens)
         req.planned_load = None
         if req.jobs:
             return None

@@ -18,10 +18,10 @@ from kvtier.base import (
     OffloadKey,
     PrepareStoreOutput,
     ReqContext,
+    checked_int,
 )
 from kvtier.cpu.spec import CPULoadStoreSpec
 from kvtier.policies import CachePolicy, make_policy
-from kvtier.policies.base import slot_count
 
 if TYPE_CHECKING:
     from kvtier.config import KVTierConfig
@@ -61,8 +61,8 @@ class CPUOffloadingManager(OffloadingManager):
         enable_events: bool = False,
         max_pending_events: int = 100_000,
     ) -> None:
-        num_slots = slot_count("num_slots", num_slots)
-        max_pending_events = slot_count("max_pending_events", max_pending_events)
+        num_slots = checked_int("num_slots", num_slots)
+        max_pending_events = checked_int("max_pending_events", max_pending_events)
         self.num_slots = num_slots
         self._policy: CachePolicy = make_policy(cache_policy, num_slots)
         self._admission: AdmissionPolicy = (

@@ -8,12 +8,11 @@ small class and no manager change.
 from __future__ import annotations
 
 import importlib
-import operator
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import ClassVar, TypeVar
 
-from kvtier.base import OffloadKey, ReqContext
+from kvtier.base import OffloadKey, ReqContext, checked_int
 
 
 class CachePolicy(ABC):
@@ -29,7 +28,7 @@ class CachePolicy(ABC):
     description: ClassVar[str] = ""
 
     def __init__(self, capacity: int) -> None:
-        self.capacity = slot_count("capacity", capacity)
+        self.capacity = checked_int("capacity", capacity)
 
     @abstractmethod
     def __len__(self) -> int:
@@ -74,18 +73,6 @@ class CachePolicy(ABC):
     def table_sizes(self) -> dict[str, int]:
         """Sizes of the policy's internal tables, so tests can check their bounds."""
         return {"candidates": len(self)}
-
-
-def slot_count(name: str, value: object, minimum: int = 1) -> int:
-    """`value` as an int of at least `minimum`, else a ValueError naming `name` and the value.
-    A float (even 2.0), a bool or NaN is refused rather than rounded: a size given as one is
-    a caller's mistake, and NaN would disable every comparison with it."""
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise ValueError(f"{name}={value!r} is invalid; expected an integer >= {minimum}")
-    n = operator.index(value)
-    if n < minimum:
-        raise ValueError(f"{name}={value!r} is invalid; expected an integer >= {minimum}")
-    return n
 
 
 _P = TypeVar("_P", bound=type[CachePolicy])

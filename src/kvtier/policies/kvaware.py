@@ -13,8 +13,8 @@ from collections.abc import Collection, Iterable, Sequence
 from itertools import islice
 from operator import itemgetter
 
-from kvtier.base import OffloadKey, ReqContext
-from kvtier.policies.base import CachePolicy, register_policy, slot_count
+from kvtier.base import OffloadKey, ReqContext, checked_int
+from kvtier.policies.base import CachePolicy, register_policy
 from kvtier.policies.kvaware_sketch import M64, MAX_COUNT, FrequencySketch, key_hash
 
 __all__ = ["FrequencySketch", "KVAwarePolicy", "key_hash"]
@@ -102,8 +102,8 @@ class KVAwarePolicy(CachePolicy):
         capacity = self.capacity  # validated, and a plain int
         if not 0.0 < window < 1.0:
             raise ValueError(f"window={window} is invalid; expected 0 < window < 1")
-        sketch_width = slot_count("sketch_width", sketch_width)
-        model_size = slot_count("model_size", model_size)
+        sketch_width = checked_int("sketch_width", sketch_width)
+        model_size = checked_int("model_size", model_size)
         if mode not in _MODE_NAMES:
             raise ValueError(f"mode={mode!r} is invalid; expected one of {_MODE_NAMES}")
         self._win_target = max(1, int(window * capacity))

@@ -25,12 +25,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtier.base import checked_int
 from kvtier.config import KVTierConfig
 from kvtier.connector import OffloadingScheduler, OffloadingWorker, StepProgress
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.hashing import BlockHasher
 from kvtier.integrations.hf.paged_cache import PagedKVBuffer
-from kvtier.integrations.hf.prefix import generate_greedy, new_token_count
+from kvtier.integrations.hf.prefix import generate_greedy
 from kvtier.transfer import FaultInjector, HostPool, make_transfer_worker
 
 __all__ = ["GenerationResult", "GeneratorStats", "KVTierGenerator"]
@@ -146,7 +147,7 @@ class KVTierGenerator:
         ids = torch.as_tensor(prompt, dtype=torch.int64).reshape(-1).cpu()
         if ids.numel() == 0:
             raise ValueError("prompt is empty; expected at least one token id")
-        max_new_tokens = new_token_count(max_new_tokens)
+        max_new_tokens = checked_int("max_new_tokens", max_new_tokens)
         # The cache ends up holding the prompt and every new token but the last.
         need = -(-(ids.numel() + max_new_tokens - 1) // self.block_size)
         if need > self.max_blocks:

@@ -14,7 +14,6 @@ ragged prompts run one batch per prompt; `kvtier.integrations.hf.generator` does
 
 from __future__ import annotations
 
-import operator
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +21,9 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer
 
-__all__ = ["GreedyOutput", "generate_greedy", "new_token_count", "prefill"]
+from kvtier.base import checked_int
+
+__all__ = ["GreedyOutput", "generate_greedy", "prefill"]
 
 
 @dataclass(frozen=True)
@@ -42,17 +43,6 @@ class GreedyOutput:
     prefill_tokens: int
     first_token_time: float = 0.0
     """`time.perf_counter()` when the first token's logits were ready (time to first token)."""
-
-
-def new_token_count(max_new_tokens: object) -> int:
-    """`max_new_tokens` as an int (numpy and 0-d integer tensors too); ValueError unless >= 1."""
-    try:
-        n = operator.index(max_new_tokens)  # type: ignore[arg-type]
-    except TypeError:
-        n = 0  # a float or other non-integer: refused below, not truncated
-    if n < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid; expected an int >= 1")
-    return n
 
 
 def _check_ids(input_ids: torch.Tensor) -> None:
@@ -138,7 +128,7 @@ def generate_greedy(
     `model.generate(do_sample=False)`, minus its stopping rules (it always generates
     `max_new_tokens`). See `prefill` for what `cache` must hold.
     """
-    max_new_tokens = new_token_count(max_new_tokens)
+    max_new_tokens = checked_int("max_new_tokens", max_new_tokens)
     logits, cache, ran = prefill(model, input_ids, cache)
     if logits.device.type == "cuda":
         # Kernels run asynchronously: without this wait the time would be when the prefill
