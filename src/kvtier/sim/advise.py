@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtier.sim.runner import ReplayError, ReplayOptions, run_one
+from kvtier.sim.runner import ReplayOptions, run_named
 from kvtier.sim.trace import Trace
 
 
@@ -43,10 +43,7 @@ def advise(
         nonlocal replays
         if capacity not in seen:
             replays += 1
-            try:
-                seen[capacity] = run_one(trace, policy, capacity, opts).block_hit_ratio
-            except Exception as e:
-                raise ReplayError.of(policy, capacity, e) from e
+            seen[capacity] = run_named(trace, policy, capacity, opts).block_hit_ratio
         return seen[capacity]
 
     if ratio(unique) < target:

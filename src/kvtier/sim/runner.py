@@ -41,14 +41,6 @@ class ReplayError(RuntimeError):
     Built from a message alone, so it pickles back from a worker unchanged.
     """
 
-    @classmethod
-    def of(cls, policy: str, capacity: int, error: BaseException) -> ReplayError:
-        """The error for `error`, raised by the replay of `policy` at `capacity` blocks."""
-        return cls(
-            f"policy {policy!r} at capacity {capacity:,} blocks failed: "
-            f"{type(error).__name__}: {error}"
-        )
-
 
 @dataclass(frozen=True, slots=True)
 class ReplayOptions:
@@ -135,17 +127,20 @@ def run_one(
     return result
 
 
-def _run_named(
+def run_named(
     trace: Trace,
     policy: str,
     capacity: int,
     opts: ReplayOptions,
     progress: ProgressFn | None = None,
 ) -> RunResult:
+    """`run_one`, with any error turned into a `ReplayError` naming the policy and capacity."""
     try:
         return run_one(trace, policy, capacity, opts, progress)
     except Exception as e:
-        raise ReplayError.of(policy, capacity, e) from e
+        raise ReplayError(
+            f"policy {policy!r} at capacity {capacity:,} blocks failed: {type(e).__name__}: {e}"
+        ) from e
 
 
 # The trace workers replay: set before the pool forks so children inherit it without pickling.
@@ -266,7 +261,7 @@ def run_grid(
             _ = req.ctx
     on_done = (lambda: progress(len(trace))) if progress is not None else None
     arg_lists = [(p, c, opts) for p, c in runs]
-    results = map_trace(trace, _run_named, arg_lists, jobs=jobs, on_done=on_done)
+    results = map_trace(trace, run_named, arg_lists, jobs=jobs, on_done=on_done)
     if results is None:
-        results = [_run_named(trace, p, c, opts, progress) for p, c in runs]
+        results = [run_named(trace, p, c, opts, progress) for p, c in runs]
     return results
