@@ -358,3 +358,51 @@ def test_only_reused_chunks_count_as_uses() -> None:
     s.request_finished("b")
     assert policy.touched[0] == [make_offload_key(hashes[0], 0)]  # the device hit, at admission
     assert policy.touched[-1] == [make_offload_key(h, 0) for h in hashes]  # all of b's prefix
+
+
+def test_named_workers_cannot_report_a_job_twice() -> None:
+    m = CPUOffloadingManager(8)
+    s = OffloadingScheduler(m, tokens_per_block=4, num_workers=2)
+    s.add_request("a", block_hashes("a", 2), 9)
+    s.get_num_new_matched_tokens("a", 0)
+    (job,) = s.build_step_metadata([StepProgress("a", [[0, 1, 2]], 8)]).stores
+
+    s.on_worker_results([TransferResult(job.job_id, True)], worker=0)
+    # Without its id, worker 0's second report would pass for worker 1's and end the job.
+    with pytest.raises(ValueError, match=f"job {job.job_id} was already reported by worker 0"):
+        s.on_worker_results([TransferResult(job.job_id, True)], worker=0)
+    assert s.job_ids_in_flight() == [job.job_id]
+    assert m.get_stats().pending_writes == 2
+    s.on_worker_results([TransferResult(job.job_id, True)], worker=1)
+    assert s.num_jobs_in_flight() == 0
+    assert (m.get_stats().pending_writes, m.get_stats().ready) == (0, 2)
+
+
+@pytest.mark.parametrize("worker", [-1, 2, True, 1.0, "0"])
+def test_a_bad_worker_index_is_refused_before_any_report(worker: object) -> None:
+    m = CPUOffloadingManager(8)
+    s = OffloadingScheduler(m, tokens_per_block=4, num_workers=2)
+    s.add_request("a", block_hashes("a", 2), 9)
+    s.get_num_new_matched_tokens("a", 0)
+    (job,) = s.build_step_metadata([StepProgress("a", [[0, 1, 2]], 8)]).stores
+    with pytest.raises(
+        ValueError, match=r"worker=.* is invalid; expected a worker index in \[0, 2\)"
+    ):
+        s.on_worker_results([TransferResult(job.job_id, True)], worker=worker)  # type: ignore[arg-type]
+    s.on_worker_results([TransferResult(job.job_id, True)], worker=0)
+    s.on_worker_results([TransferResult(job.job_id, True)], worker=1)
+    assert s.num_jobs_in_flight() == 0
+
+
+def test_one_named_report_with_a_job_twice_applies_nothing() -> None:
+    m = CPUOffloadingManager(8)
+    s = OffloadingScheduler(m, tokens_per_block=4, num_workers=3)
+    s.add_request("a", block_hashes("a", 1), 5)
+    s.get_num_new_matched_tokens("a", 0)
+    (job,) = s.build_step_metadata([StepProgress("a", [[0, 1]], 4)]).stores
+    with pytest.raises(ValueError, match="already reported by worker 1"):
+        s.on_worker_results([TransferResult(job.job_id, True)] * 2, worker=1)
+    for w in range(3):
+        assert s.num_jobs_in_flight() == 1
+        s.on_worker_results([TransferResult(job.job_id, True)], worker=w)
+    assert s.num_jobs_in_flight() == 0

@@ -75,3 +75,4 @@ class _Job:
     reports_left: int
     success: bool = True
     bytes: int = 0  # moved by the workers that reported success so far
+    reporters: set[int] = field(default_factory=set)  # workers that named themselves

@@ -386,9 +386,23 @@ class OffloadingScheduler:
 
     # -- completions --------------------------------------------------------------------------
 
-    def on_worker_results(self, results: Iterable[TransferResult]) -> None:
+    def on_worker_results(
+        self, results: Iterable[TransferResult], worker: int | None = None
+    ) -> None:
         """Record one worker's finished jobs; a job completes once every worker reported it.
-        A report of a job not in flight (or reported too often) raises before any is applied."""
+
+        `worker` (0 to `num_workers` - 1) names the reporting worker, so that a worker
+        reporting a job twice is refused instead of counting as another worker's report
+        (without it only more reports than workers can be told apart). A report of a job not
+        in flight, or reported too often, raises before any report is applied."""
+        if worker is not None and (
+            isinstance(worker, bool)
+            or not isinstance(worker, int)
+            or not 0 <= worker < self.num_workers
+        ):
+            raise ValueError(
+                f"worker={worker!r} is invalid; expected a worker index in [0, {self.num_workers})"
+            )
         results = list(results)
         seen: dict[int, int] = {}
         for r in results:
@@ -396,6 +410,8 @@ class OffloadingScheduler:
             if job is None:
                 raise ValueError(f"worker reported job {r.job_id}, which is not in flight")
             n = seen.get(r.job_id, 0) + 1
+            if worker is not None and (n > 1 or worker in job.reporters):
+                raise ValueError(f"job {r.job_id} was already reported by worker {worker}")
             if n > job.reports_left:
                 raise ValueError(
                     f"job {r.job_id} reported {n} times; it waits for {job.reports_left} more"
@@ -404,6 +420,8 @@ class OffloadingScheduler:
         for r in results:
             job = self._jobs[r.job_id]
             job.reports_left -= 1
+            if worker is not None:
+                job.reporters.add(worker)
             job.success = job.success and r.success
             if r.success:
                 job.bytes += r.bytes

@@ -52,6 +52,7 @@ def make_vllm_config(
     max_num_batched_tokens: int = 512,
     load_failure_policy: Literal["recompute", "fail"] = "fail",
     kv_events_config: Any | None = None,
+    tensor_parallel_size: int = 1,
 ) -> Any:
     """A VllmConfig for the tiny model on CPU with the given KV connector (and vLLM's
     `KVEventsConfig`, when given)."""
@@ -60,6 +61,7 @@ def make_vllm_config(
         DeviceConfig,
         KVTransferConfig,
         ModelConfig,
+        ParallelConfig,
         SchedulerConfig,
         VllmConfig,
     )
@@ -89,6 +91,7 @@ def make_vllm_config(
         kv_transfer_config=transfer,
         device_config=DeviceConfig("cpu"),
         kv_events_config=kv_events_config,
+        parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
     )
 
 
@@ -258,6 +261,7 @@ def make_engine(
     max_num_batched_tokens: int = 512,
     load_failure_policy: Literal["recompute", "fail"] = "fail",
     kv_events_config: Any | None = None,
+    tensor_parallel_size: int = 1,
 ) -> Engine:
     """Build the scheduler (which builds the scheduler-side connector) and a worker-side
     connector with registered CPU KV tensors."""
@@ -274,6 +278,7 @@ def make_engine(
         max_num_batched_tokens,
         load_failure_policy,
         kv_events_config,
+        tensor_parallel_size,
     )
     kv_cache_config = make_kv_cache_config(num_gpu_blocks, num_groups)
     scheduler = Scheduler(

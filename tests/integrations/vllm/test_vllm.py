@@ -18,9 +18,17 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install 'kvtier[vllm]')", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine import BLOCK_SIZE, Engine, make_engine, token_value
+from engine import (
+    BLOCK_SIZE,
+    Engine,
+    make_engine,
+    make_kv_cache_config,
+    make_vllm_config,
+    token_value,
+)
 
 EXTRA = {"cpu_bytes_to_use": "8MiB"}
+MODULE = "kvtier.integrations.vllm"
 PROMPT = list(range(1, 70))  # 69 tokens: 4 full 16-token blocks are offloaded
 
 
@@ -428,6 +436,71 @@ def _feed(engine: Engine, so: Any, worker_meta: Any, recving: set[str]) -> None:
         for o in eo.outputs:
             if o.finish_reason is not None:
                 engine.finished.add(o.request_id)
+
+
+def test_cpu_budget_is_the_engines_not_each_workers(vllm_loaded: None) -> None:
+    """As in vLLM's own offloading, cpu_bytes_to_use bounds the host memory of all workers
+    together: with two tensor-parallel workers each keeps half as many chunks."""
+    from kvtier.config import ConfigError
+    from kvtier.integrations.vllm.setup import resolve_setup
+
+    kv_cache_config = make_kv_cache_config(64)
+    slots = {}
+    for tp in (1, 2, 4):
+        cfg = make_vllm_config("KVTierConnector", EXTRA, 64, MODULE, tensor_parallel_size=tp)
+        slots[tp] = resolve_setup(cfg, kv_cache_config).num_slots
+    assert slots[1] == 2 * slots[2] == 4 * slots[4] > 0
+
+    # A budget that holds one chunk per worker but not two.
+    one_chunk = (8 << 20) // slots[1]
+    cfg = make_vllm_config("KVTierConnector", {"cpu_bytes_to_use": one_chunk}, 64, MODULE)
+    assert resolve_setup(cfg, kv_cache_config).num_slots == 1
+    cfg = make_vllm_config(
+        "KVTierConnector", {"cpu_bytes_to_use": one_chunk}, 64, MODULE, tensor_parallel_size=2
+    )
+    with pytest.raises(
+        ConfigError, match=f"on each of 2 workers; expected at least {2 * one_chunk}"
+    ):
+        resolve_setup(cfg, kv_cache_config)
+
+
+def test_each_worker_reports_a_job_once(vllm_loaded: None) -> None:
+    """With two workers a job completes on one report from each; a second report from the
+    same worker is refused, not taken for the other worker's."""
+    from kvtier.integrations.vllm.metadata import KVTierWorkerMetadata
+
+    engine = make_engine("KVTierConnector", EXTRA, with_worker=False, tensor_parallel_size=2)
+    side = kvtier_side(engine)
+    engine.add("a", PROMPT)
+    so = engine.scheduler.schedule()
+    (job,) = so.kv_connector_metadata.step.stores
+    twice = KVTierWorkerMetadata([(job.job_id, True, 0), (job.job_id, True, 0)])
+    with pytest.raises(ValueError, match=f"job {job.job_id} was already reported by worker 0"):
+        _feed(engine, so, twice, set())
+    assert side.scheduler.job_ids_in_flight() == [job.job_id]
+    assert side.manager.get_stats().pending_writes == 4
+
+    both = KVTierWorkerMetadata([(job.job_id, True, 0)]).aggregate(
+        KVTierWorkerMetadata([(job.job_id, True, 1)])
+    )
+    _feed(engine, so, both, set())
+    assert side.scheduler.num_jobs_in_flight() == 0
+    assert side.manager.get_stats().ready == 4
+
+
+def test_worker_reports_carry_its_rank_within_the_engine(vllm_loaded: None) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    cfg = make_vllm_config("KVTierConnector", EXTRA, 64, MODULE, tensor_parallel_size=2)
+    cfg.parallel_config.rank = 3  # the second worker of the second data-parallel engine
+    kv_cache_config = make_kv_cache_config(64)
+    worker = KVConnectorFactory.create_connector(
+        config=cfg, role=KVConnectorRole.WORKER, kv_cache_config=kv_cache_config
+    )
+    assert worker.worker_side.rank == 1
+    worker.worker_side._results.append((5, True, worker.worker_side.rank))
+    assert worker.build_connector_worker_meta().results == [(5, True, 1)]
 
 
 def test_overrides_and_type_imports_match_the_pinned_vllm(vllm_loaded: None) -> None:

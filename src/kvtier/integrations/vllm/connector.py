@@ -65,7 +65,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 for index, group in enumerate(kv_cache_config.kv_cache_groups)
                 for name in group.layer_names
             }
-            self.worker_side = KVTierWorkerSide(setup, layer_groups)
+            # vLLM's rank may count across data-parallel engines laid out one after another;
+            # the scheduler wants this worker's index within its own engine.
+            rank = vllm_config.parallel_config.rank % setup.num_workers
+            self.worker_side = KVTierWorkerSide(setup, layer_groups, rank)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -23,9 +23,10 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker(s) -> scheduler: finished jobs as `(job_id, success)`, one entry per worker."""
+    """Worker(s) -> scheduler: finished jobs as `(job_id, success, worker rank)`, one entry
+    per worker; the rank lets the scheduler refuse a worker that reports a job twice."""
 
-    results: list[tuple[int, bool]] = field(default_factory=list)
+    results: list[tuple[int, bool, int]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Concatenate two workers' reports; the scheduler counts one report per worker."""

@@ -166,9 +166,13 @@ class KVTierSchedulerSide:
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, KVTierWorkerMetadata) or not meta.results:
             return
-        self.scheduler.on_worker_results(TransferResult(j, ok) for j, ok in meta.results)
+        by_worker: dict[int, list[TransferResult]] = {}
+        for job_id, ok, rank in meta.results:
+            by_worker.setdefault(rank, []).append(TransferResult(job_id, ok))
+        for rank, results in by_worker.items():
+            self.scheduler.on_worker_results(results, worker=rank)
         if self._loads:
-            for job_id, ok in meta.results:
+            for job_id, ok, _ in meta.results:
                 entry = self._loads.get(job_id)
                 if entry is None:
                     continue

@@ -108,12 +108,16 @@ def resolve_setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Vl
     if config.num_slots is not None:
         num_slots = config.num_slots
     elif config.cpu_bytes is not None:
-        num_slots = config.cpu_bytes // slot_bytes
+        # The budget is the engine's, as in vLLM's own offloading: every worker (tensor and
+        # pipeline ranks) keeps a pool of num_slots chunks of its own share of the KV.
+        world_size = vllm_config.parallel_config.world_size
+        num_slots = config.cpu_bytes // (slot_bytes * world_size)
         if num_slots < 1:
             raise ConfigError(
                 f"cpu_bytes={config.cpu_bytes} (from vLLM kv_connector_extra_config) holds no "
                 f"chunk of {slot_bytes} bytes ({blocks_per_chunk} blocks x {max(page_bytes)} "
-                "bytes); expected at least one chunk's worth"
+                f"bytes) on each of {world_size} workers; expected at least "
+                f"{slot_bytes * world_size} bytes"
             )
     else:
         raise ConfigError(

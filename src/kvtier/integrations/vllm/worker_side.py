@@ -63,8 +63,13 @@ def block_rows(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
 class KVTierWorkerSide:
     """Runs the scheduler's jobs on one worker and reports them back."""
 
-    def __init__(self, setup: VllmSetup, layer_groups: Mapping[str, int]) -> None:
+    def __init__(self, setup: VllmSetup, layer_groups: Mapping[str, int], rank: int = 0) -> None:
+        if not 0 <= rank < setup.num_workers:
+            raise ValueError(
+                f"rank={rank!r} is invalid; expected a worker index in [0, {setup.num_workers})"
+            )
         self.setup = setup
+        self.rank = rank
         self.layer_groups = dict(layer_groups)
         self.transfer: TransferWorker | None = None
         self._worker: OffloadingWorker | None = None
@@ -73,7 +78,7 @@ class KVTierWorkerSide:
         self._loads_in_flight: dict[str, int] = {}
         self._failed: set[str] = set()
         self._held: set[str] = set()
-        self._results: list[tuple[int, bool]] = []
+        self._results: list[tuple[int, bool, int]] = []
         self._load_errors: set[int] = set()
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -170,7 +175,7 @@ class KVTierWorkerSide:
         out = KVConnectorTransferResults()
         if self._worker is not None:
             for r in self._worker.get_finished():
-                self._results.append((r.job_id, r.success))
+                self._results.append((r.job_id, r.success, self.rank))
                 req_id, is_load, blocks = self._jobs.pop(r.job_id)
                 left = self._in_flight[req_id] - 1
                 if left:
