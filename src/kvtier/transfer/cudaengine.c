@@ -31,6 +31,7 @@
 typedef int CUresult;
 typedef void *CUcontext, *CUmodule, *CUfunction, *CUstream, *CUevent;
 #define CUDA_SUCCESS 0
+#define CUDA_ERROR_INVALID_VALUE 1
 #define CUDA_ERROR_NOT_READY 600
 
 #define KVT_MAX_ROWS 480   /* gather.cu's larger kernels */
@@ -635,10 +636,15 @@ int kvt_cuda_coalesce(kvt_cuda *c, size_t depth) {
 /* Queue job `id` in `lane` with its rows given: `dst[i]` and `src[i]` are rows of the table's
  * destination and source. It waits for the work queued so far on `compute`. `fail` records
  * the job as failed without copying. Returns 0 (queued; a refused launch makes the job
- * failed), -1 out of memory or engine stopping, or a CUresult if the wait for compute could
- * not be queued (nothing queued then). The rows are copied. */
+ * failed), -1 out of memory or engine stopping, CUDA_ERROR_INVALID_VALUE (1) for a lane or
+ * table that does not exist, or a CUresult if the wait for compute could not be queued
+ * (nothing queued in either case). The rows are copied. */
 int kvt_cuda_submit(kvt_cuda *c, int lane, uint64_t compute, int64_t id, int fail, int table,
                     uint64_t nbytes, const int64_t *dst, const int64_t *src, size_t n) {
+    /* The tables are all added before the first submit, so ntables is read without the
+     * mutex. A job submitted failed copies nothing, but a bad index is the caller's bug. */
+    if (lane < 0 || lane >= KVT_LANES || table < 0 || (size_t)table >= c->ntables)
+        return CUDA_ERROR_INVALID_VALUE;
     kvt_lane *l = &c->lanes[lane];
     CUresult r = enter(c);
     if (r != CUDA_SUCCESS)
@@ -710,6 +716,8 @@ int kvt_cuda_submit(kvt_cuda *c, int lane, uint64_t compute, int64_t id, int fai
 int kvt_cuda_submit_ids(kvt_cuda *c, const kvt_submit_ctx *x, int lane, uint64_t compute,
                         int64_t id, const int64_t *blocks, size_t nblocks, const int64_t *slots,
                         size_t nslots, size_t skip) {
+    if (x->table >= c->ntables) /* before the cast to int could wrap it into range */
+        return 1;
     if (2 * nblocks > c->rows_cap) {
         int64_t *rows = realloc(c->rows, 2 * nblocks * sizeof *rows);
         if (!rows)
@@ -787,6 +795,8 @@ size_t kvt_cuda_poll(kvt_cuda *c, kvt_result *out, size_t max) {
  * slot may be reused meanwhile by a later job, which only makes the wait longer. Returns 0
  * or the CUresult of the wait. */
 int kvt_cuda_wait(kvt_cuda *c, int lane, uint64_t seq) {
+    if (lane < 0 || lane >= KVT_LANES)
+        return CUDA_ERROR_INVALID_VALUE;
     kvt_lane *l = &c->lanes[lane];
     CUresult r = enter(c);
     if (r != CUDA_SUCCESS)

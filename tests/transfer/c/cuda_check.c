@@ -364,6 +364,23 @@ static void check_failures(void) {
         FAIL("failures: the extension's entry did not refuse an out-of-range block");
 
     int64_t rows_d[2] = {2 * BPC, 2 * BPC + 1}, rows_s[2] = {8, 9};
+    /* A lane or table that does not exist is refused before anything is queued. */
+    static const int bad_lane[] = {-1, 3, 1 << 30}, bad_table[] = {-1, 2, 1 << 30};
+    for (int i = 0; i < 3; i++)
+        if (kvt_cuda_submit(r.c, bad_lane[i], COMPUTE, 5, 0, 0, 2 * r.row, rows_d, rows_s,
+                            2) != 1 ||
+            kvt_cuda_submit(r.c, 0, COMPUTE, 5, 0, bad_table[i], 2 * r.row, rows_d, rows_s,
+                            2) != 1 ||
+            kvt_cuda_submit(r.c, 0, COMPUTE, 5, 1, bad_table[i], 2 * r.row, rows_d, rows_s,
+                            2) != 1 ||
+            kvt_cuda_wait(r.c, bad_lane[i], 1) != 1)
+            FAIL("failures: lane %d or table %d was not refused", bad_lane[i], bad_table[i]);
+    kvt_submit_ctx odd = r.sx, wraps = r.sx;
+    odd.table = 2, wraps.table = 1ull << 32; /* (int) of it would be table 0 */
+    if (kvt_cuda_submit_ids(r.c, &odd, 0, COMPUTE, 5, b1, 2, &s1, 1, 0) != 1 ||
+        kvt_cuda_submit_ids(r.c, &wraps, 0, COMPUTE, 5, b1, 2, &s1, 1, 0) != 1 ||
+        kvt_cuda_submit_ids(r.c, &r.sx, 3, COMPUTE, 5, b1, 2, &s1, 1, 0) != 1)
+        FAIL("failures: a planned job with a bad table or lane was not refused");
     if (kvt_cuda_submit(r.c, 0, COMPUTE, 4, 1, 0, 2 * r.row, rows_d, rows_s, 2) != 0)
         FAIL("failures: a job submitted failed was not queued");
     collect(&r, res, 1, "failures");
