@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
-import os
 import random
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -334,73 +330,6 @@ def test_plot_writes_exactly_the_path_given(
     assert "block hit %" in capsys.readouterr().out
     assert [p.name for p in tmp_path.iterdir() if p.name != trace.name] == ["curve.SVG"]
     assert b"<svg" in svg.read_bytes()[:1000]
-
-
-_SLOW_CLI = """
-import sys, time
-from kvtier.policies.base import register_policy
-from kvtier.policies.lru import LRUPolicy
-
-@register_policy("slow", "a second per store")
-class Slow(LRUPolicy):
-    def insert(self, keys, ctx):
-        time.sleep(1.0)
-        super().insert(keys, ctx)
-
-from kvtier.cli import main
-sys.stderr.write("started\\n")
-sys.stderr.flush()
-raise SystemExit(main(sys.argv[1:]))
-"""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(p) for p in f.read().split()]
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads /proc")
-@pytest.mark.parametrize("to_group", [False, True], ids=["parent", "group"])
-def test_ctrl_c_stops_every_worker(trace: Path, to_group: bool) -> None:
-    """SIGINT to the parent alone, or to its process group as a terminal's Ctrl-C sends it."""
-    args = ["simulate", str(trace), "--policies", "slow", "--capacities", "5,6,7,8", "--jobs", "2"]
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _SLOW_CLI, *args, "-q"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        # A shell's background job ignores SIGINT, and Python keeps it ignored.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-    try:
-        assert proc.stderr is not None and proc.stderr.readline() == "started\n"
-        deadline = time.monotonic() + 30
-        while len(workers := _children(proc.pid)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(workers) == 2
-        time.sleep(0.5)  # into the replays
-        start = time.monotonic()
-        if to_group:
-            os.killpg(proc.pid, signal.SIGINT)
-        else:
-            os.kill(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=60) == 130
-        assert time.monotonic() - start < 10  # the slow runs take minutes
-        assert proc.stderr.read() == "kvtier: interrupted\n"
-        assert not [w for w in workers if _alive(w)]
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def test_a_failing_replay_is_one_line(

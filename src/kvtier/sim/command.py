@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import IO
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvtier.policies import registered_policies
+from kvtier.policies import get_policy_cls, registered_policies
 from kvtier.sim.advise import Advice, advise
 from kvtier.sim.readers import FORMATS, read_trace
 from kvtier.sim.replay import HIT_ACTIONS, STORE_ON, ProgressFn
@@ -35,6 +36,7 @@ from kvtier.sim.runner import (
     BOUNDS,
     MODES,
     ReplayOptions,
+    Terminated,
     default_jobs,
     map_trace,
     run_grid,
@@ -53,8 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policies",
         default=None,
-        help="comma-separated cache policies, plus 'opt' (default: every registered one and "
-        "opt); the infinite cache is always added",
+        help="comma-separated cache policies: registered names, 'opt', or package.module:Class "
+        "for a CachePolicy of your own (default: every registered one and opt); the infinite "
+        "cache is always added",
     )
     p.add_argument(
         "--capacities",
@@ -137,10 +140,23 @@ def _policies(spec: str | None) -> list[str]:
     if not names:
         raise ValueError("--policies is empty; expected a comma-separated list of names")
     for name in names:
-        if name not in known and name not in BOUNDS:
+        if name in known or name in BOUNDS:
+            continue
+        if ":" not in name:
             raise ValueError(
-                f"policy {name!r} is unknown; expected some of: {', '.join([*known, *BOUNDS])}"
+                f"policy {name!r} is unknown; expected some of: {', '.join([*known, *BOUNDS])}, "
+                "or 'package.module:Class'"
             )
+        # Resolved here, before any replay: a bad spec fails once, not in every worker, and
+        # forked workers find its module already imported. Rows name it as given.
+        try:
+            get_policy_cls(name)
+        except (ValueError, TypeError) as e:
+            # The registry names the spec, except for a malformed module path (':Class').
+            message = str(e)
+            if repr(name) not in message:
+                message = f"cache policy {name!r} cannot be imported: {message}"
+            raise ValueError(message) from None
     return list(dict.fromkeys(n for n in names if n != "infinite"))
 
 
@@ -214,6 +230,16 @@ def _stdout_console() -> Console:
 
 def run(args: argparse.Namespace) -> int:
     """Run `kvtier simulate` with parsed `args`; returns the exit status."""
+    try:
+        return _run(args)
+    except Terminated:
+        # Only a multi-process run turns SIGTERM into `Terminated` (to stop its workers first);
+        # exit as the shell reports a process that SIGTERM ended.
+        print("kvtier: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
+
+
+def _run(args: argparse.Namespace) -> int:
     policies = _policies(args.policies)
     shape: ModelShape | None = (
         parse_model_shape(args.model_shape) if args.model_shape is not None else None

@@ -6,13 +6,18 @@ copy; where fork is unavailable the runs stay in this process.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import multiprocessing
 import os
 import signal
-from collections.abc import Callable, Sequence
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any, Final, TypeVar
 
 from kvtier.sim.bounds import opt_result
@@ -33,6 +38,14 @@ BOUNDS: Final = {
 """Rows the simulator computes besides the registered cache policies."""
 
 MODES: Final = ("flat", "engine")
+
+
+class Terminated(BaseException):
+    """SIGTERM reached a multi-process run; its workers have been stopped.
+
+    A `BaseException`, as `KeyboardInterrupt` is, so no `except Exception` takes it for a failed
+    replay.
+    """
 
 
 class ReplayError(RuntimeError):
@@ -166,11 +179,67 @@ def default_jobs() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _worker_init() -> None:
+def _worker_init(parent: int) -> None:
     # A terminal's Ctrl-C reaches the whole process group. The parent alone handles it and
     # stops the workers; left alone, each worker would abandon its run for the next queued one
     # and never see the parent leave.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The fork copied the parent's SIGTERM handler, which runs only between bytecodes; the
+    # default ends a worker at once, even inside a long C call, as `_stop_workers` expects.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _die_with_parent(parent)
+
+
+_PR_SET_PDEATHSIG: Final = 1  # from <linux/prctl.h>
+
+
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this process when `parent` dies (Linux only; a no-op elsewhere).
+
+    A parent killed outright (SIGKILL, the OOM killer) cannot stop its workers, which would
+    replay on for nobody. The signal is tied to the thread that forked this process, which is
+    the one that called `map_trace` (with fork, the executor forks in `submit`).
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    if prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        return
+    # A parent that died before the call above is never watched: this process was reparented.
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """Within the block, SIGTERM raises `Terminated` here; the previous handler comes back after.
+
+    Without it SIGTERM would end this process at once and leave its workers replaying. Handlers
+    can be set only from the main thread; elsewhere the block runs unchanged.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    owner = os.getpid()
+
+    def raise_terminated(signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != owner:
+            # A worker forked with this handler, before `_worker_init` reset it: die as the
+            # default would, rather than raise into the pool's machinery.
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        # `None`: a handler not set from Python, which cannot be put back; the default is closest.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _stop_workers(pool: ProcessPoolExecutor) -> None:
@@ -204,7 +273,9 @@ def map_trace(
     `fn` must be a module-level function. Returns `None` when the work should stay in this
     process (one job, or no fork on this platform), so the caller can report finer progress.
     The first call to raise ends the others at once and its error is raised here; a worker
-    that dies raises `ReplayError`. `on_done` is called in this thread as each call finishes.
+    that dies raises `ReplayError`; SIGTERM (in the main thread) ends the workers and raises
+    `Terminated`. A worker dies with this process, even one killed outright (Linux). `on_done`
+    is called in this thread as each call finishes.
     """
     if jobs < 1:
         raise ValueError(f"jobs={jobs} is invalid; expected >= 1")
@@ -213,30 +284,34 @@ def map_trace(
         return None
     global _SHARED_TRACE
     _SHARED_TRACE = trace
-    pool = ProcessPoolExecutor(
-        max_workers=jobs, mp_context=multiprocessing.get_context("fork"), initializer=_worker_init
-    )
-    try:
-        index: dict[Future[_T], int] = {
-            pool.submit(_call_shared, fn, args): i for i, args in enumerate(arg_lists)
-        }
-        results: list[_T | None] = [None] * len(arg_lists)
-        for fut in as_completed(index):
-            results[index[fut]] = fut.result()
-            if on_done is not None:
-                on_done()
-    except BrokenProcessPool:
-        _stop_workers(pool)
-        raise ReplayError(
-            "a worker process died (killed, or out of memory?); --jobs 1 runs the replays in "
-            "this process"
-        ) from None
-    except BaseException:
-        _stop_workers(pool)
-        raise
-    finally:
-        _SHARED_TRACE = None
-    pool.shutdown()
+    with _sigterm_raises():
+        pool = ProcessPoolExecutor(
+            max_workers=jobs,
+            mp_context=multiprocessing.get_context("fork"),
+            initializer=_worker_init,
+            initargs=(os.getpid(),),
+        )
+        try:
+            index: dict[Future[_T], int] = {
+                pool.submit(_call_shared, fn, args): i for i, args in enumerate(arg_lists)
+            }
+            results: list[_T | None] = [None] * len(arg_lists)
+            for fut in as_completed(index):
+                results[index[fut]] = fut.result()
+                if on_done is not None:
+                    on_done()
+            pool.shutdown()
+        except BrokenProcessPool:
+            _stop_workers(pool)
+            raise ReplayError(
+                "a worker process died (killed, or out of memory?); --jobs 1 runs the replays in "
+                "this process"
+            ) from None
+        except BaseException:
+            _stop_workers(pool)
+            raise
+        finally:
+            _SHARED_TRACE = None
     return results  # type: ignore[return-value]  # every slot is filled once all are done
 
 
