@@ -236,6 +236,13 @@ def test_module_class_spec_loads_policy() -> None:
         get_policy_cls("kvtier.policies.sieve:Nope")
 
 
+@pytest.mark.parametrize("spec", [":SIEVEPolicy", ".sieve:SIEVEPolicy", "kvtier..x:C"])
+def test_a_malformed_module_path_is_named_in_the_error(spec: str) -> None:
+    # importlib raises ValueError or TypeError for these, with a message that omits the spec.
+    with pytest.raises(ValueError, match=re.escape(f"cache policy {spec!r} cannot be imported")):
+        get_policy_cls(spec)
+
+
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("bad", [0, -3, 2.5, 8.0, float("nan"), float("inf"), True, "8", None])
 def test_bad_capacity_is_rejected(name: str, bad: object) -> None:

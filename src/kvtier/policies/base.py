@@ -113,7 +113,8 @@ def get_policy_cls(spec: str | type[CachePolicy]) -> type[CachePolicy]:
         module_name, _, attr = spec.partition(":")
         try:
             obj = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as e:
+        except (ImportError, AttributeError, ValueError, TypeError) as e:
+            # ValueError, TypeError: an empty or relative module path (':Class', '.mod:Class').
             raise ValueError(f"cache policy {spec!r} cannot be imported: {e}") from e
         if not (isinstance(obj, type) and issubclass(obj, CachePolicy)):
             raise ValueError(f"cache policy {spec!r} is not a kvtier.policies.CachePolicy class")
