@@ -6,6 +6,7 @@ import atexit
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterable
 from typing import Protocol
@@ -18,7 +19,7 @@ from kvtier.transfer.host_pool import HostPool
 from kvtier.transfer.native import row_copier
 from kvtier.transfer.plan import Job
 from kvtier.transfer.registration import KVCacheRegistration
-from kvtier.transfer.worker import FaultInjector, TransferWorker
+from kvtier.transfer.worker import FaultInjector, TransferWorker, shutdown_at_exit
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,74 @@ class RowCopier(Protocol):
     """Copies one job's rows; indices come as CPU int64 tensors."""
 
     def run(self, job: Job, dev_idx: torch.Tensor, host_idx: torch.Tensor) -> None: ...
+
+
+class _JobQueue:
+    """The queues that a worker shares with its copy thread. The thread holds this and a weak
+    reference to the worker, so that a worker dropped without `shutdown()` is collected; its
+    finalizer then calls `stop`."""
+
+    def __init__(
+        self, lock: threading.Lock, worker: weakref.ReferenceType[CPUTransferWorker]
+    ) -> None:
+        # Two conditions on one lock: new work wakes only the copy thread, and a finished job
+        # wakes waiters only if one waits for it (waking them per job costs GIL hand-offs).
+        self.cv = threading.Condition(lock)
+        self.done_cv = threading.Condition(lock)
+        self.wanted: set[int] = set()
+        self.queue: deque[Job] = deque()
+        self.urgent: deque[Job] = deque()
+        self.in_flight: set[int] = set()
+        self.results: list[TransferResult] = []
+        self.stopping = False
+        self.thread = threading.Thread(
+            target=_serve, args=(worker, self), name="kvtier-transfer", daemon=True
+        )
+
+    def stop(self) -> None:
+        """Let the running job finish, end the thread, then report queued jobs failed (after
+        the running one, so that results stay in submission order)."""
+        if threading.current_thread() is self.thread:
+            # The worker was collected on its own thread (which dropped the last reference
+            # after a job, or ran the cyclic collector, maybe holding the lock or about to
+            # wait): a thread cannot join itself, so another one stops it. Not a daemon: exit
+            # waits for it, as it would have waited for `shutdown()`.
+            threading.Thread(target=self.stop, name="kvtier-transfer-stop", daemon=False).start()
+            return
+        with self.cv:
+            self.stopping = True
+            self.cv.notify_all()
+        self.thread.join()
+        with self.cv:
+            for job in (*self.urgent, *self.queue):
+                self.results.append(TransferResult(job.job_id, False))
+                self.in_flight.discard(job.job_id)
+            self.urgent.clear()
+            self.queue.clear()
+            self.done_cv.notify_all()
+
+
+def _serve(ref: weakref.ReferenceType[CPUTransferWorker], jobs: _JobQueue) -> None:
+    """The copy thread. It holds the worker only while it runs a job: a worker nobody else
+    holds is collected, and its finalizer stops this thread."""
+    while True:
+        with jobs.cv:
+            jobs.cv.wait_for(lambda: jobs.stopping or bool(jobs.urgent or jobs.queue))
+            if jobs.stopping:
+                return
+            job = jobs.urgent.popleft() if jobs.urgent else jobs.queue.popleft()
+        worker = ref()
+        if worker is None:
+            return  # collected; its finalizer is stopping this thread
+        start = time.perf_counter()
+        ok = worker._run(job)
+        seconds = time.perf_counter() - start
+        del worker  # outside the lock: the last reference runs the finalizer (`stop`)
+        with jobs.cv:
+            jobs.results.append(TransferResult(job.job_id, ok, job.nbytes if ok else 0, seconds))
+            jobs.in_flight.discard(job.job_id)
+            if job.job_id in jobs.wanted:
+                jobs.done_cv.notify_all()
 
 
 class CPUTransferWorker(TransferWorker):
@@ -50,21 +119,13 @@ class CPUTransferWorker(TransferWorker):
         self._check_device(registration)
         super().__init__(registration, pool, fault_injector)
         self._copier: RowCopier = self._make_copier(stage_bytes)
-        # Two conditions on one lock: new work wakes only the copy thread, and a finished job
-        # wakes waiters only if one waits for it (waking them per job costs GIL hand-offs).
-        self._cv = threading.Condition(self._lock)
-        self._done_cv = threading.Condition(self._lock)
-        self._wanted: set[int] = set()
-        self._queue: deque[Job] = deque()
-        self._urgent: deque[Job] = deque()
-        self._in_flight: set[int] = set()
-        self._results: list[TransferResult] = []
-        self._stopping = False
-        self._thread = threading.Thread(target=self._serve, name="kvtier-transfer", daemon=True)
+        self._jobs = _JobQueue(self._lock, weakref.ref(self))
+        self._thread = self._jobs.thread
         self._thread.start()
-        # A copy still running while the interpreter tears torch down aborts the process
-        # ("terminate called without an active exception"): stop the thread first.
-        atexit.register(self.shutdown)
+        # `shutdown()` calls the finalizer; collecting the worker too, which stops the thread.
+        self._finalizer = weakref.finalize(self, self._jobs.stop)
+        self._finalizer.atexit = False  # exit calls `shutdown()` instead (`shutdown_at_exit`)
+        self._at_exit = shutdown_at_exit(self)
 
     _DEVICE = ("cpu", "the CPU")
     """(device type the KV tensors must be on, its name in errors)"""
@@ -83,61 +144,43 @@ class CPUTransferWorker(TransferWorker):
         return BlockCopier(self.registration, self.pool.rows, stage)
 
     def _submit(self, job: Job) -> None:
-        (self._urgent if job.urgent else self._queue).append(job)
-        self._in_flight.add(job.job_id)
-        self._cv.notify_all()
+        jobs = self._jobs
+        (jobs.urgent if job.urgent else jobs.queue).append(job)
+        jobs.in_flight.add(job.job_id)
+        jobs.cv.notify_all()
 
     def _collect(self) -> list[TransferResult]:
-        results, self._results = self._results, []
+        results, self._jobs.results = self._jobs.results, []
         return results
+
+    @property
+    def _in_flight(self) -> set[int]:
+        """Ids of jobs queued or running (tests read it)."""
+        return self._jobs.in_flight
 
     def wait(self, job_ids: Iterable[int]) -> None:
         """Block until every job in `job_ids` has finished (ids not in flight are ignored)."""
         ids = set(job_ids)
         if threading.current_thread() is self._thread:
             raise RuntimeError("wait() called from the transfer thread would deadlock")
+        jobs = self._jobs
         with self._lock:
-            ids &= self._in_flight
-            self._wanted |= ids
-            self._done_cv.wait_for(lambda: self._in_flight.isdisjoint(ids))
-            self._wanted -= ids
+            ids &= jobs.in_flight
+            jobs.wanted |= ids
+            jobs.done_cv.wait_for(lambda: jobs.in_flight.isdisjoint(ids))
+            jobs.wanted -= ids
 
     def shutdown(self) -> None:
         """Let the running job finish, stop the thread, then report queued jobs failed (after
         the running one, so that results stay in submission order)."""
-        atexit.unregister(self.shutdown)
-        with self._cv:
+        atexit.unregister(self._at_exit)
+        with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._stopping = True
-            self._cv.notify_all()
-        self._thread.join()
-        with self._cv:
-            for job in (*self._urgent, *self._queue):
-                self._results.append(TransferResult(job.job_id, False))
-                self._in_flight.discard(job.job_id)
-            self._urgent.clear()
-            self._queue.clear()
-            self._done_cv.notify_all()
-
-    def _serve(self) -> None:
-        while True:
-            with self._cv:
-                self._cv.wait_for(lambda: self._stopping or bool(self._urgent or self._queue))
-                if self._stopping:
-                    return
-                job = self._urgent.popleft() if self._urgent else self._queue.popleft()
-            start = time.perf_counter()
-            ok = self._run(job)
-            seconds = time.perf_counter() - start
-            with self._cv:
-                self._results.append(
-                    TransferResult(job.job_id, ok, job.nbytes if ok else 0, seconds)
-                )
-                self._in_flight.discard(job.job_id)
-                if job.job_id in self._wanted:
-                    self._done_cv.notify_all()
+            self._jobs.stopping = True  # no job starts from here on
+            self._jobs.cv.notify_all()
+        self._finalizer()
 
     def _run(self, job: Job) -> bool:
         try:

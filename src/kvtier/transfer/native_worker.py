@@ -45,7 +45,13 @@ from kvtier.transfer.native import (
 )
 from kvtier.transfer.plan import Direction, IdsLike, Job
 from kvtier.transfer.registration import KVCacheRegistration
-from kvtier.transfer.worker import FaultInjector, IdStaging, SubmitCall, TransferWorker
+from kvtier.transfer.worker import (
+    FaultInjector,
+    IdStaging,
+    SubmitCall,
+    TransferWorker,
+    shutdown_at_exit,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -105,18 +111,36 @@ def _pointers(
     }
 
 
-def _hook(ref: weakref.ReferenceType[NativeCPUTransferWorker]) -> ctypes._CFunctionType:
+def _hook(
+    ref: weakref.ReferenceType[NativeCPUTransferWorker], engine_thread: list[int]
+) -> ctypes._CFunctionType:
     # Through a weak reference: the finalizer keeps the hook alive, and a hook holding the
     # worker would keep the worker alive forever.
     def before(job_id: int) -> int:
+        engine_thread[0] = threading.get_ident()
         worker = ref()
         return 1 if worker is None else worker._before(job_id)
 
     return BeforeHook(before)
 
 
-def _release(lib: ctypes.CDLL, handle: int, hook: object) -> None:
-    del hook  # kept alive until here: the engine's thread may call it until it is joined
+def _release(
+    lib: ctypes.CDLL,
+    handle: int,
+    hook: object,
+    engine_thread: list[int],
+    keep: object,
+) -> None:
+    """The finalizer: stop the engine and free it. `keep` is what the engine's copies read."""
+    if engine_thread[0] == threading.get_ident():
+        # Collected on the engine's thread, inside the hook (which held the last reference,
+        # or ran the cyclic collector): the thread cannot join itself, and the engine must
+        # outlive it. Another thread stops and frees it, keeping alive what the job after
+        # the hook copies; not a daemon, so that exit waits for it.
+        args = (lib, handle, hook, [0], keep)
+        threading.Thread(target=_release, args=args, name="kvtier-release", daemon=False).start()
+        return
+    del hook, keep  # kept alive until here: the engine's thread may use them until it is joined
     lib.kvt_engine_free(handle)
 
 
@@ -206,7 +230,8 @@ class NativeCPUTransferWorker(TransferWorker):
         self._ctx_keep, self._contexts = submit_contexts(self._tables, self._planner)
         self._live: dict[int, _Live] = {}
         self._next_seq = [1, 1]
-        self._engine_thread: int | None = None
+        self._engine_ident = [0]
+        """The engine's thread's id once the hook has run on it (0 before); `_release` reads it."""
         self._poll_buffer = (EngineResult * _POLL)()
         self._staging = IdStaging()  # used under self._lock
         # The submit call without ctypes, where the extension builds (native.py).
@@ -214,7 +239,11 @@ class NativeCPUTransferWorker(TransferWorker):
         self._ext_submit = ext.submit if ext is not None else None
         self._submit_fn = ctypes.cast(lib.kvt_engine_submit_ids, ctypes.c_void_p).value
         # A null hook pointer when there is no injector: the engine then never calls Python.
-        self._hook = _hook(weakref.ref(self)) if fault_injector is not None else BeforeHook()
+        self._hook = (
+            _hook(weakref.ref(self), self._engine_ident)
+            if fault_injector is not None
+            else BeforeHook()
+        )
         # With a core to spare for the submitting thread, 512 KiB jobs gain from a split;
         # without one, the copy threads and a burst of submits share the cores, and on the
         # 2-core machine splitting jobs under 2 MiB made them slower.
@@ -241,18 +270,25 @@ class NativeCPUTransferWorker(TransferWorker):
         self.avoid_submitter_cpu = avoid_submitter_cpu and not cpus
         """Whether the engine's thread keeps off the submitting thread's CPU (not with
         `copy_cpus`; Linux, where the process may use two CPUs or more)."""
-        self._finalizer = weakref.finalize(self, _release, lib, handle, self._hook)
         # The engine's thread may call the fault injector: stop it before the interpreter goes.
-        atexit.register(self.shutdown)
+        self._at_exit = shutdown_at_exit(self)
+        keep = (self._tables, self._ctx_keep, self._live, pool, registration)
+        self._finalizer = weakref.finalize(
+            self, _release, lib, handle, self._hook, self._engine_ident, keep
+        )
 
     @property
     def shared_jobs(self) -> int:
         """Jobs copied so far in a waiter's backlog shared over the copy threads."""
         return int(self._lib.kvt_engine_shared_jobs(self._engine))
 
+    @property
+    def _engine_thread(self) -> int | None:
+        """The engine's thread's id, once it has called the fault injector."""
+        return self._engine_ident[0] or None
+
     def _before(self, job_id: int) -> int:
         """The engine's hook: run the fault injector; an exception fails the job."""
-        self._engine_thread = threading.get_ident()
         live = self._live.get(job_id)
         try:
             assert self._fault_injector is not None
@@ -396,7 +432,7 @@ class NativeCPUTransferWorker(TransferWorker):
     def shutdown(self) -> None:
         """Let the running job finish, stop the threads, then report queued jobs failed (after
         the running one, so that results stay in submission order)."""
-        atexit.unregister(self.shutdown)
+        atexit.unregister(self._at_exit)
         with self._lock:
             if self._closed:
                 return

@@ -9,7 +9,9 @@ raised is reported `success=False`, never as done; each job is reported exactly 
 
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from numbers import Integral
@@ -74,6 +76,25 @@ class IdStaging:
         self.buf[:na] = a
         self.buf[na : na + nb] = b
         return self.address, self.address + 8 * na
+
+
+def shutdown_at_exit(worker: TransferWorker) -> Callable[[], None]:
+    """Have `worker.shutdown()` run at interpreter exit if the worker is still alive then;
+    returns the registered hook, for `atexit.unregister`. A copy still running while the
+    interpreter tears torch down aborts the process ("terminate called without an active
+    exception"). The hook holds the worker weakly, and goes when the worker is collected:
+    registering `worker.shutdown` itself kept every worker, its thread and its memory alive
+    until exit."""
+
+    def hook() -> None:
+        alive = ref()
+        if alive is not None:
+            alive.shutdown()
+
+    unregister = atexit.unregister  # bound now: a late collection may find module globals gone
+    ref = weakref.ref(worker, lambda _: unregister(hook))
+    atexit.register(hook)
+    return hook
 
 
 class TransferWorker(ABC):
