@@ -198,7 +198,7 @@ def _stub_worker_output(meta: Any) -> Any:
 
     if isinstance(meta, KVTierConnectorMetadata):
         step = meta.step
-        done = [(j.job_id, True) for j in step.loads] + [(j.job_id, True) for j in step.stores]
+        done = [(j.job_id, True, 0) for j in (*step.loads, *step.stores)]  # worker 0 of 1
         return KVConnectorOutput(
             finished_recving={j.req_id for j in step.loads},
             finished_sending=set(meta.held),
