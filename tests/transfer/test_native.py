@@ -140,19 +140,19 @@ def test_threads_at_first_use_all_get_the_library(
     monkeypatch.setattr(native, "_cached", native._UNSET)
     monkeypatch.setattr(native, "_cached_extension", native._UNSET)
     start = threading.Barrier(4)
-    got: list[object] = []
+    got: list[tuple[object, bool]] = []
 
     def first_use() -> None:
         start.wait(5)
-        got.append(native.library())
-        got.append(native.submit_extension() is not None)
+        lib = native.library()
+        got.append((lib, native.submit_extension() is not None))  # one append: no interleaving
 
     threads = [threading.Thread(target=first_use) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(300)
-    libs, exts = got[0::2], got[1::2]
+    libs, exts = [lib for lib, _ in got], [ext for _, ext in got]
     assert len(libs) == 4 and all(lib is not None for lib in libs)
     assert native.library() is libs[0] and len(set(map(id, libs))) == 1
     assert len(set(exts)) == 1, "threads disagree on the submit extension"
