@@ -313,3 +313,15 @@ def test_chunk_keys_use_each_full_chunks_last_block_hash() -> None:
 def test_chunk_keys_bad_input(bpc: int, gidx: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         chunk_keys([], bpc, gidx)
+
+
+@pytest.mark.parametrize("bare", ["ab", b"ab", bytearray(b"ab"), memoryview(b"ab")])
+def test_a_bare_str_or_bytes_is_not_one_extra_key_per_character(bare: Any) -> None:
+    # A salt or LoRA name passed as the whole `extra_keys` would be split into one key per
+    # character (or byte): salts "ab" and "ac" would then share their first block's hash.
+    h = BlockHasher(2)
+    with pytest.raises(TypeError, match="one entry per block"):
+        h.hash_blocks([1, 2, 3, 4], extra_keys=bare)
+    # The intended spelling still works, and keeps different salts apart from the first block.
+    ab, ac = h.hash_blocks([1, 2, 3, 4], ["ab"] * 2), h.hash_blocks([1, 2, 3, 4], ["ac"] * 2)
+    assert ab[0] != ac[0]

@@ -187,8 +187,12 @@ class BlockHasher:
             )
         extras: list[bytes] | None = None
         if extra_keys is not None:
-            if not isinstance(extra_keys, (Sequence, np.ndarray)):
-                # A set or dict has no block order; a generator has no length.
+            if not isinstance(extra_keys, (Sequence, np.ndarray)) or isinstance(
+                extra_keys, (str, bytes, bytearray, memoryview)
+            ):
+                # A set or dict has no block order; a generator has no length; a bare str or
+                # bytes would be one key per character, so salts "ab" and "ac" would share
+                # their first block's hash.
                 raise TypeError(
                     f"extra_keys has type {type(extra_keys).__name__}; expected a list with "
                     "one entry per block"
