@@ -4,10 +4,12 @@ import pytest
 from kvtier.base import (
     BlockIDsLoadStoreSpec,
     ReqContext,
+    checked_int,
     get_offload_block_hash,
     get_offload_group_idx,
     make_offload_key,
 )
+from kvtier.cpu import CPUOffloadingManager
 
 
 def test_offload_key_round_trip() -> None:
@@ -56,3 +58,13 @@ def test_req_context_positions() -> None:
     ctx = ReqContext("r", key_positions={k: 32})
     assert ctx.position(k) == 32
     assert ctx.position(make_offload_key(b"g", 0)) is None
+
+
+@pytest.mark.parametrize("bad", [np.array(2.0), np.array([2]), np.zeros((1, 1), dtype=np.int64)])
+def test_checked_int_refuses_array_likes_with_a_value_error_naming_them(bad: object) -> None:
+    # They have __index__, which raises a TypeError that names neither the argument nor the value.
+    with pytest.raises(ValueError, match="num_slots="):
+        checked_int("num_slots", bad)
+    with pytest.raises(ValueError, match="num_slots="):
+        CPUOffloadingManager(bad)  # type: ignore[arg-type]
+    assert checked_int("num_slots", np.array(3)) == 3

@@ -229,9 +229,11 @@ def checked_int(name: str, value: object, minimum: int = 1) -> int:
     Anything with `__index__` counts (numpy ints, 0-d integer tensors); a float (even 2.0), a
     bool or NaN is refused rather than rounded: a count given as one is a caller's mistake,
     and NaN would disable every comparison with it."""
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise ValueError(f"{name}={value!r} is invalid; expected an integer >= {minimum}")
-    n = operator.index(value)
-    if n < minimum:
+    try:
+        # TypeError: no __index__, or an array or tensor that is not one integer.
+        n = None if isinstance(value, bool) else operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        n = None
+    if n is None or n < minimum:
         raise ValueError(f"{name}={value!r} is invalid; expected an integer >= {minimum}")
     return n
