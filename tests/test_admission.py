@@ -1,10 +1,11 @@
 import random
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
-from helpers import keys
+from helpers import key, keys
 from kvtier.admission import (
     AdmissionPolicy,
     AlwaysAdmit,
@@ -196,3 +197,70 @@ def test_custom_admission_with_and_without_preview(previews: bool) -> None:
     expected = ["preview", "admit", "preview"] if previews else ["admit", "admit"]
     assert policy.calls == expected
     assert mgr.get_stats().stores_skipped == 1
+
+
+class TrackerModel:
+    """Reuse admission spelled out: distinct requests per key, most recently offered kept."""
+
+    def __init__(self, threshold: int, size: int) -> None:
+        self.threshold, self.size = threshold, size
+        self.seen: OrderedDict[OffloadKey, set[str]] = OrderedDict()
+
+    def preview(self, keys: list[OffloadKey], req: str) -> list[OffloadKey]:
+        return [k for k in keys if k in self.seen and len(self.seen[k] | {req}) >= self.threshold]
+
+    def record(self, keys: list[OffloadKey], req: str) -> None:
+        offer = list(dict.fromkeys(keys))
+        for k in keys:  # a key offered twice ends where its last offer puts it
+            if k in self.seen:
+                self.seen[k].add(req)
+                self.seen.move_to_end(k)
+        for k in [k for k in offer if k not in self.seen]:
+            if len(self.seen) >= self.size:
+                older = next((o for o in self.seen if o not in offer), None)
+                if older is None:
+                    break  # the offer's own entries are never dropped for each other
+                del self.seen[older]
+            self.seen[k] = {req}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_reuse_admission_agrees_with_a_model(seed: int) -> None:
+    rng = random.Random(seed)
+    threshold, size = rng.choice([2, 3, 4]), rng.choice([1, 3, 8, 1000])
+    policy, model = ReuseAdmission(threshold, size), TrackerModel(threshold, size)
+    universe = [key(i) for i in range(20)]
+    for _ in range(2000):
+        req = f"r{rng.randrange(6)}"
+        ctx = ReqContext(req)
+        offer = [rng.choice(universe) for _ in range(rng.randint(0, 6))]  # repeats allowed
+        op = rng.random()
+        want = model.preview(offer, req)
+        if op < 0.3:
+            assert policy.preview(offer, ctx) == want
+        elif op < 0.6:
+            policy.record(offer, ctx)
+            model.record(offer, req)
+        elif op < 0.98:
+            assert policy.admit(offer, ctx) == want
+            model.record(offer, req)
+        else:
+            policy.clear()
+            model.seen.clear()
+        assert list(policy._seen) == list(model.seen)  # same keys, same age order
+        assert policy.table_sizes()["tracker"] <= size
+        for k, ids in policy._seen.items():
+            # Per request, and bounded: at most `threshold` distinct ids, all real offerers.
+            assert len(ids) == len(set(ids)) <= threshold
+            assert set(ids) <= model.seen[k]
+
+
+def test_reuse_threshold_counts_requests_not_offers_through_the_manager() -> None:
+    m = CPUOffloadingManager(4, store_threshold=3)
+    a = [key(1)]
+    for _ in range(5):  # one request offering again and again never reaches 3
+        out = m.prepare_store(a, ReqContext("r1"))
+        assert out is not None and out.keys_to_store == []
+    assert m.prepare_store(a, ReqContext("r2")).keys_to_store == []  # type: ignore[union-attr]
+    assert m.prepare_store(a, ReqContext("r1")).keys_to_store == []  # type: ignore[union-attr]
+    assert m.prepare_store(a, ReqContext("r3")).keys_to_store == a  # type: ignore[union-attr]
