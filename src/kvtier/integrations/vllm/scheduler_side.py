@@ -84,6 +84,9 @@ class KVTierSchedulerSide:
         # Requests whose load failed: vLLM recomputes them, so kvtier must not offer the same
         # chunks again (that would fail the same way, forever).
         self._load_failed: set[str] = set()
+        # Preemptions (vLLM's `Request.num_preemptions`) already handed to the scheduler, for
+        # requests preempted at least once.
+        self._preemptions: dict[str, int] = {}
         logger.info(
             "kvtier: scheduler side ready: %d host slots of %d blocks x %d tokens "
             "(%.2f GiB), cache policy %s, %d KV-cache group(s), %d worker(s), KV events %s",
@@ -117,6 +120,8 @@ class KVTierSchedulerSide:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Tokens kvtier can load (asynchronously); `(None, False)` means ask again."""
+        if request.num_preemptions:
+            self._note_preemption(request)
         if self._load_failed and request.request_id in self._load_failed:
             return 0, False
         n = self.scheduler.get_num_new_matched_tokens(request.request_id, num_computed_tokens)
@@ -140,8 +145,9 @@ class KVTierSchedulerSide:
         sched = self.scheduler
         requests = self._requests
         for req_id in scheduler_output.preempted_req_ids or ():
-            if req_id in requests:
-                sched.request_preempted(req_id)
+            request = requests.get(req_id)
+            if request is not None:
+                self._note_preemption(request)
         get = self._get_block_ids
         if get is None:
             raise RuntimeError("bind_block_ids() was not called before the first step")
@@ -196,11 +202,30 @@ class KVTierSchedulerSide:
         req_id = request.request_id
         if self._requests.pop(req_id, None) is None:
             return False
+        if request.num_preemptions:
+            # A request preempted by a reset and aborted before the next step: vLLM freed its
+            # blocks at the preemption, so holding them now holds nothing; its jobs in flight
+            # go into the next step's wait_for instead.
+            self._note_preemption(request)
+            self._preemptions.pop(req_id, None)
         self._load_failed.discard(req_id)
         hold = self.scheduler.request_finished(req_id)
         if hold and req_id not in self._loading:
             self._held.append(req_id)
         return hold
+
+    def _note_preemption(self, request: Request) -> None:
+        """Hand a preemption to the scheduler as soon as kvtier can see it.
+
+        vLLM lists a request preempted by `reset_prefix_cache(reset_running_requests=True)`,
+        which runs between steps, only in the next step's `preempted_req_ids`, after that
+        step's scheduling pass. By then the request may have been admitted again (its load
+        planned in that pass must not be cancelled as a pre-preemption job) or finished (its
+        jobs in flight must still be waited for): both are seen here first."""
+        n = request.num_preemptions
+        if n != self._preemptions.get(request.request_id, 0):
+            self._preemptions[request.request_id] = n
+            self.scheduler.request_preempted(request.request_id)
 
     def has_held(self) -> bool:
         """Whether finished requests still hold blocks until their stores finish."""
