@@ -488,6 +488,60 @@ def test_each_worker_reports_a_job_once(vllm_loaded: None) -> None:
     assert side.manager.get_stats().ready == 4
 
 
+def test_a_refused_report_leaves_both_halves_agreeing(vllm_loaded: None) -> None:
+    """Reports are applied one worker at a time, each with the connector's own count of the
+    load's reports: a refused worker leaves no load counted by one half and not the other."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    from kvtier.integrations.vllm.metadata import KVTierWorkerMetadata
+
+    engine = make_engine("KVTierConnector", EXTRA, with_worker=False, tensor_parallel_size=2)
+    side = kvtier_side(engine)
+
+    def step(report: Callable[[Any], list[tuple[int, bool, int]]]) -> Any:
+        so = engine.scheduler.schedule()
+        meta = so.kv_connector_metadata
+        req_ids = list(so.num_scheduled_tokens)
+        out = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[[7] for _ in req_ids],
+            kv_connector_output=KVConnectorOutput(
+                finished_recving={j.req_id for j in meta.step.loads},
+                finished_sending=set(meta.held),
+                kv_connector_worker_meta=KVTierWorkerMetadata(report(meta.step)),
+            ),
+        )
+        for eo in engine.scheduler.update_from_output(so, out).values():
+            engine.finished.update(o.request_id for o in eo.outputs if o.finish_reason)
+        return meta.step
+
+    def every_job_once_per_worker(s: Any) -> list[tuple[int, bool, int]]:
+        return [(j.job_id, True, w) for j in (*s.loads, *s.stores) for w in (0, 1)]
+
+    engine.add("a", PROMPT, max_tokens=1)
+    while "a" not in engine.finished or engine.scheduler.has_requests():
+        step(every_job_once_per_worker)
+    assert engine.scheduler.reset_prefix_cache()
+    engine.add("b", [*PROMPT, 4], max_tokens=1)
+    loads: list[Any] = []
+    while not loads:  # b's load, reported by neither worker yet
+        loads = list(step(lambda s: []).loads)
+    (load,) = loads
+    assert side._loads[load.job_id] == ["b", 2]
+
+    # Worker 0 reports the load; worker 1 reports it twice and is refused.
+    bad = KVTierWorkerMetadata([(load.job_id, True, 0), *[(load.job_id, True, 1)] * 2])
+    with pytest.raises(ValueError, match="already reported by worker 1"):
+        side.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=bad))
+    assert side._loads[load.job_id] == ["b", 1]  # worker 0's report, counted by both halves
+    side.update_connector_output(
+        KVConnectorOutput(kv_connector_worker_meta=KVTierWorkerMetadata([(load.job_id, True, 1)]))
+    )
+    assert not side._loads and not side._loading
+    assert side.scheduler.num_jobs_in_flight() == 0
+
+
 def test_worker_reports_carry_its_rank_within_the_engine(vllm_loaded: None) -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole

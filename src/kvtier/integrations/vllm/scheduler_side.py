@@ -175,27 +175,32 @@ class KVTierSchedulerSide:
         by_worker: dict[int, list[TransferResult]] = {}
         for job_id, ok, rank in meta.results:
             by_worker.setdefault(rank, []).append(TransferResult(job_id, ok))
+        # One worker's reports at a time, each applied whole with its bookkeeping here, so a
+        # report refused (a worker's bug) leaves both halves agreeing on what is in flight.
         for rank, results in by_worker.items():
             self.scheduler.on_worker_results(results, worker=rank)
-        if self._loads:
-            for job_id, ok, _ in meta.results:
-                entry = self._loads.get(job_id)
-                if entry is None:
-                    continue
-                if not ok and entry[0] in self._requests:
-                    # Only a live request is offered hits again; one aborted during its load
-                    # has had its request_finished, which would never drop the entry.
-                    self._load_failed.add(entry[0])
-                entry[1] -= 1
-                if entry[1] == 0:
-                    del self._loads[job_id]
-                    left = self._loading[entry[0]] - 1
-                    if left:
-                        self._loading[entry[0]] = left
-                    else:
-                        del self._loading[entry[0]]
+            if self._loads:
+                self._count_load_reports(results)
         # vLLM hears about finished requests from the workers' get_finished.
         self.scheduler.take_finished()
+
+    def _count_load_reports(self, results: list[TransferResult]) -> None:
+        for r in results:
+            entry = self._loads.get(r.job_id)
+            if entry is None:
+                continue
+            if not r.success and entry[0] in self._requests:
+                # Only a live request is offered hits again; one aborted during its load has
+                # had its request_finished, which would never drop the entry.
+                self._load_failed.add(entry[0])
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._loads[r.job_id]
+                left = self._loading[entry[0]] - 1
+                if left:
+                    self._loading[entry[0]] = left
+                else:
+                    del self._loading[entry[0]]
 
     def request_finished(self, request: Request) -> bool:
         """True when vLLM must keep the request's blocks until the workers report it."""
