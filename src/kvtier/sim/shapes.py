@@ -89,9 +89,10 @@ def parse_capacity(
 ) -> tuple[int, float]:
     """Turn a capacity spec into `(blocks, share of the trace's unique blocks)`.
 
-    `"5%"` is a share of `unique_blocks` (rounded to the nearest block, and up to one block if
-    the share is above 0 and the trace has blocks), `"20000"` a block count, `"64GiB"` (or GB,
-    MiB, …) a byte size divided by `block_bytes` (rounded down), which needs a model shape.
+    `"5%"` is a share of `unique_blocks` (rounded to the nearest block, a tie to the even one,
+    and up to one block if the share is above 0 and the trace has blocks), `"20000"` a block
+    count, `"64GiB"` (or GB, MiB, …) a byte size divided by `block_bytes` (rounded down), which
+    needs a model shape.
     Every capacity is at least one block; with `allow_zero` (a device cache) a spec of zero
     (`"0"`, `"0%"`, `"0GiB"`) gives 0 blocks.
     """
@@ -104,10 +105,9 @@ def parse_capacity(
     digits, unit = m.group(1), (m.group(2) or "")
     exact = Fraction(digits)
     if unit == "%":
-        try:
-            blocks = round(unique_blocks * float(digits) / 100)
-        except OverflowError:  # a share beyond float range: exact arithmetic instead
-            blocks = round(exact * unique_blocks / 100)
+        # Exact arithmetic: in floats a tie such as 4.4% of 375 blocks (16.5) can land on
+        # either side and round away from the even neighbour that every other tie goes to.
+        blocks = round(exact * unique_blocks / 100)
         if blocks == 0 and exact > 0:
             blocks = min(1, unique_blocks)
     elif not unit:
