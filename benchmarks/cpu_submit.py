@@ -66,8 +66,8 @@ def bench_case(
             w = NativeCPUTransferWorker(reg, pool, avoid_submitter_cpu=avoid)
             variants[name] = (w, w._ext_submit)
     else:
-        for name, share in (("shared", True), ("alone", False)):
-            w = NativeCPUTransferWorker(reg, pool, share_backlog=share)
+        for name, shared in (("shared", True), ("alone", False)):
+            w = NativeCPUTransferWorker(reg, pool, share_backlog=shared)
             variants[name] = (w, w._ext_submit)
 
     def ceiling(direction: str) -> float:

@@ -21,17 +21,47 @@ import bisect
 import itertools
 import json
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from _cli import require_writable
 from kvtier.policies import registered_policies
 from policy_hit_ratios import FRACTIONS, as_trace, replay
 from policy_stress import ChainIds
 
-Draw = tuple[list[list[int]], dict[str, Any]]
+# A trace and the parameters that drew it (a JSON record, different for each family).
+Draw = tuple[list[list[int]], Mapping[str, Any]]
+
+
+class PrefixParams(TypedDict):
+    prefixes: int
+    prefix_blocks: int
+    zipf: float
+    drift: float
+    own_blocks: int
+
+
+class ChatParams(TypedDict):
+    live: int
+    system_blocks: int
+    first_blocks: int
+    turn_blocks: int
+    end: float
+    skew: float
+
+
+class DocumentParams(TypedDict):
+    live: int
+    blocks: tuple[int, int]
+    questions: tuple[int, int]
+
+
+class LoopParams(TypedDict):
+    loop_requests: int
+    request_blocks: int
+    loop_share: float
 
 
 def _zipf(rng: random.Random, n: int, a: float) -> Callable[[], int]:
@@ -40,10 +70,10 @@ def _zipf(rng: random.Random, n: int, a: float) -> Callable[[], int]:
     return lambda: bisect.bisect_left(cum, rng.random() * cum[-1])
 
 
-def prefixes(rng: random.Random, accesses: int) -> Draw:
+def prefixes(rng: random.Random, accesses: int) -> tuple[list[list[int]], PrefixParams]:
     """Zipf-popular shared prefixes, each request ending in a few blocks of its own; the
     popularity ranking may drift to new prefixes."""
-    p = {
+    p: PrefixParams = {
         "prefixes": rng.choice([20, 100, 500, 2000]),
         "prefix_blocks": rng.randint(1, 30),
         "zipf": round(rng.uniform(0.3, 1.3), 2),
@@ -66,12 +96,14 @@ def prefixes(rng: random.Random, accesses: int) -> Draw:
     return out, p
 
 
-def chat(rng: random.Random, accesses: int, *, agent: bool = False) -> Draw:
+def chat(
+    rng: random.Random, accesses: int, *, agent: bool = False
+) -> tuple[list[list[int]], ChatParams]:
     """Live sessions behind a shared system prompt; a turn resends the session's context and
     adds its reply and the next message. Sessions end after any turn with a fixed chance. Chat
     picks the next speaker with a skew toward the longest-lived sessions; agents rotate
     through a few sessions with short turns."""
-    p = {
+    p: ChatParams = {
         "live": rng.choice([3, 8, 20, 60] if agent else [2, 4, 10, 40, 200, 1000]),
         "system_blocks": rng.randint(0, 8),
         "first_blocks": rng.randint(1, 60),
@@ -103,9 +135,9 @@ def chat(rng: random.Random, accesses: int, *, agent: bool = False) -> Draw:
     return out, p
 
 
-def documents(rng: random.Random, accesses: int) -> Draw:
+def documents(rng: random.Random, accesses: int) -> tuple[list[list[int]], DocumentParams]:
     """Documents in use a few at a time, each asked about a few times and then dropped."""
-    p = {
+    p: DocumentParams = {
         "live": rng.choice([1, 3, 5, 10, 30]),
         "blocks": (rng.randint(5, 50), rng.randint(50, 400)),
         "questions": (1, rng.randint(2, 10)),
@@ -130,10 +162,10 @@ def documents(rng: random.Random, accesses: int) -> Draw:
     return out, p
 
 
-def loop(rng: random.Random, accesses: int) -> Draw:
+def loop(rng: random.Random, accesses: int) -> tuple[list[list[int]], LoopParams]:
     """A fixed cycle of requests (a scan longer or shorter than the cache), interleaved with
     one-off requests of the same size."""
-    p = {
+    p: LoopParams = {
         "loop_requests": rng.randint(10, 300),
         "request_blocks": rng.randint(1, 50),
         "loop_share": round(rng.uniform(0.1, 0.9), 2),

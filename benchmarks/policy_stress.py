@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +28,9 @@ class ChainIds:
     """Chained block ids: a block is named by its parent's id and its own tag."""
 
     def __init__(self) -> None:
-        self._ids: dict[tuple[int, object], int] = {}
+        self._ids: dict[tuple[int, Hashable], int] = {}
 
-    def chain(self, tags: list[object], parent: int = 0) -> list[int]:
+    def chain(self, tags: Sequence[Hashable], parent: int = 0) -> list[int]:
         out = []
         for tag in tags:
             parent = self._ids.setdefault((parent, tag), len(self._ids) + 1)

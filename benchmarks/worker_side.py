@@ -20,6 +20,7 @@ import hashlib
 import json
 import statistics
 import time
+from typing import TypedDict
 
 import numpy as np
 import torch
@@ -31,6 +32,13 @@ from _cli import positive_int, progress, require_writable
 from kvtier.connector import OffloadingScheduler, OffloadingWorker, StepProgress
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor, make_transfer_worker
+
+
+class _CudaOptions(TypedDict, total=False):
+    """What `make_transfer_worker` takes on CUDA beyond the registration and the pool."""
+
+    copy_mode: str
+    compiled: bool | None
 
 
 def _hashes(name: str, n: int) -> list[bytes]:
@@ -56,7 +64,7 @@ class Rig:
         self.page_bytes = reg.page_bytes(0)
         num_slots = args.requests * blocks_per_req // args.blocks_per_chunk
         self.pool = HostPool(reg, args.blocks_per_chunk, num_slots=num_slots)
-        kwargs: dict[str, object] = {}
+        kwargs: _CudaOptions = {}
         if device.type == "cuda":
             compiled = {"auto": None, "compiled": True}.get(args.cuda_path, False)
             kwargs = {"copy_mode": args.copy_mode, "compiled": compiled}
@@ -64,6 +72,7 @@ class Rig:
         self.worker = OffloadingWorker(self.transfer)
         self.blocks_per_req = blocks_per_req
         self.round = 0
+        self._scratch: torch.Tensor | None = None  # device side of `ceiling`'s copy
 
     def wave(self, load: bool) -> tuple[int, float]:
         """Admit every request, run one step; returns (bytes moved, seconds)."""
@@ -111,7 +120,7 @@ class Rig:
 
     def ceiling(self, nbytes: int, store: bool) -> float:
         """One contiguous copy of `nbytes` between the device tensors and the pool."""
-        if getattr(self, "_scratch", None) is None or self._scratch.numel() < nbytes:
+        if self._scratch is None or self._scratch.numel() < nbytes:
             self._scratch = torch.ones(nbytes, dtype=torch.uint8, device=self.device)
         dev = self._scratch[:nbytes]
         host = self.pool.tensor.view(-1)[:nbytes]
@@ -208,8 +217,8 @@ def main(argv: list[str] | None = None) -> None:
     for col in ("direction", "GiB/wave", "GB/s", "ceiling GB/s", "ratio"):
         table.add_column(col, justify="right")
     for r in rows:
-        g, c = float(r["gbps"]), float(r["ceiling_gbps"])  # type: ignore[arg-type]
-        table.add_row(str(r["direction"]), f"{int(r['bytes_per_wave']) / 2**30:.2f}",  # type: ignore[call-overload]
+        g, c = float(r["gbps"]), float(r["ceiling_gbps"])
+        table.add_row(str(r["direction"]), f"{int(r['bytes_per_wave']) / 2**30:.2f}",
                       f"{g:.2f}", f"{c:.2f}", f"{g / c:.0%}")  # fmt: skip
     Console().print(table)
     if args.json:

@@ -18,7 +18,7 @@ from kvtier.sim.trace import Request
 
 
 def _request(i: int, n: int) -> Request:
-    keys: list[OffloadKey] = [bytes([i, j]) for j in range(n)]
+    keys = [OffloadKey(bytes([i, j])) for j in range(n)]
     return Request(req_id=str(i), keys=keys, input_length=512 * n, block_tokens=512)
 
 

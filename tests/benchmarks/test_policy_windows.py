@@ -18,7 +18,7 @@ from kvtier.sim.trace import Request
 
 
 def _requests(n: int) -> list[Request]:
-    keys: list[OffloadKey] = [b"k"]
+    keys = [OffloadKey(b"k")]
     return [Request(str(i), keys, input_length=512, block_tokens=512) for i in range(n)]
 
 

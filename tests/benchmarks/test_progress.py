@@ -29,6 +29,7 @@ def test_policy_hit_ratios_counts_its_replays(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import policy_hit_ratios
+    from kvtier.policies import registered_policies
 
     monkeypatch.setattr(policy_hit_ratios, "TRACE", _trace(tmp_path / "t.jsonl"))
     monkeypatch.setattr(policy_hit_ratios, "_TRACES", {})
@@ -37,7 +38,7 @@ def test_policy_hit_ratios_counts_its_replays(
     monkeypatch.setattr(sys, "argv", argv)
     policy_hit_ratios.main()
     captured = capsys.readouterr()
-    tasks = len(policy_hit_ratios.registered_policies()) * len(policy_hit_ratios.FRACTIONS)
+    tasks = len(registered_policies()) * len(policy_hit_ratios.FRACTIONS)
     assert f"[{tasks}/{tasks} replays" in captured.err.splitlines()[-1]
     lru = json.loads(out.read_text())["trace"]["lru"]["hit_ratio"]
     assert "lru       " + "".join(f"{v:>9.2f}" for v in lru[:1]) in captured.out
@@ -112,9 +113,11 @@ def test_cuda_submit_reports_each_case(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     pytest.importorskip("torch")
+    import torch  # the module cuda_submit asks whether CUDA is available
+
     import cuda_submit
 
-    monkeypatch.setattr(cuda_submit.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(cuda_submit, "bench_case", lambda *args: [])
     cuda_submit.main(["--cases", "64x1", "256x16"])
     err = capsys.readouterr().err.splitlines()
@@ -156,8 +159,9 @@ def test_worker_side_reports_each_round(tmp_path: Path, capsys: pytest.CaptureFi
 def test_e2e_hf_reports_the_rounds_of_part_two() -> None:
     pytest.importorskip("transformers")
     import e2e_hf
+    from kvtier.integrations.hf.models import make_demo_model
 
-    model, _ = e2e_hf.make_demo_model("llama", 0)
+    model, _ = make_demo_model("llama", 0)
     lines: list[str] = []
     e2e_hf.bench_fresh(model, 32, 2, 3, 0, log=lines.append)
     assert lines == [f"nothing repeats: round {r} of 3 done" for r in (1, 2, 3)]

@@ -276,7 +276,7 @@ def test_custom_admission_object() -> None:
     for req in "abc":
         out = m.prepare_store(keys(1), ReqContext(req))
         assert out is not None
-    assert out.keys_to_store == keys(1)
+    assert out is not None and out.keys_to_store == keys(1)
 
 
 # -- bad arguments: a clear error and no change -------------------------------------------------
@@ -369,25 +369,26 @@ def test_complete_store_refuses_a_success_that_is_not_a_bool(policy_name: str, b
     assert snapshot(m) == before
     assert list(m.take_events()) == []
     assert m.lookup(key(1), CTX) is LookupResult.HIT_PENDING
-    m.complete_store(keys(1), CTX, np.bool_(True))  # a numpy bool is a bool
+    m.complete_store(keys(1), CTX, np.bool_(True))  # type: ignore[arg-type]  # a numpy bool is a bool
     assert m.lookup(key(1), CTX) is LookupResult.HIT
 
 
 def test_one_shot_iterators_of_keys_are_read_once(policy_name: str) -> None:
     m = CPUOffloadingManager(2, policy_name, enable_events=True)
-    out = m.prepare_store(iter(keys(1, 2)), CTX)
+    # Iterators are not the declared Collection: the manager must still read them once.
+    out = m.prepare_store(iter(keys(1, 2)), CTX)  # type: ignore[arg-type]
     assert out is not None
     # complete_store read its keys twice: slots became readable, unannounced, never evictable.
-    m.complete_store(iter(out.keys_to_store), CTX)
+    m.complete_store(iter(out.keys_to_store), CTX)  # type: ignore[arg-type]
     assert [e.keys for e in m.take_events()] == [keys(1, 2)]
     assert m.get_stats().stores == 2 and len(m.policy) == 2
     # prepare_load read its keys twice: slots were handed out with nothing pinned.
-    spec = m.prepare_load(iter(keys(1)), CTX)
+    spec = m.prepare_load(iter(keys(1)), CTX)  # type: ignore[arg-type]
     assert len(spec) == 1 and m.get_stats().pinned == 1
     # prepare_store read its keys again to protect the present ones while evicting.
-    out = m.prepare_store(iter(keys(1, 3)), CTX)
+    out = m.prepare_store(iter(keys(1, 3)), CTX)  # type: ignore[arg-type]
     assert out is not None and out.evicted_keys == keys(2)
-    m.complete_load(iter(keys(1)), CTX)
+    m.complete_load(iter(keys(1)), CTX)  # type: ignore[arg-type]
     assert m.get_stats().pinned == 0
 
 

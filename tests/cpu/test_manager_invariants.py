@@ -7,7 +7,14 @@ import random
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from helpers import key
 from kvtier.base import LookupResult, OffloadKey, ReqContext
@@ -141,9 +148,10 @@ class ManagerMachine(RuleBasedStateMachine):
 @pytest.mark.parametrize("policy", sorted(registered_policies()))
 def test_manager_contract(policy: str) -> None:
     machine = type(f"ManagerMachine_{policy}", (ManagerMachine,), {"policy": policy})
-    runner = machine.TestCase()
-    runner.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
-    runner.runTest()
+    # What machine.TestCase().runTest() does, with these settings in place of its own.
+    run_state_machine_as_test(
+        machine, settings=settings(max_examples=60, stateful_step_count=40, deadline=None)
+    )
 
 
 @pytest.mark.parametrize("policy", sorted(registered_policies()))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Iterable
 
 import numpy as np
 import pytest
@@ -42,7 +43,7 @@ def worker_cls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     return NativeCPUTransferWorker
 
 
-def _drain(worker: TransferWorker, ids: list[int]) -> list[TransferResult]:
+def _drain(worker: TransferWorker, ids: Iterable[int]) -> list[TransferResult]:
     worker.wait(ids)
     return worker.get_finished()
 
@@ -289,7 +290,11 @@ def test_submit_does_not_wait_for_copies(worker_cls: CPUWorker) -> None:
     reg = KVCacheRegistration(kvs)
     pool = HostPool(reg, 1, num_slots=8)
     gate = threading.Event()
-    with worker_cls(reg, pool, fault_injector=lambda j, d: gate.wait(5)) as w:
+
+    def held(job_id: int, direction: str) -> None:
+        gate.wait(5)
+
+    with worker_cls(reg, pool, fault_injector=held) as w:
         for j in range(5):
             w.submit_store(j, [j], [j])  # would hang here if submit waited for the copy
         assert w.get_finished() == []
@@ -333,11 +338,15 @@ def test_the_caller_may_reuse_its_id_arrays_at_once(worker_cls: CPUWorker) -> No
     reg = KVCacheRegistration([KVTensor(kv, 0)])
     pool = HostPool(reg, 1, num_slots=8)
     gate = threading.Event()
-    with worker_cls(reg, pool, fault_injector=lambda j, d: gate.wait(5)) as w:
+
+    def held(job_id: int, direction: str) -> None:
+        gate.wait(5)
+
+    with worker_cls(reg, pool, fault_injector=held) as w:
         blocks, slots = np.array([3, 4]), np.array([6, 7])
         w.submit_store(1, blocks, slots)
         dst = torch.tensor([10, 11])  # np.asarray of a tensor is a view of it
-        w.submit_load(2, [6, 7], dst)
+        w.submit_load(2, [6, 7], dst)  # type: ignore[arg-type]  # a tensor: not a declared form
         blocks[:], slots[:], dst[:] = torch.tensor([0, 1]), torch.tensor([0, 1]), 12
         gate.set()
         assert [r.success for r in _drain(w, [1, 2])] == [True, True]

@@ -66,7 +66,7 @@ def _round_trip(
         w.wait(range(3))
         results = w.get_finished()
         assert [r.job_id for r in results] == [0, 1, 2] and all(r.success for r in results)
-        expected = []
+        expected: list[tuple[np.int64, np.int64]] = []
         for j in range(3):
             skip = int(rng.integers(bpc))
             n = per_job - skip - (int(rng.integers(bpc)) if per_job - skip > bpc else 0)
@@ -297,12 +297,12 @@ def test_failed_job_on_cuda_is_reported_failed(pin: str) -> None:
 def test_without_the_compiled_engine_the_worker_falls_back_to_torch_ops(
     monkeypatch: pytest.MonkeyPatch, missing: str
 ) -> None:
-    from kvtier.transfer import cuda_engine
+    from kvtier.transfer import cuda_engine, nvrtc  # the nvrtc module cuda_engine calls
 
     if missing == "library":
         monkeypatch.setattr(cuda_engine, "library", lambda: None)
     else:
-        monkeypatch.setattr(cuda_engine.nvrtc, "cubin", lambda capability: None)
+        monkeypatch.setattr(nvrtc, "cubin", lambda capability: None)
     kvs = make_layout("flash", torch.float16, "cuda", seed=4)
     reg = KVCacheRegistration(kvs)
     pool = HostPool(reg, 1, num_slots=4)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import shutil
+import sysconfig
 import threading
 from pathlib import Path
 
@@ -177,14 +178,14 @@ def test_the_submit_extension_builds_into_the_cache_and_loads(
 def test_the_submit_extension_is_optional(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Without Python's headers, or with nowhere to build, submits go through ctypes."""
     monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
-    real = native.sysconfig.get_paths
+    real = sysconfig.get_paths  # the module `native` finds Python's headers with
 
     def no_headers() -> dict[str, str]:
         return {**real(), "include": str(tmp_path / "no-include")}
 
-    monkeypatch.setattr(native.sysconfig, "get_paths", no_headers)
+    monkeypatch.setattr(sysconfig, "get_paths", no_headers)
     assert native._load_extension() is None
-    monkeypatch.setattr(native.sysconfig, "get_paths", real)
+    monkeypatch.setattr(sysconfig, "get_paths", real)
     blocker = tmp_path / "file"
     blocker.write_text("a file where the cache directory should be")
     monkeypatch.setenv("KVTIER_CACHE_DIR", str(blocker / "sub"))

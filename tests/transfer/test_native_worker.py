@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -196,7 +197,11 @@ def test_the_caller_may_reuse_its_id_arrays_at_once() -> None:
     """The engine copies the ids it is given: the caller's arrays are free after submit."""
     kv, reg, pool = _setup()
     gate = threading.Event()
-    with NativeCPUTransferWorker(reg, pool, fault_injector=lambda j, d: gate.wait(5)) as w:
+
+    def held(job_id: int, direction: str) -> None:
+        gate.wait(5)
+
+    with NativeCPUTransferWorker(reg, pool, fault_injector=held) as w:
         blocks, slots = np.array([3, 4]), np.array([6, 7])
         w.submit_store(1, blocks, slots)
         blocks[:], slots[:] = [0, 1], [0, 1]  # before the copy runs
@@ -267,7 +272,7 @@ def test_many_split_jobs_in_flight_then_shutdown() -> None:
 
 
 @pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint16])
-def test_long_jobs_and_narrow_id_types(dtype: type) -> None:
+def test_long_jobs_and_narrow_id_types(dtype: type[np.integer[Any]]) -> None:
     """Ids of any integer width, in jobs longer than the reusable id buffer's first size."""
     kv = torch.arange(3000 * 16, dtype=torch.int32).view(3000, 16)  # 64-byte pages
     reg = KVCacheRegistration([KVTensor(kv, 0)])
@@ -393,7 +398,8 @@ def test_copy_cpus_caps_the_default_thread_count() -> None:
         assert len(_tasks() - before) == 1
     with NativeCPUTransferWorker(reg, pool) as w:
         assert w.copy_cpus is None
-    with NativeCPUTransferWorker(reg, pool, copy_cpus=np.array([0, 0])) as w:
+    # An array of numpy ints, outside the declared type: kept as Python ints.
+    with NativeCPUTransferWorker(reg, pool, copy_cpus=np.array([0, 0])) as w:  # type: ignore[arg-type]
         assert w.copy_cpus == (0,) and type(w.copy_cpus[0]) is int
 
 
@@ -479,10 +485,11 @@ def test_every_id_form_round_trips(
     with NativeCPUTransferWorker(reg, pool) as w:
         if submit_path == "extension" and read_in_c:
             w._submit_staged = None  # type: ignore[assignment,method-assign]  # must not be needed
-        w.submit_store(1, form([9, 4, 12, 1]), form([5, 2]))
+        # Some forms (torch tensors) are outside the declared id types, deliberately.
+        w.submit_store(1, form([9, 4, 12, 1]), form([5, 2]))  # type: ignore[arg-type]
         w.wait([1])
         kv.zero_()
-        w.submit_load(2, form([2, 5]), form([7, 3, 0]), skip_blocks=1)
+        w.submit_load(2, form([2, 5]), form([7, 3, 0]), skip_blocks=1)  # type: ignore[arg-type]
         w.wait([2])
         results = w.get_finished()
     assert [(r.job_id, r.success, r.bytes) for r in results] == [(1, True, 1024), (2, True, 768)]
@@ -558,7 +565,11 @@ def test_the_copy_thread_moves_at_once_when_the_submitter_moves_onto_its_cpu() -
     a, b = sorted(allowed)[:2]
     _, reg, pool = _small_rows(8, 6)
     gate = threading.Event()
-    hold = lambda j, d: gate.wait(5) if j == 2 else None  # noqa: E731
+
+    def hold(job_id: int, direction: str) -> None:
+        if job_id == 2:
+            gate.wait(5)
+
     before = _tasks()
     w = NativeCPUTransferWorker(reg, pool, copy_threads=1, fault_injector=hold)
     (engine,) = _tasks() - before

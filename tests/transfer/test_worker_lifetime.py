@@ -62,7 +62,7 @@ def _until(done: Callable[[], bool], seconds: float = 10.0) -> bool:
         time.sleep(0.01)
 
 
-def _gone(ref: weakref.ReferenceType[object], threads: set[int]) -> None:
+def _gone(ref: Callable[[], object], threads: set[int]) -> None:
     """Assert that the worker behind `ref` is collected and `threads` have ended."""
     assert _until(lambda: ref() is None), "the dropped worker was never collected"
     assert _until(lambda: not threads & _tasks()), "the dropped worker's threads still run"

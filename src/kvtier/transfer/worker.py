@@ -15,7 +15,7 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from numbers import Integral
-from typing import NamedTuple
+from typing import NamedTuple, Self
 
 import numpy as np
 import numpy.typing as npt
@@ -253,7 +253,7 @@ class TransferWorker(ABC):
         if job_id in self._unreported:
             raise ValueError(f"job_id={job_id} is already in flight or not yet reported")
 
-    def __enter__(self) -> TransferWorker:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

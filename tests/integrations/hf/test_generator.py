@@ -236,7 +236,7 @@ def test_transfer_cpus_place_the_copy_threads(model: Any) -> None:
         pytest.skip("the compiled engine cannot be built")
     cpu = max(os.sched_getaffinity(0))
     before = set(os.listdir("/proc/self/task"))
-    config = KVTierConfig(transfer_cpus=str(cpu))
+    config = KVTierConfig(transfer_cpus=str(cpu))  # type: ignore[arg-type]  # a CPU-list string
     with KVTierGenerator(model, config, block_size=BS, max_blocks=8) as gen:
         started = set(os.listdir("/proc/self/task")) - before
         assert isinstance(gen.transfer, NativeCPUTransferWorker)

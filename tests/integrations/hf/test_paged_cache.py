@@ -16,6 +16,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from transformers.cache_utils import CacheLayerMixin  # noqa: E402
+
 from kvtier.config import KVTierConfig  # noqa: E402
 from kvtier.integrations.hf.generator import KVTierGenerator  # noqa: E402
 from kvtier.integrations.hf.models import make_demo_model  # noqa: E402
@@ -90,6 +92,7 @@ def test_crop_then_update_rewrites_the_dropped_position(model: Any) -> None:
     # close, not bit-identical).
     assert _blocks_hold(buf, 0, ref.cache, 47)
     for t, layer in zip(buf.tensors, ref.cache.layers, strict=True):
+        assert isinstance(layer, CacheLayerMixin) and layer.keys is not None  # full attention
         k = t[0, :, :4].reshape(t.shape[1], 64, -1)[:, 47:50]
         assert (k - layer.keys[0, :, 47:50]).abs().max().item() <= 1e-4
 

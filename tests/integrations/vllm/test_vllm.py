@@ -388,10 +388,12 @@ def test_kvaware_counts_a_loaded_chunk_once_for_the_request_that_loaded_it(
     from vllm.v1.kv_offload.base import ReqContext, make_offload_key
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
+    from kvtier.integrations.vllm.policy import KVTierPolicyAdapter
     from kvtier.policies import KVAwarePolicy
 
     manager = CPUOffloadingManager(8, "kvtier_kvaware", "kvtier.integrations.vllm.policy")
     adapter = manager._policy
+    assert isinstance(adapter, KVTierPolicyAdapter)
     keys = [make_offload_key(f"k{i}".encode().ljust(32, b"."), 0) for i in range(2)]
     for req_id, load in (("a", False), ("b", True)):
         ctx = ReqContext(req_id)
@@ -546,15 +548,19 @@ def test_worker_reports_carry_its_rank_within_the_engine(vllm_loaded: None) -> N
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
+    from kvtier.integrations.vllm import KVTierConnector
+
     cfg = make_vllm_config("KVTierConnector", EXTRA, 64, MODULE, tensor_parallel_size=2)
     cfg.parallel_config.rank = 3  # the second worker of the second data-parallel engine
     kv_cache_config = make_kv_cache_config(64)
     worker = KVConnectorFactory.create_connector(
         config=cfg, role=KVConnectorRole.WORKER, kv_cache_config=kv_cache_config
     )
+    assert isinstance(worker, KVTierConnector) and worker.worker_side is not None
     assert worker.worker_side.rank == 1
     worker.worker_side._results.append((5, True, worker.worker_side.rank))
-    assert worker.build_connector_worker_meta().results == [(5, True, 1)]
+    meta = worker.build_connector_worker_meta()
+    assert meta is not None and meta.results == [(5, True, 1)]
 
 
 def test_overrides_and_type_imports_match_the_pinned_vllm(vllm_loaded: None) -> None:

@@ -16,6 +16,7 @@ import ctypes
 import sys
 import threading
 import types
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -82,7 +83,7 @@ def stand_in_for_the_gpu(pool: HostPool) -> None:
     fake._C = types.SimpleNamespace()  # type: ignore[attr-defined]  # no raw-stream call
     cuda_worker.torch = fake  # type: ignore[attr-defined]
     cuda_engine.torch = fake  # type: ignore[attr-defined]
-    nvrtc.cubin = lambda capability: b"image"  # type: ignore[assignment]
+    nvrtc.cubin = lambda capability: b"image"
 
 
 def main(depth: int) -> None:
@@ -104,9 +105,13 @@ def main(depth: int) -> None:
 
     # Stores through the extension (lists) and through ctypes (numpy scalars it does not read).
     w.submit_store(1, [0, 1, 2, 3], [0, 1])
-    w.submit_store(2, [np.int64(4), np.int64(5)], [np.int64(2)])
+    w.submit_store(2, [np.int64(4), np.int64(5)], [np.int64(2)])  # type: ignore[list-item]
     w.submit_store(3, np.arange(6, 10), np.array([3, 4]))
-    for bad in (lambda: w.submit_store(4, [10, 11], [12]), lambda: w.submit_store(3, [10], [5])):
+    bad_submits: tuple[Callable[[], None], ...] = (
+        lambda: w.submit_store(4, [10, 11], [12]),
+        lambda: w.submit_store(3, [10], [5]),
+    )
+    for bad in bad_submits:
         try:
             bad()
         except ValueError:
