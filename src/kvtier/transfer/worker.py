@@ -25,9 +25,10 @@ from kvtier.transfer.host_pool import HostPool
 from kvtier.transfer.plan import Direction, IdsLike, Job, JobPlanner
 from kvtier.transfer.registration import KVCacheRegistration
 
-FaultInjector = Callable[[int, str], None]
+FaultInjector = Callable[[int, str], object]
 """Test hook called as `f(job_id, "store" | "load")` just before a job's copies; raising fails
-that job the same way a failed copy would."""
+that job the same way a failed copy would. What it returns is ignored (so
+`lambda j, d: gate.wait(5)` will do)."""
 
 
 class SubmitCall(NamedTuple):
