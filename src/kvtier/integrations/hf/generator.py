@@ -27,7 +27,7 @@ import torch
 
 from kvtier.base import checked_int
 from kvtier.config import KVTierConfig
-from kvtier.connector import OffloadingScheduler, OffloadingWorker, StepProgress
+from kvtier.connector import OffloadingScheduler, OffloadingWorker, StepMetadata, StepProgress
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.hashing import BlockHasher
 from kvtier.integrations.hf.paged_cache import PagedKVBuffer
@@ -71,6 +71,23 @@ class GeneratorStats:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+def _prompt_ids(prompt: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """One prompt's token ids as a 1-D int64 CPU tensor (hashing reads them with numpy, and a
+    prompt may come on the model's GPU); a (1, seq_len) row counts as one prompt."""
+    ids = torch.as_tensor(prompt)
+    if ids.numel() == 0:
+        raise ValueError("prompt is empty; expected at least one token id")
+    if ids.ndim > 2 or (ids.ndim == 2 and ids.shape[0] != 1):
+        # Flattened, a batch would silently run as one prompt: the rows concatenated.
+        raise ValueError(
+            f"prompt has shape {tuple(ids.shape)}; expected one prompt's token ids, 1-D or "
+            "(1, seq_len); for several prompts call generate() with a list of them"
+        )
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(f"prompt has dtype {ids.dtype}; expected integer token ids")
+    return ids.reshape(-1).to(device="cpu", dtype=torch.int64)
+
+
 class KVTierGenerator:
     """Greedy generation for a transformers causal LM that reuses offloaded prefix blocks.
 
@@ -94,10 +111,19 @@ class KVTierGenerator:
         fault_injector: FaultInjector | None = None,
     ) -> None:
         config = config if config is not None else KVTierConfig()
+        max_blocks = checked_int("max_blocks", max_blocks)
         self.model = model
         self.config = config
         self.block_size = block_size
         self.hasher = BlockHasher(block_size, algorithm=config.hash_algorithm, namespace=namespace)
+        bpc = config.resolve_blocks_per_chunk(block_size)
+        if bpc > max_blocks:
+            # A request never holds more than max_blocks blocks, so no chunk would ever fill.
+            raise ValueError(
+                f"blocks_per_chunk={bpc} (a chunk of {bpc * block_size} tokens) is more than "
+                f"the page buffer holds, max_blocks={max_blocks}: no chunk could ever be "
+                f"stored; expected max_blocks >= {bpc}"
+            )
         device = next(model.parameters()).device
         self.kv = PagedKVBuffer(
             model.config, max_blocks, block_size, dtype=model.dtype, device=device
@@ -106,7 +132,6 @@ class KVTierGenerator:
         """Per layer, `(2, kv_heads, max_blocks, block_size, head_dim)`: the device KV."""
         self.max_blocks = max_blocks
         registration = self.kv.registration()
-        bpc = config.resolve_blocks_per_chunk(block_size)
         if config.cpu_bytes is not None:
             self.pool = HostPool(
                 registration, bpc, byte_budget=config.cpu_bytes, pin=config.pin_memory
@@ -143,10 +168,7 @@ class KVTierGenerator:
     ) -> GenerationResult:
         """Generate for one prompt: load its cached prefix, prefill the rest, store new blocks."""
         start = time.perf_counter()
-        # On the CPU: hashing reads the ids with numpy (a prompt may come on the model's GPU).
-        ids = torch.as_tensor(prompt, dtype=torch.int64).reshape(-1).cpu()
-        if ids.numel() == 0:
-            raise ValueError("prompt is empty; expected at least one token id")
+        ids = _prompt_ids(prompt)
         max_new_tokens = checked_int("max_new_tokens", max_new_tokens)
         # The cache ends up holding the prompt and every new token but the last.
         need = -(-(ids.numel() + max_new_tokens - 1) // self.block_size)
@@ -160,6 +182,7 @@ class KVTierGenerator:
         scheduler = self.scheduler
         scheduler.add_request(req_id, hashes, ids.numel())
         blocks = range(0)  # none yet
+        stores: StepMetadata | None = None
         try:
             hit = scheduler.get_num_new_matched_tokens(req_id, 0)
             while hit is None:  # a chunk of this prefix is still being written
@@ -180,25 +203,32 @@ class KVTierGenerator:
             cache = self.kv.cache(blocks.start, need, hit)
             device = self.pages[0].device
             out = generate_greedy(self.model, ids.unsqueeze(0).to(device), max_new_tokens, cache)
+
+            # Offer the request's full blocks to kvtier (reply blocks only if they may be stored).
+            held_tokens = int(out.cache.get_seq_length())
+            full = held_tokens // self.block_size
+            if full > len(hashes) and not self.config.offload_prompt_only:
+                # Continue the chain from the prompt's last full block: only the new blocks hash.
+                seq = torch.cat([ids, out.tokens[0].cpu()])
+                tail = seq[len(hashes) * self.block_size : full * self.block_size].numpy()
+                hashes.extend(self.hasher.hash_blocks(tail, parent=hashes[-1] if hashes else None))
+            stores = scheduler.build_step_metadata([StepProgress(req_id, [blocks], held_tokens)])
+            self.worker.start_step(stores)
+            self.worker.finish_step(stores)
         except BaseException:
-            # An error or interrupt anywhere before the stores (while waiting for a store, in
-            # the load, in the model) ends the request and frees its blocks, at once or when a
-            # load in flight ends; nothing is stored from a failed generation.
-            self._release(req_id, blocks)
+            # An error or interrupt anywhere (while waiting for a store, in the load, in the
+            # model, while the stores are planned or handed over) ends the request and frees
+            # its blocks, at once or when its transfers end. Before the stores are planned
+            # nothing is stored. Stores already planned hold reserved slots and pending keys
+            # that only their completion releases (a later prompt with this prefix would wait
+            # for them forever), so the worker gets every one of them: their KV is complete.
+            try:
+                if stores is not None:
+                    self.worker.finish_step(stores)  # skips the ones it already has
+            finally:
+                self._release(req_id, blocks)
             raise
         ttft = out.first_token_time - start
-
-        # Offer the request's full blocks to kvtier (reply blocks only if they may be stored).
-        held_tokens = int(out.cache.get_seq_length())
-        full = held_tokens // self.block_size
-        if full > len(hashes) and not self.config.offload_prompt_only:
-            # Continue the chain from the prompt's last full block: only the new blocks hash.
-            seq = torch.cat([ids, out.tokens[0].cpu()])
-            tail = seq[len(hashes) * self.block_size : full * self.block_size].numpy()
-            hashes.extend(self.hasher.hash_blocks(tail, parent=hashes[-1] if hashes else None))
-        meta = scheduler.build_step_metadata([StepProgress(req_id, [blocks], held_tokens)])
-        self.worker.start_step(meta)
-        self.worker.finish_step(meta)
         self._release(req_id, blocks)
 
         s = self.stats
