@@ -406,3 +406,31 @@ def test_one_named_report_with_a_job_twice_applies_nothing() -> None:
         assert s.num_jobs_in_flight() == 1
         s.on_worker_results([TransferResult(job.job_id, True)], worker=w)
     assert s.num_jobs_in_flight() == 0
+
+
+def test_a_load_ending_after_its_request_counts_as_that_requests_use() -> None:
+    """The policy hears of a request's end only when its last job ended: a load that outlives
+    its aborted request is the same use as the request's end-of-request touch, not another."""
+    from kvtier.policies import KVAwarePolicy
+
+    m = CPUOffloadingManager(8, cache_policy="kvaware")
+    s = OffloadingScheduler(m, tokens_per_block=4)
+    a = block_hashes("a", 2)
+    s.add_request("a", a, 9)
+    s.get_num_new_matched_tokens("a", 0)
+    stores = s.build_step_metadata([StepProgress("a", [[0, 1, 2]], 8)]).stores
+    s.on_worker_results([TransferResult(j.job_id, True) for j in stores])
+    s.request_finished("a")
+
+    s.add_request("b", block_hashes("b", 1, a), 13)
+    assert s.get_num_new_matched_tokens("b", 0) == 8
+    s.update_state_after_alloc("b", [[3, 4, 5, 6]], 8)
+    (load,) = s.build_step_metadata([]).loads
+    assert s.request_finished("b")  # aborted mid-load: its blocks are held
+    s.on_worker_results([TransferResult(load.job_id, True)])
+    assert s.num_requests() == 0
+    policy = m._policy
+    assert isinstance(policy, KVAwarePolicy)
+    keys = [make_offload_key(h, 0) for h in a]
+    # One use by "a" (its store) and one by "b" (its load), not a third for the late unpin.
+    assert [policy._sketch.estimate_key(bytes(k)) for k in keys] == [2, 2]
