@@ -10,6 +10,19 @@ vLLM resolves `eviction_policy` in its registry first, then as a class of the mo
 vLLM's manager keeps ref counts in its `ChunkStatus` objects and tells the policy when a chunk
 becomes evictable or not; the adapter maps that onto kvtier's insert / pin / unpin, so the
 kvtier policy orders exactly the evictable chunks, as it does under kvtier's own manager.
+
+vLLM completes a transfer job's keys one `mark_evictable` at a time, in the order of a `set`
+(`TransferJobStatus.keys`); kvtier's policies take a call's keys head first and order them by
+that (LRU keeps a prefix's head longest). The adapter therefore collects consecutive
+completions and hands each request's run to the kvtier policy in one call, head first by the
+request's token positions, before the policy is next asked or told anything.
+
+A kvtier unpin counts as a use. vLLM also pins chunks that no request reads: a tiering
+manager's cascade to a secondary tier (`prepare_read`), which must not change recency. The
+adapter therefore pins a chunk in the kvtier policy only once a request's access follows the
+pin (vLLM's `on_request_access`, which `prepare_load` makes right after pinning); until then
+the chunk stays a kvtier candidate that `evict` passes over as protected, and its unpin is no
+use.
 """
 
 from __future__ import annotations
@@ -47,7 +60,7 @@ class KVTierPolicyAdapter(VCachePolicy):
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
-        self.inner: CachePolicy = self.policy(cache_capacity)
+        self._inner: CachePolicy = self.policy(cache_capacity)
         self.chunks: dict[VOffloadKey, ChunkStatus] = {}
         # Chunks being written: they enter the kvtier policy when their store completes.
         self._pending: dict[VOffloadKey, ReqContext] = {}
@@ -55,6 +68,48 @@ class KVTierPolicyAdapter(VCachePolicy):
         # no request; the unpin of a load is then that request's use, which its end-of-request
         # touch does not count again (kvaware counts a chunk once per request).
         self._readers: dict[VOffloadKey, ReqContext] = {}
+        # Completions not yet given to the kvtier policy: (is_store, key, context), in vLLM's
+        # order. `_flush` hands them over, one call per run of one kind, request and group.
+        self._completed: list[tuple[bool, OffloadKey, ReqContext | None]] = []
+        # Chunks vLLM pinned that no request's access has claimed (a tiering cascade's read):
+        # kvtier candidates still, never victims, and their unpin is no use.
+        self._held: set[VOffloadKey] = set()
+
+    def _flush(self) -> None:
+        """Give the collected completions to the kvtier policy: stores as `insert`, loads as
+        `unpin`, each run of one request by group and head first (as kvtier's own connector
+        passes a job's keys), so that the order of vLLM's key sets does not decide what is
+        evicted first."""
+        completed = self._completed
+        if not completed:
+            return
+        self._completed = []
+        inner = self._inner
+        start = 0
+        for i in range(1, len(completed) + 1):
+            is_store, _, ctx = completed[start]
+            if i < len(completed) and completed[i][0] is is_store and completed[i][2] is ctx:
+                continue
+            keys = [key for _, key, _ in completed[start:i]]
+            start = i
+            if ctx is not None and len(keys) > 1:
+                positions = ctx.key_positions
+                if all(k in positions for k in keys):
+                    # kvtier's connector completes one job per KV-cache group (the 4 bytes
+                    # ending a key), its keys head first.
+                    keys.sort(key=lambda k: (k[-4:], positions[k]))
+            apply = inner.insert if is_store else inner.unpin
+            first = 0
+            for j in range(1, len(keys) + 1):
+                if j == len(keys) or keys[j][-4:] != keys[first][-4:]:
+                    apply(keys[first:j], ctx)
+                    first = j
+
+    @property
+    def inner(self) -> CachePolicy:
+        """The kvtier policy, up to date with every completion vLLM reported."""
+        self._flush()
+        return self._inner
 
     def get(self, key: VOffloadKey) -> ChunkStatus | None:
         return self.chunks.get(key)
@@ -62,27 +117,40 @@ class KVTierPolicyAdapter(VCachePolicy):
     def insert(self, key: VOffloadKey, chunk: ChunkStatus, req_context: VReqContext) -> None:
         self.chunks[key] = chunk
         if chunk.ref_cnt == 0:
-            self.inner.insert([OffloadKey(key)], _ctx(req_context))
+            self._flush()
+            self._inner.insert([OffloadKey(key)], _ctx(req_context))
         else:
             self._pending[key] = _ctx(req_context)
 
     def remove(self, key: VOffloadKey) -> None:
         del self.chunks[key]
         self._readers.pop(key, None)
+        self._held.discard(key)
         if self._pending.pop(key, None) is None:
-            self.inner.remove([OffloadKey(key)])
+            self._flush()
+            self._inner.remove([OffloadKey(key)])
 
     def touch(self, keys: Iterable[VOffloadKey], req_context: VReqContext) -> None:
-        self.inner.touch([OffloadKey(k) for k in keys], _ctx(req_context))
+        self._flush()
+        self._inner.touch([OffloadKey(k) for k in keys], _ctx(req_context))
 
     def on_store_miss(self, keys: Iterable[VOffloadKey], req_context: VReqContext) -> None:
         """kvtier policies learn from ghost hits when a key is inserted, not here."""
 
     def on_request_access(self, keys: Iterable[VOffloadKey], req_context: VReqContext) -> None:
-        chunks, readers, ctx = self.chunks, self._readers, _ctx(req_context)
+        chunks, readers, held, ctx = self.chunks, self._readers, self._held, _ctx(req_context)
+        loaded: list[OffloadKey] = []
         for k in keys:
             if k in chunks:
                 readers[k] = ctx
+                if k in held:
+                    # The pin just before is this request's load: kvtier pins it, and its
+                    # unpin will be the request's use.
+                    held.discard(k)
+                    loaded.append(OffloadKey(k))
+        if loaded:
+            self._flush()
+            self._inner.pin(loaded)
 
     def on_request_finished(
         self,
@@ -96,24 +164,28 @@ class KVTierPolicyAdapter(VCachePolicy):
         # as kvtier's own connector does at a request's end (head last, so most recent), or a
         # prefix served from the device cache would age as if never used.
         ctx = _ctx(req_context)
+        self._flush()
         if reused_keys:
             for keys in key_groups:
                 used = [OffloadKey(k) for k in keys if k in reused_keys]
                 if used:
-                    self.inner.touch(used, ctx)
+                    self._inner.touch(used, ctx)
         readers = self._readers
         for keys in key_groups:
             for k in keys:
                 if readers.get(k) is ctx:
                     del readers[k]
-        self.inner.on_request_finished(ctx)
+        self._inner.on_request_finished(ctx)
 
     def evict(
         self, n: int, protected: set[VOffloadKey]
     ) -> list[tuple[VOffloadKey, ChunkStatus]] | None:
         if n == 0:
             return []
-        victims = self.inner.evict(n, protected)  # type: ignore[arg-type]
+        self._flush()
+        if self._held:
+            protected = protected | self._held
+        victims = self._inner.evict(n, protected)  # type: ignore[arg-type]
         if victims is None:
             return None
         for k in victims:
@@ -124,18 +196,23 @@ class KVTierPolicyAdapter(VCachePolicy):
         self.chunks.clear()
         self._pending.clear()
         self._readers.clear()
-        self.inner.clear()
+        self._completed.clear()
+        self._held.clear()
+        self._inner.clear()
 
     def mark_evictable(self, key: VOffloadKey) -> None:
         ctx = self._pending.pop(key, None)
         if ctx is not None:
-            self.inner.insert([OffloadKey(key)], ctx)  # store completed
+            self._completed.append((True, OffloadKey(key), ctx))  # store completed
+        elif key in self._held:
+            self._held.discard(key)  # a read no request made: no use, no move
         else:
             # Last load completed: a use by the request that read it, where known.
-            self.inner.unpin([OffloadKey(key)], self._readers.get(key))
+            self._completed.append((False, OffloadKey(key), self._readers.get(key)))
 
     def mark_non_evictable(self, key: VOffloadKey) -> None:
-        self.inner.pin([OffloadKey(key)])
+        # Pinned in the kvtier policy when a request's access claims the read.
+        self._held.add(key)
 
 
 _ADAPTERS: dict[str, type[KVTierPolicyAdapter]] = {}
