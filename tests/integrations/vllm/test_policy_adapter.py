@@ -341,3 +341,11 @@ def test_a_tiering_cascade_read_is_not_a_use(vllm_loaded: None, policy: str) -> 
 
     for seed in range(3):
         assert run(True, seed) == run(False, seed), seed
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_a_tier_of_no_chunk_names_cpu_bytes_to_use(vllm_loaded: None, name: str) -> None:
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    with pytest.raises(ValueError, match="holds 0 chunks: cpu_bytes_to_use"):
+        CPUOffloadingManager(0, f"kvtier_{name}", MODULE)

@@ -60,6 +60,12 @@ class KVTierPolicyAdapter(VCachePolicy):
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
+        if isinstance(cache_capacity, int) and cache_capacity == 0:
+            # vLLM sizes the tier as cpu_bytes_to_use // bytes per chunk (all workers).
+            raise ValueError(
+                "vLLM's CPU tier holds 0 chunks: cpu_bytes_to_use (kv_connector_extra_config) "
+                "is smaller than one chunk's bytes on all workers together; expected at least that"
+            )
         self._inner: CachePolicy = self.policy(cache_capacity)
         self.chunks: dict[VOffloadKey, ChunkStatus] = {}
         # Chunks being written: they enter the kvtier policy when their store completes.
