@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -188,9 +190,22 @@ _THREADS = max(1, torch.get_num_threads())
 
 def _helpers() -> ThreadPoolExecutor:
     global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(_THREADS - 1, thread_name_prefix="kvtier-memmove")
-    return _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(_THREADS - 1, thread_name_prefix="kvtier-memmove")
+        return _pool
+
+
+def _forget_helpers() -> None:
+    """In a forked child: the parent's helper threads are not there, and an executor that
+    believes it has them queues work that nobody runs (the child's first split copy hung)."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+_pool_lock = threading.Lock()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_helpers)
 
 
 def _memmove_all(dst: list[int], src: list[int], width: int) -> None:

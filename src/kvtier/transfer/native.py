@@ -29,6 +29,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -39,6 +40,7 @@ from importlib.machinery import ExtensionFileLoader
 from importlib.util import module_from_spec, spec_from_file_location
 from pathlib import Path
 from types import ModuleType
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -91,6 +93,7 @@ _SOURCES = tuple(Path(__file__).with_name(n) for n in ("rowcopy.c", "copyengine.
 _HEADER = Path(__file__).with_name("kvtier.h")
 _EXTENSION = Path(__file__).with_name("submitext.c")
 _UNSET = object()
+_T = TypeVar("_T")
 _cached: object = _UNSET
 _cached_extension: object = _UNSET
 _build_lock = threading.Lock()
@@ -168,12 +171,13 @@ def submit_contexts(
 
 
 def cache_dir() -> Path:
-    """Where the compiled library is kept."""
+    """Where the compiled library is kept (an absolute path: `KVTIER_CACHE_DIR=.` named the
+    library by a bare file name, which the loader looked for on the library path instead)."""
     env = os.environ.get("KVTIER_CACHE_DIR")
     if env:
-        return Path(env)
+        return Path(env).expanduser().absolute()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "kvtier"
+    return (Path(base) / "kvtier").absolute()
 
 
 def library() -> ctypes.CDLL | None:
@@ -216,19 +220,48 @@ def submit_extension() -> ModuleType | None:
     return None if _cached_extension is _UNSET else _cached_extension  # type: ignore[return-value]
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+def _compiler() -> list[str] | None:
+    """The compiler's command: `$CC` split as a shell would (`ccache gcc`, `gcc -m64`), else
+    `cc` or `gcc` on the path."""
+    cc = os.environ.get("CC", "").strip()
+    if cc:
+        try:
+            return shlex.split(cc)
+        except ValueError:  # an unbalanced quote
+            return None
+    found = shutil.which("cc") or shutil.which("gcc")
+    return [found] if found else None
 
 
-def _build(path: Path, cmd: list[str]) -> None:
-    """Run `cmd` (which writes `{output}`) into the cache unless `path` is there already."""
-    if path.exists():
+def _build(path: Path, cmd: list[str], *, again: bool = False) -> None:
+    """Run `cmd` (which writes `{output}`) into the cache unless `path` is there already (or
+    `again`: the file there could not be loaded)."""
+    if path.exists() and not again:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     cmd = [str(tmp) if a == "{output}" else a for a in cmd]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-    os.replace(tmp, path)  # atomic: concurrent first uses never load a partial file
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+        os.replace(tmp, path)  # atomic: concurrent first uses never load a partial file
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _build_and_load(path: Path, cmd: list[str], load: Callable[[Path], _T]) -> _T:
+    """`load(path)` after building it if absent. A cached file that does not load (truncated
+    by a crash, or built against another host's C library in a shared home directory) is
+    built again once: otherwise every process would keep the slow fallback for good."""
+    built = not path.exists()
+    _build(path, cmd)
+    try:
+        return load(path)
+    except (OSError, ImportError, AttributeError) as exc:
+        if built:
+            raise
+        logger.info("kvtier: the cached %s does not load (%s); building it again", path, exc)
+    _build(path, cmd, again=True)
+    return load(path)
 
 
 def _load_extension() -> ModuleType | None:
@@ -243,15 +276,21 @@ def _load_extension() -> ModuleType | None:
     sources = (_EXTENSION, _HEADER)
     key = b"".join(p.read_bytes() for p in sources) + sys.version.encode() + suffix.encode()
     path = cache_dir() / f"kvtier-submit-{hashlib.sha256(key).hexdigest()[:16]}{suffix}"
-    try:
-        _build(path, [cc, "-O2", "-shared", "-fPIC", f"-I{include}", "-o", "{output}",
-                      str(_EXTENSION)])  # fmt: skip
+
+    def load(path: Path) -> ModuleType:
         spec = spec_from_file_location(
             "_kvtier_submit", path, loader=ExtensionFileLoader("_kvtier_submit", str(path))
         )
         assert spec is not None and spec.loader is not None
         module = module_from_spec(spec)
         spec.loader.exec_module(module)
+        return module
+
+    try:
+        module = _build_and_load(
+            path, [*cc, "-O2", "-shared", "-fPIC", f"-I{include}", "-o", "{output}",
+                   str(_EXTENSION)], load,
+        )  # fmt: skip
     except (OSError, ImportError, subprocess.SubprocessError) as exc:
         logger.info("kvtier: could not build %s (%s); CPU submits go through ctypes", path, exc)
         return None
@@ -273,13 +312,19 @@ def _load() -> ctypes.CDLL | None:
     key = b"".join(p.read_bytes() for p in (*_SOURCES, _HEADER))
     key += " ".join([platform.machine(), *flags]).encode()
     path = cache_dir() / f"kvtier-native-{hashlib.sha256(key).hexdigest()[:16]}.so"
-    try:
-        _build(path, [cc, "-O2", "-shared", "-fPIC", "-pthread", *flags, "-o", "{output}",
-                      *map(str, _SOURCES), "-ldl"])  # fmt: skip
+
+    def load(path: Path) -> ctypes.CDLL:
         lib = ctypes.CDLL(str(path))
         for name, (args, res) in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, res
+        return lib
+
+    try:
+        lib = _build_and_load(
+            path, [*cc, "-O2", "-shared", "-fPIC", "-pthread", *flags, "-o", "{output}",
+                   *map(str, _SOURCES), "-ldl"], load,
+        )  # fmt: skip
     except (OSError, AttributeError, subprocess.SubprocessError) as exc:
         logger.info("kvtier: could not build %s (%s); CPU copies run on a Python thread", path, exc)
         return None

@@ -62,7 +62,9 @@ def _ids(name: str, values: IdsLike, limit: int) -> IndexArray:
         raise ValueError(f"{name} contains {int(arr.max())}, outside 0..{limit - 1}")  # unwrapped
     # The job is copied later, on another thread: its rows must not be the caller's array (or
     # a view of it, as `np.asarray` gives of a tensor), which the caller may reuse at once.
-    own = arr is values or arr.base is not None
+    # Only a list, tuple or range surely gives a new array: another object's `__array__` may
+    # hand out the object's own buffer, with no base to tell.
+    own = not isinstance(values, (list, tuple, range))
     arr = arr.astype(np.int64, copy=own)
     # One pass on the hot path: as unsigned, a negative id is larger than any limit.
     if arr.size and int(arr.view(np.uint64).max()) >= limit:
