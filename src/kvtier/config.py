@@ -484,6 +484,8 @@ def _read_file(path: Path) -> dict[str, Any]:
             )
     except OSError as e:
         raise ConfigError(f"config file {path} cannot be read: {e}") from e
+    except UnicodeDecodeError as e:  # both parsers decode as they read; neither names the file
+        raise ConfigError(f"config file {path} is not UTF-8 text: {e}") from e
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"config file {path} is not valid {suffix[1:].upper()}: {e}") from e
     if data is None:  # an empty YAML file
