@@ -422,18 +422,7 @@ def test_workers_match_the_model(backend: str) -> None:
                 )
             )
             for job_id, op in enumerate(ops):
-                if op.store:
-                    w.submit_store(
-                        job_id, _as_ids(rng, op.blocks), _as_ids(rng, op.slots), group=op.group
-                    )
-                else:
-                    w.submit_load(
-                        job_id,
-                        _as_ids(rng, op.slots),
-                        _as_ids(rng, op.blocks),
-                        group=op.group,
-                        skip_blocks=op.skip,
-                    )
+                _submit(w, rng, job_id, op, urgent=False)
                 w.wait([job_id])
                 (result,) = w.get_finished()
                 assert result.success and result.job_id == job_id, (seed, op)
