@@ -19,7 +19,7 @@ def test_the_copy_kernel_compiles_for_each_gpu_generation_and_is_cached(
     monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))
     images = {cc: nvrtc.cubin(cc) for cc in [(8, 0), (9, 0), (12, 0)]}  # Ampere, Hopper, Blackwell
     for cc, image in images.items():
-        assert image is not None and image[:4] == b"\x7fELF", cc
+        assert image is not None and nvrtc._whole_elf(image), cc
     assert len(set(images.values())) == 3, "one image per architecture"
     assert len(list(tmp_path.glob("kvtier-gather-*.cubin"))) == 3
 
@@ -28,6 +28,20 @@ def test_the_copy_kernel_compiles_for_each_gpu_generation_and_is_cached(
 
     monkeypatch.setattr(nvrtc, "_compile", no_compile)
     assert nvrtc.cubin((9, 0)) == images[(9, 0)]
+
+
+@needs_nvrtc
+def test_a_cached_file_that_is_not_a_cubin_is_compiled_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))
+    image = nvrtc.cubin((9, 0))
+    assert image is not None
+    (cached,) = tmp_path.glob("kvtier-gather-*.cubin")
+    for bad in (image[: len(image) // 2], image[:8], b"not a cubin"):  # cut short, or garbage
+        cached.write_bytes(bad)
+        assert nvrtc.cubin((9, 0)) == image
+        assert cached.read_bytes() == image
 
 
 @needs_nvrtc

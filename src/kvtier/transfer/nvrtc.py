@@ -71,6 +71,17 @@ def _compile(lib: ctypes.CDLL, source: bytes, arch: int) -> bytes:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
+def _whole_elf(data: bytes) -> bool:
+    """Whether `data` is a 64-bit little-endian ELF image (a cubin) that reaches the end of its
+    section header table, which compilers put last."""
+    if len(data) < 64 or data[:6] != b"\x7fELF\x02\x01":
+        return False
+    shoff = int.from_bytes(data[0x28:0x30], "little")
+    shentsize = int.from_bytes(data[0x3A:0x3C], "little")
+    shnum = int.from_bytes(data[0x3C:0x3E], "little")
+    return len(data) >= shoff + shentsize * shnum
+
+
 def cubin(capability: tuple[int, int]) -> bytes | None:
     """gather.cu compiled for a device of compute `capability`, or None (logged) where NVRTC
     is missing or fails."""
@@ -86,7 +97,12 @@ def cubin(capability: tuple[int, int]) -> bytes | None:
     key = hashlib.sha256(source + f"{major.value}.{minor.value}".encode()).hexdigest()[:16]
     path = cache_dir() / f"kvtier-gather-{key}-sm{arch}.cubin"
     try:
-        return path.read_bytes()
+        cached = path.read_bytes()
+        # A file cut short or overwritten outside kvtier's own (atomic) writes is compiled
+        # again, or the CUDA backend would fail to load it in every process.
+        if _whole_elf(cached):
+            return cached
+        logger.info("kvtier: the cached %s is not a whole cubin; compiling it again", path)
     except OSError:
         pass
     try:
