@@ -20,8 +20,9 @@ class CachePolicy(ABC):
 
     The manager calls `insert` when a stored key becomes readable, `pin`/`unpin` around loads
     (a pinned key is out of the candidate set; unpinning counts as a use), `touch` for uses,
-    and `evict` to make room. `touch`, `pin` and `remove` ignore keys the policy does not hold
-    as candidates, so the manager need not filter.
+    and `evict` to make room. `touch` and `pin` ignore keys the policy does not hold as
+    candidates, `unpin` keys it does not hold pinned, `remove` keys it does not hold at all
+    and `insert` keys it holds already (pinned ones included), so the manager need not filter.
     """
 
     name: ClassVar[str] = ""
@@ -40,7 +41,8 @@ class CachePolicy(ABC):
 
     @abstractmethod
     def insert(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
-        """Newly stored `keys` became evictable."""
+        """Newly stored `keys` became evictable; keys already held, pinned or not, are
+        ignored."""
 
     @abstractmethod
     def touch(self, keys: Iterable[OffloadKey], ctx: ReqContext | None) -> None:

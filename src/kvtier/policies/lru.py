@@ -34,7 +34,14 @@ class LRUPolicy(CachePolicy):
     # up most recent: its tail is useless without it, so the tail should leave first.
 
     def insert(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
-        order = self._order
+        order, pinned = self._order, self._pinned
+        if pinned:
+            # A pinned key is held already: inserting it again must not make it a candidate
+            # (a victim while a transfer reads it), as every other policy ignores it.
+            for key in reversed(keys):
+                if key not in pinned:
+                    order[key] = None
+            return
         for key in reversed(keys):
             order[key] = None
 
