@@ -80,7 +80,7 @@ typedef struct {
     kvt_result *res;
     size_t res_head, res_len, res_cap; /* results not yet polled: res[res_head, res_len) */
     size_t outstanding;                /* submitted, result not yet appended */
-    int stopping, joined;
+    int stopping, joined, ended; /* ended: the engine's thread reported the queued jobs */
     kvt_before_fn before;
     pthread_t thread;
     kvt_team team;
@@ -380,6 +380,23 @@ static void share_batch(kvt_engine *e, int lane, kvt_job **batch, size_t nb) {
         free(batch[k]);
 }
 
+/* Report the queued jobs failed, under e->mu, once stopping: after the running job's result,
+ * so that each lane's results stay in submission order, and each lane's done_seq only grows
+ * (a waiter for a cancelled job returns). */
+static void fail_queued(kvt_engine *e) {
+    for (int lane = 1; lane >= 0; lane--) {
+        for (kvt_job *j = e->head[lane], *next; j; j = next) {
+            next = j->next;
+            push_result(e, j->id, 0, lane, 0.0);
+            e->done_seq[lane] = j->seq;
+            free(j);
+        }
+        e->head[lane] = e->tail[lane] = NULL;
+    }
+    e->ended = 1;
+    pthread_cond_broadcast(&e->done);
+}
+
 static void *serve(void *arg) {
     kvt_engine *e = arg;
     for (;;) {
@@ -387,6 +404,9 @@ static void *serve(void *arg) {
         while (!e->stopping && !e->head[0] && !e->head[1])
             pthread_cond_wait(&e->work, &e->mu);
         if (e->stopping) {
+            /* Here, not in kvt_engine_stop: a stop from the `before` hook runs on this thread,
+             * which reports the job it is in before the queued ones. */
+            fail_queued(e);
             pthread_mutex_unlock(&e->mu);
             return NULL;
         }
@@ -762,33 +782,31 @@ void kvt_engine_wait(kvt_engine *e, int lane, uint64_t seq) {
     pthread_mutex_unlock(&e->mu);
 }
 
-/* Let the running job (or shared batch) finish, join the threads, then report the queued jobs
- * failed: after the running job's result, so that each lane's results stay in submission
- * order, and each lane's done_seq only grows (a waiter for a cancelled job returns). The
- * first call does it all; later calls return at once. */
+/* Let the running job (or shared batch) finish, then report the queued jobs failed (serve():
+ * after the running job's result) and join the threads. The first call does it all; later
+ * calls return once it is done. Called from the `before` hook, on the engine's own thread
+ * (a worker shut down by its fault injector), it returns at once: the thread reports the
+ * queued jobs when the job it is in ends, and a later call (kvt_engine_free) joins it. */
 void kvt_engine_stop(kvt_engine *e) {
     pthread_mutex_lock(&e->mu);
     e->stopping = 1;
     pthread_cond_broadcast(&e->work);
+    if (pthread_equal(pthread_self(), e->thread)) {
+        /* It cannot join itself: it tried, failed (EDEADLK), reported the queued jobs ahead
+         * of the running one, and was never joined, so that kvt_engine_free released the
+         * engine under it. */
+        pthread_mutex_unlock(&e->mu);
+        return;
+    }
     int join = !e->joined;
     e->joined = 1;
+    while (!join && !e->ended)
+        pthread_cond_wait(&e->done, &e->mu);
     pthread_mutex_unlock(&e->mu);
     if (!join)
         return;
     pthread_join(e->thread, NULL); /* no job is forked to the helpers after this */
     stop_helpers(e, e->nhelpers);
-    pthread_mutex_lock(&e->mu);
-    for (int lane = 1; lane >= 0; lane--) {
-        for (kvt_job *j = e->head[lane], *next; j; j = next) {
-            next = j->next;
-            push_result(e, j->id, 0, lane, 0.0);
-            e->done_seq[lane] = j->seq;
-            free(j);
-        }
-        e->head[lane] = e->tail[lane] = NULL;
-    }
-    pthread_cond_broadcast(&e->done);
-    pthread_mutex_unlock(&e->mu);
 }
 
 /* Stop (if not yet) and release the engine; unpolled results are lost. */

@@ -118,8 +118,15 @@ def _hook(
     # worker would keep the worker alive forever.
     def before(job_id: int) -> int:
         engine_thread[0] = threading.get_ident()
-        worker = ref()
-        return 1 if worker is None else worker._before(job_id)
+        engine_thread[1] = 1
+        try:
+            worker = ref()
+            return 1 if worker is None else worker._before(job_id)
+        finally:
+            # Whether it is in the hook, for wait(): a thread id is reused once its thread has
+            # ended, and a thread started after shutdown() was taken for the engine's. The id
+            # stays for `_release`: the worker's last reference may go after this line.
+            engine_thread[1] = 0
 
     return BeforeHook(before)
 
@@ -230,8 +237,9 @@ class NativeCPUTransferWorker(TransferWorker):
         self._ctx_keep, self._contexts = submit_contexts(self._tables, self._planner)
         self._live: dict[int, _Live] = {}
         self._next_seq = [1, 1]
-        self._engine_ident = [0]
-        """The engine's thread's id once the hook has run on it (0 before); `_release` reads it."""
+        self._engine_ident = [0, 0]
+        """The engine's thread's id once the hook has run on it (0 before), which `_release`
+        reads, and 1 while it runs the hook (the only Python it runs), else 0."""
         self._poll_buffer = (EngineResult * _POLL)()
         self._staging = IdStaging()  # used under self._lock
         # The submit call without ctypes, where the extension builds (native.py).
@@ -284,8 +292,9 @@ class NativeCPUTransferWorker(TransferWorker):
 
     @property
     def _engine_thread(self) -> int | None:
-        """The engine's thread's id, once it has called the fault injector."""
-        return self._engine_ident[0] or None
+        """The engine's thread's id while it runs the fault injector, else None."""
+        ident, in_hook = self._engine_ident
+        return ident if in_hook else None
 
     def _before(self, job_id: int) -> int:
         """The engine's hook: run the fault injector; an exception fails the job."""
@@ -431,7 +440,9 @@ class NativeCPUTransferWorker(TransferWorker):
 
     def shutdown(self) -> None:
         """Let the running job finish, stop the threads, then report queued jobs failed (after
-        the running one, so that results stay in submission order)."""
+        the running one, so that results stay in submission order). Called from the fault
+        injector, it returns at once, and the engine's thread does this when the job it is
+        in ends (as `CPUTransferWorker`'s does)."""
         atexit.unregister(self._at_exit)
         with self._lock:
             if self._closed:
