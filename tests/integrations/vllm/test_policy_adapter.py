@@ -39,6 +39,29 @@ def _key(tag: str, group: int = 0) -> Any:
     return make_offload_key(tag.encode().ljust(32, b"."), group)
 
 
+def _begin(manager: Any, req_id: str, tags: list[str]) -> tuple[Any, list[Any]]:
+    """A new request of `manager` for the chunks named by `tags`: its context and keys, each
+    key placed at its chunk's end in tokens."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    ctx = ReqContext(req_id)
+    manager.on_new_request(ctx)
+    keys = [_key(t) for t in tags]
+    for i, k in enumerate(keys):
+        ctx.set_offload_key_position(k, TOKENS * (i + 1))
+    return ctx, keys
+
+
+def _leading_hits(manager: Any, keys: list[Any], ctx: Any) -> list[Any]:
+    """The keys before the first that `manager` does not hold ready."""
+    hits = []
+    for k in keys:
+        if manager.lookup(k, ctx).name != "HIT":
+            break
+        hits.append(k)
+    return hits
+
+
 def _vllm_manager(capacity: int, policy: str) -> Any:
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
@@ -57,11 +80,7 @@ def test_a_stored_prefix_loses_its_tail_first_whatever_order_vllm_completes_it(
     from vllm.v1.kv_offload.base import ReqContext
 
     manager = _vllm_manager(4, policy)
-    ctx = ReqContext("a")
-    manager.on_new_request(ctx)
-    keys = [_key(f"a{i}") for i in range(4)]
-    for i, k in enumerate(keys):
-        ctx.set_offload_key_position(k, TOKENS * (i + 1))
+    ctx, keys = _begin(manager, "a", [f"a{i}" for i in range(4)])
     out = manager.prepare_store(keys, ctx)
     assert out is not None and out.keys_to_store == keys
     manager.complete_store(keys[::-1] if tail_first else keys, ctx)
@@ -165,7 +184,6 @@ def test_random_interleavings_keep_vllms_manager_consistent(vllm_loaded: None, p
     flight when their request ends, resets: after every call the adapter holds exactly vLLM's
     chunks and the kvtier policy exactly the evictable ones; no call evicts a chunk it was
     offered, overfills the tier, or returns None while enough evictable chunks exist."""
-    from vllm.v1.kv_offload.base import ReqContext
 
     for seed in range(4):
         rng = random.Random(seed)
@@ -180,21 +198,11 @@ def test_random_interleavings_keep_vllms_manager_consistent(vllm_loaded: None, p
             op = rng.random()
             if op < 0.2 or not live:
                 rid = f"r{step}"
-                ctx = contexts[rid] = ReqContext(rid)
-                manager.on_new_request(ctx)
-                tags = _prefixes(rng, 1)[0]
-                keys = [_key(t) for t in tags]
-                for i, k in enumerate(keys):
-                    ctx.set_offload_key_position(k, TOKENS * (i + 1))
-                live[rid] = keys
+                contexts[rid], live[rid] = _begin(manager, rid, _prefixes(rng, 1)[0])
             elif op < 0.45:
                 rid = rng.choice(list(live))
                 ctx, keys = contexts[rid], live[rid]
-                hits = []
-                for k in keys:
-                    if manager.lookup(k, ctx).name != "HIT":
-                        break
-                    hits.append(k)
+                hits = _leading_hits(manager, keys, ctx)
                 if hits and rng.random() < 0.7:
                     manager.prepare_load(hits, ctx)
                     loads.append((rid, hits))
@@ -247,23 +255,14 @@ def test_kvtier_lru_evicts_what_vllms_lru_evicts(vllm_loaded: None) -> None:
     completed as vLLM's connector completes them (a set). kvtier's LRU and vLLM's pick the same
     victims when no request offers again a chunk the tier still holds past a miss (there
     kvtier, by design, refreshes only the reused chunk: docs/vllm.md)."""
-    from vllm.v1.kv_offload.base import ReqContext
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
     def run(manager: Any, seed: int) -> list[list[Any] | None]:
         rng = random.Random(seed)
         evicted: list[list[Any] | None] = []
         for r, tags in enumerate(_prefixes(random.Random(seed), 200)):
-            ctx = ReqContext(f"r{r}")
-            manager.on_new_request(ctx)
-            keys = [_key(t) for t in tags]
-            for i, k in enumerate(keys):
-                ctx.set_offload_key_position(k, TOKENS * (i + 1))
-            hits = []
-            for k in keys:
-                if manager.lookup(k, ctx).name != "HIT":
-                    break
-                hits.append(k)
+            ctx, keys = _begin(manager, f"r{r}", tags)
+            hits = _leading_hits(manager, keys, ctx)
             if hits:
                 manager.prepare_load(hits, ctx)
                 manager.complete_load(set(hits), ctx)
@@ -298,7 +297,6 @@ def test_a_tiering_cascade_read_is_not_a_use(vllm_loaded: None, policy: str) -> 
     alter request-scoped recency". With or without those reads, the kvtier policy must pick
     the same victims (ARC would otherwise count every stored chunk as reused, SIEVE mark it
     visited, S3-FIFO and kvaware count it once more)."""
-    from vllm.v1.kv_offload.base import ReqContext
     from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager
 
     def run(cascade: bool, seed: int) -> list[list[Any] | None]:
@@ -312,16 +310,8 @@ def test_a_tiering_cascade_read_is_not_a_use(vllm_loaded: None, policy: str) -> 
         reads: list[tuple[list[Any], Any]] = []
         evicted: list[list[Any] | None] = []
         for r, tags in enumerate(_prefixes(rng, 150)):
-            ctx = ReqContext(f"r{r}")
-            manager.on_new_request(ctx)
-            keys = [_key(t) for t in tags]
-            for i, k in enumerate(keys):
-                ctx.set_offload_key_position(k, TOKENS * (i + 1))
-            hits = []
-            for k in keys:
-                if manager.lookup(k, ctx).name != "HIT":
-                    break
-                hits.append(k)
+            ctx, keys = _begin(manager, f"r{r}", tags)
+            hits = _leading_hits(manager, keys, ctx)
             if hits:
                 manager.prepare_load(hits, ctx)
                 manager.complete_load(hits, ctx)
