@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 
 import pytest
 
@@ -31,3 +32,24 @@ def refused_argv(
     with pytest.raises(SystemExit):
         main()
     return capsys.readouterr().err
+
+
+def brute_force_hits(stream: Sequence[Hashable], capacity: int) -> int:
+    """Most hits any cache of `capacity` can get over `stream`: every store, bypass and victim
+    choice tried (exponential; for OPT's tests on short streams)."""
+
+    @functools.cache
+    def best(t: int, cache: frozenset[Hashable]) -> int:
+        if t == len(stream):
+            return 0
+        k = stream[t]
+        if k in cache:
+            return 1 + best(t + 1, cache)
+        options = [best(t + 1, cache)]  # bypass
+        if len(cache) < capacity:
+            options.append(best(t + 1, cache | {k}))
+        else:
+            options.extend(best(t + 1, (cache - {v}) | {k}) for v in cache)
+        return max(options)
+
+    return best(0, frozenset())

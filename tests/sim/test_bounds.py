@@ -2,38 +2,18 @@
 
 from __future__ import annotations
 
-import functools
 import random
 from collections.abc import Callable
 
 import pytest
 
+from helpers import brute_force_hits
 from kvtier.policies import registered_policies
 from kvtier.sim.bounds import belady, device_prefix_hits, opt_result
 from kvtier.sim.replay import make_manager, replay_engine, replay_flat
 from kvtier.sim.trace import Trace
 
 MakeTrace = Callable[..., Trace]
-
-
-def brute_force_hits(stream: list[int], capacity: int) -> int:
-    """Most hits any cache of `capacity` can get: every store/bypass/victim choice tried."""
-
-    @functools.cache
-    def best(t: int, cache: frozenset[int]) -> int:
-        if t == len(stream):
-            return 0
-        k = stream[t]
-        if k in cache:
-            return 1 + best(t + 1, cache)
-        options = [best(t + 1, cache)]  # bypass
-        if len(cache) < capacity:
-            options.append(best(t + 1, cache | {k}))
-        else:
-            options.extend(best(t + 1, (cache - {v}) | {k}) for v in cache)
-        return max(options)
-
-    return best(0, frozenset())
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -9,12 +9,12 @@ real manager in flat and engine mode and every counter is compared.
 
 from __future__ import annotations
 
-import functools
 import random
 from dataclasses import dataclass, field
 
 import pytest
 
+from helpers import brute_force_hits
 from kvtier.base import OffloadKey
 from kvtier.policies import registered_policies
 from kvtier.sim.bounds import opt_result
@@ -233,26 +233,6 @@ def test_infinite_matches_the_model(seed: int, store_on: str) -> None:
 
 
 # -- OPT ---------------------------------------------------------------------------------------
-
-
-def brute_force_hits(stream: list[OffloadKey], capacity: int) -> int:
-    """Most hits of any cache of `capacity` over `stream`: every store/bypass/victim tried."""
-
-    @functools.cache
-    def best(t: int, cache: frozenset[OffloadKey]) -> int:
-        if t == len(stream):
-            return 0
-        k = stream[t]
-        if k in cache:
-            return 1 + best(t + 1, cache)
-        options = [best(t + 1, cache)]
-        if len(cache) < capacity:
-            options.append(best(t + 1, cache | {k}))
-        else:
-            options.extend(best(t + 1, (cache - {v}) | {k}) for v in cache)
-        return max(options)
-
-    return best(0, frozenset())
 
 
 def cpu_stream(trace: Trace, device: int | None) -> tuple[list[OffloadKey], int]:
