@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import pytest
 
@@ -53,3 +54,12 @@ def brute_force_hits(stream: Sequence[Hashable], capacity: int) -> int:
         return max(options)
 
     return best(0, frozenset())
+
+
+def assert_generator_clean(gen: Any) -> None:
+    """A `KVTierGenerator` after `flush()` holds nothing: no job, request, pin or block."""
+    gen.flush()
+    assert gen.scheduler.num_jobs_in_flight() == 0
+    assert gen.scheduler.num_requests() == 0
+    assert gen.manager.get_stats().pinned == 0
+    assert bool(gen._free.all())

@@ -7,6 +7,7 @@ its arguments and a function that runs it. Adding one (e.g. `kvtier demo`) is on
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -109,12 +110,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stop_writing_stdout() -> None:
+    """Point stdout at /dev/null, so that flushing it at exit does not fail once more."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # not a file (a test's capture): nothing is flushed to a pipe at exit
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kvtier` console script; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         status: int = args._run(args)
+    except BrokenPipeError:
+        # The reader of our output went away (`kvtier simulate T --csv - | head`): nothing is
+        # wrong with the arguments, and there is no one left to tell. End as rich does when
+        # this happens while it prints a table.
+        _stop_writing_stdout()
+        return 1
     except (ValueError, TypeError, OSError) as e:
         print(f"kvtier {args.command}: error: {e}", file=sys.stderr)
         return 2

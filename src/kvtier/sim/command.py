@@ -216,6 +216,23 @@ def _check_output(flag: str, name: str | None) -> None:
             raise ValueError(str(e)) from None
 
 
+def _check_distinct_outputs(outputs: tuple[tuple[str, str | None], ...]) -> None:
+    """Refuse two outputs to one place: JSON then CSV on stdout is neither, and a file
+    written twice keeps only the second."""
+    seen: dict[str, str] = {}
+    for flag, name in outputs:
+        if name is None:
+            continue
+        place = name if name == "-" else os.path.realpath(name)
+        if place in seen:
+            where = "stdout ('-')" if name == "-" else repr(name)
+            raise ValueError(
+                f"{seen[place]} and {flag} both write to {where}; expected a place of its own "
+                "for each"
+            )
+        seen[place] = flag
+
+
 def _stdout_console() -> Console:
     # Piped output keeps whole rows (rich would wrap them at 80 columns).
     return Console() if sys.stdout.isatty() else Console(width=200)
@@ -271,8 +288,10 @@ def _run(args: argparse.Namespace) -> int:
     if jobs < 1:
         raise ValueError(f"--jobs={jobs} is invalid; expected >= 1")
     tracker, per_slot = _tracker_size(args.max_tracker_size)
-    for flag, name in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)):
+    outputs = (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot))
+    for flag, name in outputs:
         _check_output(flag, name)
+    _check_distinct_outputs(outputs)
     trace = read_trace(
         args.trace,
         fmt=args.format,

@@ -80,7 +80,13 @@ def read_mooncake(
         length = _int_field(obj, "input_length", where)
         n = len(ids)
         fits = (n - 1) * block_tokens < length <= n * block_tokens
-        if not fits and (n > 0 or length > 0):
+        if n == 0 and length > 0:
+            raise TraceFormatError(
+                f"{where}: input_length={length} does not fit 0 blocks (hash_ids is empty); "
+                f"expected input_length=0, or {-(-length // block_tokens)} hash ids of "
+                f"{block_tokens}-token blocks"
+            )
+        if not fits and n > 0:
             raise TraceFormatError(
                 f"{where}: input_length={length} does not fit {n} blocks of {block_tokens} "
                 f"tokens; expected {(n - 1) * block_tokens + 1}..{n * block_tokens}"

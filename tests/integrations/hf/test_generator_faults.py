@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from helpers import assert_generator_clean
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
@@ -32,14 +34,6 @@ def model() -> Any:
 
 def _ids(n: int, seed: int) -> Any:
     return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed))
-
-
-def _assert_clean(gen: KVTierGenerator) -> None:
-    gen.flush()
-    assert gen.scheduler.num_jobs_in_flight() == 0
-    assert gen.scheduler.num_requests() == 0
-    assert gen.manager.get_stats().pinned == 0
-    assert bool(gen._free.all())
 
 
 def _assert_matches_recompute(model: Any, gen: KVTierGenerator, prompt: Any) -> int:
@@ -66,12 +60,12 @@ def test_an_interrupt_while_the_stores_are_handed_over_leaks_nothing(model: Any)
         with pytest.raises(KeyboardInterrupt), pytest.MonkeyPatch.context() as mp:
             mp.setattr(gen.worker, "finish_step", interrupted)
             gen.generate_one(prompt, 3)
-        _assert_clean(gen)
+        assert_generator_clean(gen)
         # The stores were made (the KV was complete): the prompt's full blocks are loaded, and
         # a prompt that needs all 5 device blocks runs.
         assert _assert_matches_recompute(model, gen, prompt) == 64
         _assert_matches_recompute(model, gen, torch.cat([prompt, _ids(8, 2)]))
-        _assert_clean(gen)
+        assert_generator_clean(gen)
 
 
 def test_an_error_while_the_stores_are_planned_leaks_nothing(model: Any) -> None:
@@ -87,10 +81,10 @@ def test_an_error_while_the_stores_are_planned_leaks_nothing(model: Any) -> None
         with pytest.raises(KeyboardInterrupt), pytest.MonkeyPatch.context() as mp:
             mp.setattr(gen.scheduler, "build_step_metadata", failing)
             gen.generate_one(prompt, 3)
-        _assert_clean(gen)
+        assert_generator_clean(gen)
         # Every block came back: a prompt that needs all 4 of them runs.
         _assert_matches_recompute(model, gen, _ids(60, 4))
-        _assert_clean(gen)
+        assert_generator_clean(gen)
 
 
 def test_a_batch_of_prompts_is_not_run_as_one_prompt(model: Any) -> None:
@@ -104,7 +98,7 @@ def test_a_batch_of_prompts_is_not_run_as_one_prompt(model: Any) -> None:
         result = gen.generate_one(row.unsqueeze(0), 3)
         assert torch.equal(result.tokens, generate_greedy(model, row.unsqueeze(0), 3).tokens[0])
         assert gen.stats.requests == 1
-        _assert_clean(gen)
+        assert_generator_clean(gen)
 
 
 @pytest.mark.parametrize(
@@ -160,4 +154,4 @@ def test_edge_prompts_match_recompute_on_each_layout(arch: str, size: dict[str, 
             assert torch.equal(result.tokens, ref.tokens[0])
             assert (result.logits - ref.logits[0]).abs().max().item() <= 1e-4
             gen.flush()
-        _assert_clean(gen)
+        assert_generator_clean(gen)

@@ -88,6 +88,16 @@ def _prompt_ids(prompt: Sequence[int] | torch.Tensor) -> torch.Tensor:
     return ids.reshape(-1).to(device="cpu", dtype=torch.int64)
 
 
+def _vocab_size(model: Any) -> int | None:
+    """Rows of the model's input embedding (the token ids it accepts), if it says."""
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    rows = getattr(embeddings, "num_embeddings", None)
+    return rows if isinstance(rows, int) else None
+
+
 class KVTierGenerator:
     """Greedy generation for a transformers causal LM that reuses offloaded prefix blocks.
 
@@ -160,6 +170,8 @@ class KVTierGenerator:
         self._free = np.ones(max_blocks, dtype=bool)
         self._held: dict[str, range] = {}
         self._req_ids = itertools.count()
+        self._closed = False
+        self._vocab_size = _vocab_size(model)
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -168,7 +180,21 @@ class KVTierGenerator:
     ) -> GenerationResult:
         """Generate for one prompt: load its cached prefix, prefill the rest, store new blocks."""
         start = time.perf_counter()
+        if self._closed:
+            # Its transfer worker is gone: every load and store would fail, one logged error
+            # each, and the generator would quietly recompute everything.
+            raise RuntimeError("this KVTierGenerator is closed; create a new one to generate")
         ids = _prompt_ids(prompt)
+        vocab = self._vocab_size
+        if vocab is not None and (int(ids.max()) >= vocab or int(ids.min()) < 0):
+            # The embedding lookup would fail inside the model: on CUDA a device-side assert
+            # that leaves the context unusable, on the CPU an IndexError naming neither.
+            pos = int(torch.nonzero((ids >= vocab) | (ids < 0))[0, 0])
+            raise IndexError(
+                f"token id {int(ids[pos])} at position {pos} is not in the model's vocabulary "
+                f"(index out of range of its {vocab}-row input embedding); expected "
+                f"0..{vocab - 1}"
+            )
         max_new_tokens = checked_int("max_new_tokens", max_new_tokens)
         # The cache ends up holding the prompt and every new token but the last.
         need = -(-(ids.numel() + max_new_tokens - 1) // self.block_size)
@@ -250,9 +276,15 @@ class KVTierGenerator:
         self._drain()
 
     def close(self) -> None:
-        """Finish the stores in flight and stop the transfer worker."""
-        self._drain()
-        self.transfer.shutdown()
+        """Finish the stores in flight and stop the transfer worker; a closed generator refuses
+        to generate. Closing again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._drain()
+        finally:
+            self.transfer.shutdown()
 
     def __enter__(self) -> KVTierGenerator:
         return self

@@ -79,6 +79,14 @@ def kv_layout(config: Any) -> KVLayout:
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     heads = int(text.num_attention_heads)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if (
+        getattr(text, "num_key_value_heads", None) is None
+        and getattr(text, "multi_query", False) is True
+        and not getattr(text, "new_decoder_architecture", False)
+    ):
+        # Falcon's multi-query layout (Falcon-7B) caches one KV head for all query heads; its
+        # config names no KV head count (the new decoder caches one per query head).
+        kv_heads = 1
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     return KVLayout(int(text.num_hidden_layers), int(kv_heads), int(head_dim))
 
@@ -233,11 +241,17 @@ def build_cache_from_blocks(
     """
     block_size = _check_pages(pages)
     if isinstance(block_ids_per_sequence, torch.Tensor):
-        rows = block_ids_per_sequence.to(torch.int64)
+        rows = block_ids_per_sequence
         if rows.ndim != 2:
             raise ValueError(
                 f"block_ids_per_sequence has shape {tuple(rows.shape)}; expected (batch, blocks)"
             )
+        if rows.numel() and rows.dtype not in (torch.int32, torch.int64):
+            # As a list of rows is checked: a cast would truncate 1.7 to page 1.
+            raise TypeError(
+                f"block_ids_per_sequence has dtype {rows.dtype}; expected int32 or int64 ids"
+            )
+        rows = rows.to(torch.int64)
     else:
         if len(block_ids_per_sequence) == 0:
             raise ValueError("block_ids_per_sequence is empty; expected one row per sequence")

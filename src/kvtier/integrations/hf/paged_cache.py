@@ -77,10 +77,20 @@ class PagedKVLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # untyped up
         assert self.keys is not None and self.values is not None  # set in __init__
         start = self.keys.shape[2]
         end = start + key_states.shape[2]
-        if key_states.shape[0] != 1 or end > self.capacity:
+        _, heads, _, head_dim = self._key_space.shape
+        # `copy_` would broadcast KV of fewer heads (stored as many times over, host bytes
+        # included) and fail on another head size with a bare shape error inside the model.
+        if (
+            key_states.shape[:2] != (1, heads)
+            or key_states.shape[3] != head_dim
+            or value_states.shape != key_states.shape
+            or end > self.capacity
+        ):
             raise ValueError(
-                f"cannot cache {tuple(key_states.shape)} after {start} tokens: the layer holds "
-                f"one sequence of at most {self.capacity} tokens"
+                f"cannot cache K {tuple(key_states.shape)} and V {tuple(value_states.shape)} "
+                f"after {start} tokens: the layer holds one sequence of at most {self.capacity} "
+                f"tokens, K and V each (1, {heads}, tokens, {head_dim}) (kv_heads and head_dim "
+                "as read from the model's config)"
             )
         self._key_space[:, :, start:end].copy_(key_states)
         self._value_space[:, :, start:end].copy_(value_states)

@@ -1,0 +1,92 @@
+"""`kvtier simulate`, third review: two outputs sent to one place, and a reader of stdout that
+goes away (`| head`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli import main
+
+
+@pytest.fixture
+def trace(tmp_path: Path) -> Path:
+    rows = [{"input_length": 1000, "hash_ids": [0, i]} for i in range(1, 40)]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("outputs", "message"),
+    [
+        (["--json", "-", "--csv", "-"], "--json and --csv both write to stdout"),
+        (["--json", "{tmp}/r.out", "--csv", "{tmp}/r.out"], "--json and --csv both write to"),
+        (["--json", "{tmp}/r", "--csv", "{tmp}/./x/../r"], "--json and --csv both write to"),
+        (["--json", "{tmp}/c.png", "--plot", "{tmp}/c.png"], "--json and --plot both write to"),
+        (["--csv", "{tmp}/r.svg", "--plot", "{tmp}/r.svg"], "--csv and --plot both write to"),
+    ],
+)
+def test_two_outputs_to_one_place_are_refused_before_any_replay(
+    trace: Path,
+    tmp_path: Path,
+    outputs: list[str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """JSON followed by CSV on stdout is neither; a second file written over the first loses
+    it. Both ran to the end and exited 0."""
+    from kvtier.sim import command
+
+    if "--plot" in outputs:
+        pytest.importorskip("matplotlib")
+    (tmp_path / "x").mkdir()
+
+    def no_replay(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the trace was read before the outputs were checked")
+
+    monkeypatch.setattr(command, "read_trace", no_replay)
+    args = [a.format(tmp=tmp_path) for a in outputs]
+    for extra in ([], ["--advise"]):
+        if "--plot" in outputs and extra:
+            continue  # --plot is refused with --advise anyway
+        assert main(["simulate", str(trace), *args, *extra, "-q", "--jobs", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("kvtier simulate: error: ") and message in err
+    assert not (tmp_path / "r.out").exists()
+
+
+def test_distinct_outputs_are_all_written(
+    trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = ["--json", str(tmp_path / "r.json"), "--csv", "-"]
+    assert main(["simulate", str(trace), "--policies", "lru", "-q", "--jobs", "1", *out]) == 0
+    assert capsys.readouterr().out.startswith("policy,capacity_blocks,")
+    assert json.loads((tmp_path / "r.json").read_text())[0]["policy"] == "lru"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["simulate", "{trace}", "--csv", "-"], ["simulate", "{trace}", "--json", "-"], ["policies"]],
+)
+def test_a_reader_that_goes_away_ends_the_command_quietly(trace: Path, args: list[str]) -> None:
+    """`kvtier simulate T --csv - | head -1` printed 'error: [Errno 32] Broken pipe' and
+    exited 2, the status of a bad argument. Now it ends as the table does (rich's own
+    handling): no message, status 1."""
+    argv = [a.format(trace=trace) for a in args]
+    for extra in ([], ["--jobs", "1"]) if argv[0] == "simulate" else ([],):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtier", *argv, *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()  # the reader is gone before the command writes anything
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) == 1
+        assert err == ""

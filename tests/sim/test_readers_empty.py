@@ -1,0 +1,35 @@
+"""Trace readers, third review: what a line with no hash ids but a prompt is told."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.sim.readers import read_mooncake
+from kvtier.sim.trace import TraceFormatError
+
+
+@pytest.mark.parametrize(("length", "needed"), [(10, 1), (512, 1), (513, 2), (5000, 10)])
+def test_empty_hash_ids_with_a_prompt_name_what_is_expected(
+    tmp_path: Path, length: int, needed: int
+) -> None:
+    """It said 'expected -511..0': a range of lengths that has no valid member but 0."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(f'{{"input_length": 3, "hash_ids": [1]}}\n{{"input_length": {length}, '
+                    '"hash_ids": []}\n')  # fmt: skip
+    with pytest.raises(TraceFormatError) as info:
+        list(read_mooncake(path))
+    message = str(info.value)
+    assert message == (
+        f"{path}:2: input_length={length} does not fit 0 blocks (hash_ids is empty); expected "
+        f"input_length=0, or {needed} hash ids of 512-token blocks"
+    )
+    assert "-511" not in message
+
+
+def test_an_empty_request_is_still_read(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"input_length": 0, "hash_ids": []}\n')
+    [request] = read_mooncake(path)
+    assert request.keys == [] and request.input_length == 0
