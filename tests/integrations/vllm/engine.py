@@ -262,9 +262,11 @@ def make_engine(
     load_failure_policy: Literal["recompute", "fail"] = "fail",
     kv_events_config: Any | None = None,
     tensor_parallel_size: int = 1,
+    kv_cache_config: Any | None = None,
 ) -> Engine:
     """Build the scheduler (which builds the scheduler-side connector) and a worker-side
-    connector with registered CPU KV tensors."""
+    connector with registered CPU KV tensors; `kv_cache_config` replaces the
+    `num_groups` full-attention groups that are built by default."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -280,7 +282,8 @@ def make_engine(
         kv_events_config,
         tensor_parallel_size,
     )
-    kv_cache_config = make_kv_cache_config(num_gpu_blocks, num_groups)
+    if kv_cache_config is None:
+        kv_cache_config = make_kv_cache_config(num_gpu_blocks, num_groups)
     scheduler = Scheduler(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,

@@ -72,8 +72,14 @@ class KVTierSchedulerSide:
             blocks_per_chunk=setup.blocks_per_chunk,
             groups=setup.groups,
             num_workers=setup.num_workers,
-            offload_prompt_only=cfg.offload_prompt_only,
+            # offload_prompt_only is applied in build_connector_meta, from vLLM's current
+            # prompt length, which a streaming-input session's next input extends. Under RSWA
+            # the scheduler applies it from the length given at add_request (the first turn's):
+            # RSWA frees a turn's output blocks behind the window, and the next input makes
+            # them prompt with their KV gone (vLLM's null block in the block table).
+            offload_prompt_only=cfg.offload_prompt_only and setup.rswa,
         )
+        self._live_prompt_only = cfg.offload_prompt_only and not setup.rswa
         self._requests: dict[str, Request] = {}
         self._get_block_ids: Callable[[str], tuple[list[int], ...]] | None = None
         # Requests with a load in flight: vLLM frees their blocks on `finished_recving`, so
@@ -151,15 +157,20 @@ class KVTierSchedulerSide:
         get = self._get_block_ids
         if get is None:
             raise RuntimeError("bind_block_ids() was not called before the first step")
-        progress = [
-            StepProgress(
-                req_id,
-                _LazyBlockIds(get, req_id),
-                requests[req_id].num_computed_tokens + n,
-            )
-            for req_id, n in scheduler_output.num_scheduled_tokens.items()
-            if req_id in requests
-        ]
+        # vLLM's num_computed_tokens counts this step's tokens only after build_connector_meta.
+        # With offload_prompt_only the bound is vLLM's `num_prompt_tokens`, read each step:
+        # a streaming-input session's next input chunk extends the prompt by the previous
+        # turn's kept output and the new tokens (Scheduler._update_request_as_session).
+        prompt_only = self._live_prompt_only
+        progress = []
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            request = requests.get(req_id)
+            if request is None:
+                continue
+            computed = request.num_computed_tokens + n
+            if prompt_only and computed > request.num_prompt_tokens:
+                computed = request.num_prompt_tokens
+            progress.append(StepProgress(req_id, _LazyBlockIds(get, req_id), computed))
         step = sched.build_step_metadata(progress)
         for job in step.loads:
             self._loads[job.job_id] = [job.req_id, self.setup.num_workers]

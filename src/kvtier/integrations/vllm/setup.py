@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
+    RSWASpec,
     UniformTypeKVCacheSpecs,
 )
 
@@ -37,7 +38,9 @@ class VllmSetup:
 
     `groups` are vLLM's KV-cache group indices (all of them are offloaded), `num_slots` the
     host slots of `blocks_per_chunk` device blocks each, `num_workers` the workers that must
-    report every job, `events` whether KV events go to vLLM's publisher.
+    report every job, `events` whether KV events go to vLLM's publisher, `rswa` whether a
+    group is vLLM's `RSWASpec`, whose manager frees a running request's blocks of generated
+    tokens once they fall out of its window.
     """
 
     config: KVTierConfig
@@ -49,6 +52,7 @@ class VllmSetup:
     num_workers: int
     num_device_blocks: int
     events: bool = False
+    rswa: bool = False
 
     @property
     def slot_bytes(self) -> int:
@@ -69,6 +73,7 @@ def resolve_setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Vl
     groups = kv_cache_config.kv_cache_groups
     if not groups:
         raise ConfigError("the vLLM engine has no KV-cache groups; nothing to offload")
+    rswa = False
     for index, group in enumerate(groups):
         spec = group.kv_cache_spec
         specs = (
@@ -83,6 +88,21 @@ def resolve_setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Vl
                     "full-attention groups only (hybrid models whose groups are all full "
                     "attention are supported; sliding-window and Mamba layers are not yet)"
                 )
+            if isinstance(layer_spec, RSWASpec):
+                rswa = True
+                if not config.offload_prompt_only:
+                    # vLLM's RSWAManager frees (and hands to other requests) the blocks of
+                    # generated tokens behind the window while the request runs, with no
+                    # connector call: a store planned or in flight then reads another
+                    # request's KV or the null block, under this request's block hashes.
+                    raise ConfigError(
+                        f"KV-cache group {index} uses RSWASpec (reference sliding-window "
+                        f"attention, rswa_window={layer_spec.rswa_window}) and "
+                        "offload_prompt_only=False (from vLLM kv_connector_extra_config): vLLM "
+                        "frees a running request's generated-token blocks outside the window, "
+                        "so kvtier offloads only the prompt there; expected "
+                        "offload_prompt_only=true"
+                    )
     block_sizes = {int(g.kv_cache_spec.block_size) for g in groups}
     if len(block_sizes) != 1:
         raise ConfigError(
@@ -134,6 +154,7 @@ def resolve_setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Vl
         num_workers=vllm_config.parallel_config.world_size,
         num_device_blocks=int(kv_cache_config.num_blocks),
         events=events,
+        rswa=rswa,
     )
 
 
