@@ -73,6 +73,10 @@ class _Job:
     keys: list[OffloadKey]
     generation: int
     reports_left: int
+    # Set once the job is in a StepMetadata: before that no worker can have run it, and a
+    # report of it (stale, or meant for another job) would release its pins and announce its
+    # request received while the job is still to be sent and run.
+    sent: bool = False
     success: bool = True
     bytes: int = 0  # moved by the workers that reported success so far
     reporters: set[int] = field(default_factory=set)  # workers that named themselves

@@ -318,6 +318,8 @@ class OffloadingScheduler:
         for req, block_ids, end_chunk in due.values():
             self._plan_stores(req, block_ids, req.next_store_chunk, end_chunk)
             req.next_store_chunk = end_chunk
+        for job in self._unsent:
+            self._jobs[job.job_id].sent = True
         meta = StepMetadata(
             loads=[j for j in self._unsent if j.kind is JobKind.LOAD],
             stores=[j for j in self._unsent if j.kind is JobKind.STORE],
@@ -394,7 +396,8 @@ class OffloadingScheduler:
         `worker` (0 to `num_workers` - 1) names the reporting worker, so that a worker
         reporting a job twice is refused instead of counting as another worker's report
         (without it only more reports than workers can be told apart). A report of a job not
-        in flight, or reported too often, raises before any report is applied."""
+        in flight (not yet sent in a `StepMetadata`, or already completed), or reported too
+        often, raises before any report is applied."""
         if worker is not None and (
             isinstance(worker, bool)
             or not isinstance(worker, int)
@@ -407,8 +410,9 @@ class OffloadingScheduler:
         seen: dict[int, int] = {}
         for r in results:
             job = self._jobs.get(r.job_id)
-            if job is None:
-                raise ValueError(f"worker reported job {r.job_id}, which is not in flight")
+            if job is None or not job.sent:
+                unsent = "" if job is None else " (no StepMetadata has sent it to a worker yet)"
+                raise ValueError(f"worker reported job {r.job_id}, which is not in flight{unsent}")
             n = seen.get(r.job_id, 0) + 1
             if worker is not None and (n > 1 or worker in job.reporters):
                 raise ValueError(f"job {r.job_id} was already reported by worker {worker}")
