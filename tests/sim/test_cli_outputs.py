@@ -1,5 +1,5 @@
-"""`kvtier simulate`, third review: two outputs sent to one place, and a reader of stdout that
-goes away (`| head`)."""
+"""`kvtier simulate`: two outputs sent to one place, the same capacity twice, --advise with
+nothing to size, and a reader of stdout that goes away (`| head`)."""
 
 from __future__ import annotations
 
@@ -68,6 +68,30 @@ def test_distinct_outputs_are_all_written(
     assert main(["simulate", str(trace), "--policies", "lru", "-q", "--jobs", "1", *out]) == 0
     assert capsys.readouterr().out.startswith("policy,capacity_blocks,")
     assert json.loads((tmp_path / "r.json").read_text())[0]["policy"] == "lru"
+
+
+def test_one_capacity_given_twice_is_one_row(
+    trace: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """5% of the trace's 40 unique blocks is 2 blocks: `5%,2,5%` replayed and printed it
+    three times."""
+    args = ["simulate", str(trace), "--policies", "lru", "--capacities", "5%,2,5%,4", "-q"]
+    assert main([*args, "--jobs", "1", "--json", "-"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["policy"], r["capacity_blocks"]) for r in rows] == [
+        ("lru", 2),
+        ("lru", 4),
+        ("infinite", 40),
+    ]
+
+
+def test_advise_with_only_the_infinite_cache_is_refused(
+    trace: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It printed an empty table and exited 0."""
+    assert main(["simulate", str(trace), "--advise", "--policies", "infinite", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "--advise needs a policy to size; --policies='infinite' names only" in err
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Trace readers, third review: what a line with no hash ids but a prompt is told."""
+"""Trace readers: a line with no hash ids but a prompt, and null fields."""
 
 from __future__ import annotations
 
@@ -33,3 +33,18 @@ def test_an_empty_request_is_still_read(tmp_path: Path) -> None:
     path.write_text('{"input_length": 0, "hash_ids": []}\n')
     [request] = read_mooncake(path)
     assert request.keys == [] and request.input_length == 0
+
+
+def test_null_is_absent_for_an_optional_field_only(tmp_path: Path) -> None:
+    """`"output_length": null` was reported as a missing field; like `timestamp`, null means
+    "not given", which an optional field may be and a required one may not."""
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"input_length": 3, "output_length": null, "hash_ids": [1]}\n')
+    [request] = read_mooncake(path)
+    assert request.output_length == 0
+    path.write_text('{"input_length": null, "hash_ids": [1]}\n')
+    with pytest.raises(TraceFormatError, match=r":1: input_length=null is invalid; expected an "):
+        list(read_mooncake(path))
+    path.write_text('{"hash_ids": [1]}\n')
+    with pytest.raises(TraceFormatError, match=r":1: missing field 'input_length'"):
+        list(read_mooncake(path))

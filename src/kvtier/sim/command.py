@@ -281,6 +281,12 @@ def _run(args: argparse.Namespace) -> int:
                 f"{' and '.join(given)} {verb} only without --advise (it searches the capacity "
                 "itself; --json and --csv write its answers)"
             )
+        if not policies:
+            # The infinite cache is the target, not a policy to size.
+            raise ValueError(
+                f"--advise needs a policy to size; --policies={args.policies!r} names only the "
+                "infinite cache"
+            )
     store_on = args.store or "eager"
     if args.store_threshold < 0:
         raise ValueError(f"--store-threshold={args.store_threshold} is invalid; expected >= 0")
@@ -312,6 +318,8 @@ def _run(args: argparse.Namespace) -> int:
         ]
         if not capacities:
             raise ValueError("--capacities is empty; expected e.g. 1%,5%,10%,25%")
+        # 5% and the block count it comes to are one capacity: one row, one replay.
+        capacities = list(dict.fromkeys(capacities))
     device_blocks = 0
     if args.mode == "engine":
         # An empty device is valid: engine mode then equals flat mode.

@@ -46,8 +46,13 @@ def _lines(path: Path) -> Generator[tuple[int, dict[str, Any]], None, None]:
 
 
 def _int_field(obj: dict[str, Any], name: str, where: str, *, default: int | None = None) -> int:
-    value = obj.get(name, default)
+    value = obj.get(name)
     if value is None:
+        # null is "not given", as for `timestamp`: fine for an optional field only.
+        if default is not None:
+            return default
+        if name in obj:
+            raise TraceFormatError(f"{where}: {name}=null is invalid; expected an integer >= 0")
         raise TraceFormatError(f"{where}: missing field {name!r}")
     if type(value) is not int or value < 0:
         raise TraceFormatError(f"{where}: {name}={value!r} is invalid; expected an integer >= 0")
