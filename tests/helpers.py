@@ -63,3 +63,33 @@ def assert_generator_clean(gen: Any) -> None:
     assert gen.scheduler.num_requests() == 0
     assert gen.manager.get_stats().pinned == 0
     assert bool(gen._free.all())
+
+
+def interrupt_once(
+    fn: Callable[..., Any], when: str, armed: list[bool] | None = None
+) -> Callable[..., Any]:
+    """`fn`, whose first call raises KeyboardInterrupt before (`when="before"`) or after it
+    runs `fn`, as a signal can arrive on either side of a call; later calls just run it.
+    `armed` ([True]) may be shared by several, so that only the first of them fires."""
+    armed = [True] if armed is None else armed
+
+    def call(*args: Any) -> Any:
+        if armed.pop() if armed else False:
+            if when == "before":
+                raise KeyboardInterrupt
+            fn(*args)
+            raise KeyboardInterrupt
+        return fn(*args)
+
+    return call
+
+
+class LibWith:
+    """A compiled (ctypes) library with some functions replaced."""
+
+    def __init__(self, real: Any, **replaced: Callable[..., Any]) -> None:
+        self.real = real
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)

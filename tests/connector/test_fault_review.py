@@ -305,6 +305,9 @@ class _RefusingBackend:
     def wait(self, job_ids: Iterable[int]) -> None:
         pass
 
+    def holds(self, job_id: int) -> bool:
+        return any(r.job_id == job_id for r in self._done)
+
 
 def test_refused_submission_is_a_failed_transfer_and_the_rest_still_run() -> None:
     m = CPUOffloadingManager(16, enable_events=True)

@@ -39,6 +39,11 @@ class TransferBackend(Protocol):
 
     def wait(self, job_ids: Iterable[int]) -> None: ...
 
+    def holds(self, job_id: int) -> bool:
+        """Whether the job is queued, running, or finished and not yet returned by
+        `get_finished`; after a submit that raised, whether it was queued all the same."""
+        ...
+
 
 class OffloadingWorker:
     """Feeds one step's `StepMetadata` to a transfer worker in the order that keeps KV valid.
@@ -95,12 +100,12 @@ class OffloadingWorker:
                 job.req_id,
             )
             return
-        self._submitted.add(job.job_id)
         # A job the transfer worker cannot queue (out of memory, shut down) is a failed
         # transfer: reported so, its pins and slots are released and a failed load is
         # recomputed. Raising instead would strand the step's later jobs, never submitted and
         # never reported, with their pins and pending writes held forever.
         try:
+            self._submitted.add(job.job_id)  # inside: an interrupt may come as add returns
             if job.kind is JobKind.LOAD:
                 self.transfer.submit_load(
                     job.job_id, job.slots, job.device_blocks, job.group, job.skip_blocks
@@ -108,10 +113,19 @@ class OffloadingWorker:
             else:
                 self.transfer.submit_store(job.job_id, job.device_blocks, job.slots, job.group)
         except Exception:
+            # Reported first: an interrupt during the logging must not lose the report.
+            self._refused.append(TransferResult(job.job_id, False))
             logger.exception(
                 "kvtier: the transfer worker refused %s job %d of request %s; reported failed",
                 job.kind.value,
                 job.job_id,
                 job.req_id,
             )
-            self._refused.append(TransferResult(job.job_id, False))
+        except BaseException:
+            # An interrupt (Ctrl-C in a notebook, whose user goes on) propagates, but first the
+            # job must be reported exactly once: by the transfer worker if it was queued (the
+            # interrupt may come as the submit returns), else here, failed, as a refusal is.
+            # It stays marked submitted until then, so that metadata fed again skips it.
+            if not self.transfer.holds(job.job_id):
+                self._refused.append(TransferResult(job.job_id, False))
+            raise

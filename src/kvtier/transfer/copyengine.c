@@ -72,6 +72,7 @@ typedef struct {
     pthread_cond_t work, done;
     kvt_job *head[2], *tail[2];
     uint64_t done_seq[2]; /* per lane: seq of the last finished job; a lane finishes in order */
+    uint64_t accepted[2]; /* per lane: seq of the last job queued (kvt_engine_accepted) */
     /* Per lane: the lowest seq a waiter needs (UINT64_MAX: none). The engine's thread wakes
      * waiters only when it gets there: waking them after every job cost the copy thread a
      * futex call and, on a VM, an IPI to a halted vCPU per job, and a waiter that takes the
@@ -642,6 +643,7 @@ static int enqueue(kvt_engine *e, kvt_job *j, int lane) {
     else
         e->head[lane] = j;
     e->tail[lane] = j;
+    e->accepted[lane] = j->seq;
     e->outstanding++;
     pthread_cond_signal(&e->work);
     pthread_mutex_unlock(&e->mu);
@@ -649,8 +651,9 @@ static int enqueue(kvt_engine *e, kvt_job *j, int lane) {
 }
 
 /* Queue a job in `lane` (0 normal, 1 urgent) with the caller's sequence number, which must
- * grow by one per job of the lane; the caller keeps `dst` and `src` alive until the job's
- * result is polled. Returns 0, or -1 if stopping or out of memory (nothing queued). */
+ * grow with every job of the lane, never repeat; gaps are harmless (done_seq, wake_at and the
+ * waits only compare seqs). The caller keeps `dst` and `src` alive until the job's result is
+ * polled. Returns 0, or -1 if stopping or out of memory (nothing queued). */
 int kvt_engine_submit(kvt_engine *e, int64_t id, int lane, uint64_t seq,
                       const kvtier_segment *segs, size_t nseg, const int64_t *dst,
                       const int64_t *src, size_t n) {
@@ -768,6 +771,16 @@ size_t kvt_engine_poll(kvt_engine *e, kvt_result *out, size_t max) {
     e->res_head += k;
     pthread_mutex_unlock(&e->mu);
     return k;
+}
+
+/* The seq of the last job queued in `lane` (0: none yet). A caller that serialises its
+ * submits learns from it whether one that was cut short queued its job (Python can raise
+ * KeyboardInterrupt as the submit call returns): it did if this is at least the job's seq. */
+uint64_t kvt_engine_accepted(kvt_engine *e, int lane) {
+    pthread_mutex_lock(&e->mu);
+    uint64_t seq = e->accepted[lane ? 1 : 0];
+    pthread_mutex_unlock(&e->mu);
+    return seq;
 }
 
 /* Block until the job with sequence number `seq` of `lane` has finished. */

@@ -145,9 +145,24 @@ class CPUTransferWorker(TransferWorker):
 
     def _submit(self, job: Job) -> None:
         jobs = self._jobs
-        (jobs.urgent if job.urgent else jobs.queue).append(job)
-        jobs.in_flight.add(job.job_id)
-        jobs.cv.notify_all()
+        queue = jobs.urgent if job.urgent else jobs.queue
+        try:
+            # In flight before queued: wait() must never miss a queued job.
+            jobs.in_flight.add(job.job_id)
+            queue.append(job)
+            jobs.cv.notify_all()
+        except BaseException:
+            # An interrupt (a Python function's entry, or the return from a C one) may come
+            # anywhere here. The copy thread cannot have taken the job: this thread holds the
+            # lock. Queued, it needs the wake-up, which the interrupt may have cut short.
+            if queue and queue[-1] is job:
+                jobs.cv.notify_all()
+            else:
+                jobs.in_flight.discard(job.job_id)
+            raise
+
+    def _accepted(self, job_id: int) -> bool:
+        return job_id in self._jobs.in_flight
 
     def _collect(self) -> list[TransferResult]:
         results, self._jobs.results = self._jobs.results, []

@@ -151,6 +151,11 @@ class CUDAEngine:
         of memory, or the engine stopping)."""
         return int(self._lib.kvt_cuda_last_error(self.handle))
 
+    def accepted(self, lane: int) -> int:
+        """The sequence number (as `wait` takes it) of the last job queued in `lane`, 0 for
+        none: after a submit cut short by an interrupt, whether it queued its job."""
+        return int(self._lib.kvt_cuda_accepted(self.handle, lane))
+
     def submit_ids(
         self, context: int, lane: int, job_id: int, blocks_at: int, nblocks: int, slots_at: int,
         nslots: int, skip: int,

@@ -261,14 +261,28 @@ class CUDATransferWorker(TransferWorker):
         with self._lock:
             self._check_job_id(job_id)
             lane = _lane(direction, urgent)
-            n = submit(
-                engine.submit_fn, engine.handle, contexts[0 if store else 1], job_id, lane,
-                engine.compute_stream(), device_blocks, slots, skip,
-            )  # fmt: skip
-            if n >= 0:
-                self._queued(job_id, lane, n * self._planner.page_bytes[group], 0)
+            seq = self._next_seq[lane]
+            try:
+                # Recorded first: an interrupt may come as the engine's call returns.
+                live = self._live[job_id] = _Live(lane, seq, 0)
+                self._next_seq[lane] = seq + 1
                 self._unreported.add(job_id)
-                return
+                n = submit(
+                    engine.submit_fn, engine.handle, contexts[0 if store else 1], job_id, lane,
+                    engine.compute_stream(), device_blocks, slots, skip,
+                )  # fmt: skip
+                if n >= 0:
+                    live.nbytes = n * self._planner.page_bytes[group]
+                    return
+            except BaseException:
+                if self._kept(job_id, lane):  # queued: the ids were read, len() works
+                    page = self._planner.page_bytes[group]
+                    self._live[job_id].nbytes = len(device_blocks) * page
+                raise
+            # Refused. Undone without a call into Python, where an interrupt could come first.
+            self._next_seq[lane] = seq
+            del self._live[job_id]
+            self._unreported.discard(job_id)
             if n == EXT_STOPPED:
                 raise _not_queued(job_id, engine.last_error())
             if n == EXT_REFUSED:
@@ -293,24 +307,47 @@ class CUDATransferWorker(TransferWorker):
                 lane = _lane(direction, urgent)
                 context = self._contexts[group][0 if direction is Direction.STORE else 1]
                 dev_at, sl_at = self._staging.put(dev, sl)
-                rc = self._engine.submit_ids(
-                    context, lane, job_id, dev_at, int(dev.shape[0]), sl_at, int(sl.shape[0]),
-                    skip,
-                )  # fmt: skip
-                if rc != 1:
-                    self._queued(job_id, lane, int(dev.shape[0]) * page, rc)
+                seq = self._next_seq[lane]
+                try:
+                    # Recorded first, as in `_submit_ids`.
+                    self._live[job_id] = _Live(lane, seq, int(dev.shape[0]) * page)
+                    self._next_seq[lane] = seq + 1
                     self._unreported.add(job_id)
-                    return
+                    rc = self._engine.submit_ids(
+                        context, lane, job_id, dev_at, int(dev.shape[0]), sl_at,
+                        int(sl.shape[0]), skip,
+                    )  # fmt: skip
+                    if rc == 0:
+                        return
+                except BaseException:
+                    self._kept(job_id, lane)
+                    raise
+                self._next_seq[lane] = seq  # refused: undone as in `_submit_ids`
+                del self._live[job_id]
+                self._unreported.discard(job_id)
+                if rc != 1:
+                    raise _not_queued(job_id, rc)
             # The planner's path: it raises, saying why, where the C side refused the call.
             call = SubmitCall(job_id, direction, device_blocks, slots, group, skip, urgent)
             self._plan_and_submit(call)
 
-    def _queued(self, job_id: int, lane: int, nbytes: int, rc: int) -> None:
-        if rc != 0:
-            raise _not_queued(job_id, rc)
-        seq = self._next_seq[lane]
-        self._live[job_id] = _Live(lane, seq, nbytes)
-        self._next_seq[lane] = seq + 1
+    def _kept(self, job_id: int, lane: int) -> bool:
+        """After a compiled submit raised (lock held): whether the engine queued the job. An
+        interrupt may come as the engine's call returns, with the job queued: its records stay
+        then; otherwise they go. Either way the lane's count resumes where the engine's does
+        (it numbers a lane's jobs itself, and `wait` names them so)."""
+        assert self._engine is not None
+        accepted = self._engine.accepted(lane)
+        self._next_seq[lane] = accepted + 1
+        live = self._live.get(job_id)
+        if live is not None and live.seq <= accepted:
+            return True
+        self._live.pop(job_id, None)
+        self._unreported.discard(job_id)
+        return False
+
+    def _accepted(self, job_id: int) -> bool:
+        return job_id in self._live or job_id in self._by_id
 
     def _inject(self, job: Job) -> bool:
         """Run the fault injector; False if it raised (the job then fails)."""
@@ -341,12 +378,21 @@ class CUDATransferWorker(TransferWorker):
             ok = self._inject(job)
             table = self._engine.tables[job.group][0 if store else 1].number
             dst, src = (job.host_rows, job.dev_rows) if store else (job.dev_rows, job.host_rows)
-            rc = self._engine.submit_rows(
-                lane, job.job_id, not ok, table, job.nbytes,
-                np.ascontiguousarray(dst, dtype=np.int64),
-                np.ascontiguousarray(src, dtype=np.int64),
-            )  # fmt: skip
-            self._queued(job.job_id, lane, job.nbytes, rc)
+            dst = np.ascontiguousarray(dst, dtype=np.int64)
+            src = np.ascontiguousarray(src, dtype=np.int64)
+            seq = self._next_seq[lane]
+            try:
+                # Recorded first, as in `_submit_ids` (`_queue` counts it unreported).
+                self._live[job.job_id] = _Live(lane, seq, job.nbytes)
+                self._next_seq[lane] = seq + 1
+                rc = self._engine.submit_rows(lane, job.job_id, not ok, table, job.nbytes, dst, src)
+            except BaseException:
+                self._kept(job.job_id, lane)
+                raise
+            if rc != 0:
+                self._next_seq[lane] = seq  # refused: undone as in `_submit_ids`
+                del self._live[job.job_id]
+                raise _not_queued(job.job_id, rc)
             return
         if job.direction is Direction.STORE:
             ln = self._lanes["store"]
@@ -360,29 +406,35 @@ class CUDATransferWorker(TransferWorker):
             staged[:n] = job.dev_rows
             staged[n : 2 * n] = job.host_rows
         start, end = self._event(), self._event()
+        record = _Record(job.job_id, job.nbytes, False, start, end, buf)
         # Stores read KV the compute stream is producing; loads overwrite blocks it may still
         # be reading or zeroing. Both wait for the compute queued so far.
         ln.stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(ln.stream):
             start.record(ln.stream)
-            ok = self._inject(job)
             try:
-                if ok and buf is None:
-                    assert self._dma is not None
-                    self._dma.run(job, ln.stream.cuda_stream)
-                elif ok and buf is not None:
-                    idx = buf.device[: 2 * n]
-                    idx.copy_(buf.host[: 2 * n], non_blocking=True)
-                    ln.copier.run(job, idx[:n], idx[n:])
-            except Exception:
-                logger.exception("transfer job %d (%s) failed", job.job_id, job.direction.value)
-                ok = False
-            # Recorded even on failure: kernels already launched must finish before the
-            # job's buffers are reused.
-            end.record(ln.stream)
-        record = _Record(job.job_id, job.nbytes, ok, start, end, buf)
-        ln.records.append(record)
-        self._by_id[job.job_id] = record
+                # Recorded before any copy is queued: an interrupt may come after any torch
+                # call, and the job is then reported failed (`ok` is still False) once the
+                # copies it queued have ended.
+                self._by_id[job.job_id] = record
+                ln.records.append(record)
+                ok = self._inject(job)
+                try:
+                    if ok and buf is None:
+                        assert self._dma is not None
+                        self._dma.run(job, ln.stream.cuda_stream)
+                    elif ok and buf is not None:
+                        idx = buf.device[: 2 * n]
+                        idx.copy_(buf.host[: 2 * n], non_blocking=True)
+                        ln.copier.run(job, idx[:n], idx[n:])
+                except Exception:
+                    logger.exception("transfer job %d (%s) failed", job.job_id, job.direction.value)
+                    ok = False
+                record.ok = ok
+            finally:
+                # Recorded even on failure: kernels already launched must finish before the
+                # job is reported and its buffers are reused.
+                end.record(ln.stream)
 
     def _event(self) -> torch.cuda.Event:
         if self._events:

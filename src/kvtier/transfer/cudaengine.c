@@ -751,6 +751,20 @@ int kvt_cuda_submit_ext(void *engine, const kvt_submit_ctx *x, int64_t id, int l
 
 int kvt_cuda_last_error(const kvt_cuda *c) { return c->last_error; }
 
+/* The sequence number (counted from 1 per lane, in submission order, as kvt_cuda_wait takes
+ * them) of the last job queued in `lane`: 0 for none yet or a lane that does not exist. The
+ * caller, whose submits are serialised, numbers its jobs the same way; after a submit cut short
+ * (Python can raise KeyboardInterrupt as the call returns) it learns from this whether the
+ * job was queued, and where its count resumes. */
+uint64_t kvt_cuda_accepted(kvt_cuda *c, int lane) {
+    if (lane < 0 || lane >= KVT_LANES)
+        return 0;
+    pthread_mutex_lock(&c->mu);
+    uint64_t seq = c->lanes[lane].first_seq + c->lanes[lane].len - 1;
+    pthread_mutex_unlock(&c->mu);
+    return seq;
+}
+
 /* Move up to `max` finished jobs into `out`, each lane's in submission order. A job whose
  * event reports an error (a failed copy poisons the context) is reported failed. A batch's
  * GPU time is shared among its jobs by their bytes. */

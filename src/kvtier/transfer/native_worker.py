@@ -331,23 +331,31 @@ class NativeCPUTransferWorker(TransferWorker):
         with self._lock:
             self._check_job_id(job_id)
             lane = 1 if urgent else 0
+            # Taken for good before the call: should the call be cut short, a seq the engine
+            # never saw is a harmless gap (copyengine.c only compares them), where one used
+            # twice would let a wait for the second job return once the first is done.
             seq = self._next_seq[lane]
-            # Recorded first: the engine may run the job (and its hook) before submit returns.
-            live = self._live[job_id] = _Live(lane, seq, 0, direction.value)
+            self._next_seq[lane] = seq + 1
             try:
+                # Recorded first: the engine may run the job (and its hook) before submit
+                # returns, and an interrupt may come as it returns.
+                live = self._live[job_id] = _Live(lane, seq, 0, direction.value)
+                self._unreported.add(job_id)
                 n = submit(
                     self._submit_fn, self._engine, contexts[0 if store else 1], job_id, lane,
                     seq, device_blocks, slots, skip,
                 )  # fmt: skip
+                if n >= 0:
+                    live.nbytes = n * self._planner.page_bytes[group]  # read under the lock only
+                    return
             except BaseException:
-                del self._live[job_id]
+                if self._kept(job_id, lane, seq):  # queued: the ids were read, len() works
+                    page = self._planner.page_bytes[group]
+                    self._live[job_id].nbytes = len(device_blocks) * page
                 raise
-            if n >= 0:
-                live.nbytes = n * self._planner.page_bytes[group]  # read under the lock only
-                self._next_seq[lane] = seq + 1
-                self._unreported.add(job_id)
-                return
+            # Refused. Undone without a call into Python, where an interrupt could come first.
             del self._live[job_id]
+            self._unreported.discard(job_id)
             if n == EXT_STOPPED:
                 raise RuntimeError(f"the copy engine refused job {job_id} (stopped or no memory)")
             if n == EXT_REFUSED:
@@ -371,19 +379,24 @@ class NativeCPUTransferWorker(TransferWorker):
                 dev, sl, page = ids
                 lane = 1 if urgent else 0
                 seq = self._next_seq[lane]
-                # Recorded first: the engine may run the job (and its hook) before submit
-                # returns.
-                self._live[job_id] = _Live(lane, seq, int(dev.shape[0]) * page, direction.value)
-                dev_at, sl_at = self._staging.put(dev, sl)
-                rc = self._lib.kvt_engine_submit_ids(
-                    self._engine, self._contexts[group][0 if store else 1], job_id, lane, seq,
-                    dev_at, dev.shape[0], sl_at, sl.shape[0], skip,
-                )  # fmt: skip
-                if rc == 0:
-                    self._next_seq[lane] = seq + 1
+                self._next_seq[lane] = seq + 1  # before the call, as in `_submit_ids`
+                try:
+                    # Recorded first, as in `_submit_ids`.
+                    nbytes = int(dev.shape[0]) * page
+                    self._live[job_id] = _Live(lane, seq, nbytes, direction.value)
                     self._unreported.add(job_id)
-                    return
-                del self._live[job_id]
+                    dev_at, sl_at = self._staging.put(dev, sl)
+                    rc = self._lib.kvt_engine_submit_ids(
+                        self._engine, self._contexts[group][0 if store else 1], job_id, lane,
+                        seq, dev_at, dev.shape[0], sl_at, sl.shape[0], skip,
+                    )  # fmt: skip
+                    if rc == 0:
+                        return
+                except BaseException:
+                    self._kept(job_id, lane, seq)
+                    raise
+                del self._live[job_id]  # refused: undone as in `_submit_ids`
+                self._unreported.discard(job_id)
                 if rc < 0:
                     raise RuntimeError(
                         f"the copy engine refused job {job_id} (stopped or no memory)"
@@ -399,16 +412,33 @@ class NativeCPUTransferWorker(TransferWorker):
         dst = np.ascontiguousarray(job.host_rows if store else job.dev_rows, dtype=np.int64)
         src = np.ascontiguousarray(job.dev_rows if store else job.host_rows, dtype=np.int64)
         seq = self._next_seq[lane]
-        # Recorded first: the engine may run the job (and its hook) before submit returns.
-        self._live[job.job_id] = _Live(lane, seq, job.nbytes, job.direction.value, (dst, src))
-        rc = self._lib.kvt_engine_submit(
-            self._engine, job.job_id, lane, seq, table, nseg,
-            dst.ctypes.data, src.ctypes.data, dst.shape[0],
-        )  # fmt: skip
+        self._next_seq[lane] = seq + 1  # before the call, as in `_submit_ids`
+        try:
+            # Recorded first, as in `_submit_ids` (the caller, `_queue`, counts it unreported).
+            self._live[job.job_id] = _Live(lane, seq, job.nbytes, job.direction.value, (dst, src))
+            rc = self._lib.kvt_engine_submit(
+                self._engine, job.job_id, lane, seq, table, nseg,
+                dst.ctypes.data, src.ctypes.data, dst.shape[0],
+            )  # fmt: skip
+        except BaseException:
+            self._kept(job.job_id, lane, seq)
+            raise
         if rc != 0:
             del self._live[job.job_id]
             raise RuntimeError(f"the copy engine refused job {job.job_id} (stopped or no memory)")
-        self._next_seq[lane] = seq + 1
+
+    def _kept(self, job_id: int, lane: int, seq: int) -> bool:
+        """After a submit raised (lock held): whether the engine queued the job, `seq` of
+        `lane`. An interrupt may come as the engine's call returns, with the job queued: its
+        records stay then; otherwise they go."""
+        if self._lib.kvt_engine_accepted(self._engine, lane) >= seq:
+            return True
+        self._live.pop(job_id, None)
+        self._unreported.discard(job_id)
+        return False
+
+    def _accepted(self, job_id: int) -> bool:
+        return job_id in self._live
 
     def _collect(self) -> list[TransferResult]:
         results: list[TransferResult] = []

@@ -5,6 +5,12 @@ asynchronously. Contract (DESIGN §2): `submit_*` validates and queues, never wa
 jobs of one lane (stores, loads, urgent loads) complete in submission order; a job whose copy
 raised is reported `success=False`, never as done; each job is reported exactly once by
 `get_finished`.
+
+A `submit_*` that raises has queued nothing, except that an interrupt (KeyboardInterrupt, or
+any BaseException a signal handler raises) can arrive as the engine's call returns, after the
+job was queued; `holds(job_id)` then says which. Every submit path records a job before it
+hands it to its engine, and on a BaseException asks the engine whether it took the job, and
+keeps or drops the records accordingly.
 """
 
 from __future__ import annotations
@@ -137,8 +143,7 @@ class TransferWorker(ABC):
         with self._lock:
             self._check_job_id(job_id)
             job = self._planner.store(job_id, device_blocks, slots, group)
-            self._submit(job)
-            self._unreported.add(job_id)
+            self._queue(job)
 
     def submit_load(
         self,
@@ -166,8 +171,7 @@ class TransferWorker(ABC):
         with self._lock:
             self._check_job_id(job_id)
             job = self._planner.load(job_id, slots, device_blocks, group, skip_blocks, urgent)
-            self._submit(job)
-            self._unreported.add(job_id)
+            self._queue(job)
 
     def get_finished(self) -> list[TransferResult]:
         """Results of jobs finished since the last call, each lane in submission order."""
@@ -176,6 +180,13 @@ class TransferWorker(ABC):
             for r in results:
                 self._unreported.discard(r.job_id)
             return results
+
+    def holds(self, job_id: int) -> bool:
+        """Whether `job_id` is queued, running, or finished and not yet returned by
+        `get_finished`: it will be reported. After a `submit_*` that raised, False means that
+        nothing was queued (see the module docstring)."""
+        with self._lock:
+            return job_id in self._unreported
 
     @abstractmethod
     def wait(self, job_ids: Iterable[int]) -> None:
@@ -191,8 +202,26 @@ class TransferWorker(ABC):
         """Start or queue a validated job (called with the lock held)."""
 
     @abstractmethod
+    def _accepted(self, job_id: int) -> bool:
+        """Whether this backend's records hold `job_id` (called with the lock held, after
+        `_submit` raised). `_submit` leaves a job fully recorded or not at all: on a
+        BaseException it keeps the records of a job its engine took, and drops the rest."""
+
+    @abstractmethod
     def _collect(self) -> list[TransferResult]:
         """Take the finished results (called with the lock held)."""
+
+    def _queue(self, job: Job) -> None:
+        """`_submit` a planned job and count it unreported (called with the lock held). Counted
+        first, inside the `try`: an interrupt may come between any two steps, the last one
+        after `_submit` queued the job."""
+        try:
+            self._unreported.add(job.job_id)
+            self._submit(job)
+        except BaseException:
+            if not self._accepted(job.job_id):
+                self._unreported.discard(job.job_id)
+            raise
 
     def _plans_ids(self) -> bool:
         """Whether `submit_*` hand the call to `_submit_ids` (compiled planning) instead of
@@ -231,8 +260,7 @@ class TransferWorker(ABC):
             job = self._planner.store(c.job_id, c.device_blocks, c.slots, c.group)
         else:
             job = self._planner.load(c.job_id, c.slots, c.device_blocks, c.group, c.skip, c.urgent)
-        self._submit(job)
-        self._unreported.add(c.job_id)
+        self._queue(job)
 
     def _as_group(self, group: object) -> int:
         """`group` of another integer type (numpy's) as an int. Anything else is a ValueError
