@@ -27,6 +27,7 @@ from kvtier.transfer import (
     NativeCPUTransferWorker,
     TransferWorker,
     make_transfer_worker,
+    native_worker,
 )
 from kvtier.transfer.native import library, submit_extension
 
@@ -421,6 +422,28 @@ def test_bad_copy_cpus_are_refused(bad: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         NativeCPUTransferWorker(reg, pool, copy_cpus=bad)  # type: ignore[arg-type]
     assert _tasks() == before, "a refused worker left a thread behind"
+
+
+def test_copy_cpus_are_checked_against_the_kernels_cpu_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With CPUs offline or absent, numbers have gaps: os.cpu_count() counts CPUs and does
+    not number them, so a check against it refused CPU 8 on a "0-3,8-11" machine."""
+    listed = tmp_path / "possible"
+    listed.write_text("0-3,8-11,2000-2001\n")
+    assert native_worker._possible_cpus(str(listed)) == {0, 1, 2, 3, 8, 9, 10, 11}
+    listed.write_text("0\n")
+    assert native_worker._possible_cpus(str(listed)) == {0}
+    fallback = set(range(os.cpu_count() or 1))
+    assert native_worker._possible_cpus(str(tmp_path / "absent")) == fallback
+    listed.write_text("garbage\n")
+    assert native_worker._possible_cpus(str(listed)) == fallback
+
+    monkeypatch.setattr(native_worker, "_possible_cpus", lambda: {0, 1, 2, 3, 8, 9, 10, 11})
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert native_worker._check_cpus([9, 8, 9]) == [8, 9]
+    with pytest.raises(ValueError, match=r"no CPU \[4, 12\]; this machine's CPUs are 0-3,8-11$"):
+        native_worker._check_cpus([4, 12, 0])
 
 
 def test_the_factory_passes_copy_cpus_and_the_fallback_ignores_them(

@@ -94,11 +94,43 @@ def _check_cpus(cpus: Sequence[int] | None) -> list[int]:
     if not picked or any(isinstance(c, bool) or not isinstance(c, Integral) for c in picked):
         raise ValueError(f"copy_cpus={cpus!r} must be a non-empty list of CPU numbers")
     picked = [int(c) for c in picked]  # numpy integers too
-    n = os.cpu_count() or 1
-    bad = sorted(c for c in set(picked) if not 0 <= c < n)
+    possible = _possible_cpus()
+    bad = sorted(c for c in set(picked) if c not in possible)
     if bad:
-        raise ValueError(f"copy_cpus={cpus!r}: no CPU {bad}; this machine has CPUs 0 to {n - 1}")
+        raise ValueError(
+            f"copy_cpus={cpus!r}: no CPU {bad}; this machine's CPUs are {_ranges(possible)}"
+        )
     return sorted(set(picked))
+
+
+# cpu_set_t's size: copyengine.c cannot name a CPU at or above it.
+_CPU_SETSIZE = 1024
+
+
+def _possible_cpus(path: str = "/sys/devices/system/cpu/possible") -> set[int]:
+    """The CPU numbers this machine can have: the kernel's list, which keeps the gaps that
+    offline or absent CPUs leave (os.cpu_count() counts them, it does not number them)."""
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read().strip()
+        cpus: set[int] = set()
+        for part in text.split(","):
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    except (OSError, ValueError):
+        cpus = set(range(os.cpu_count() or 1))
+    return {c for c in cpus if c < _CPU_SETSIZE}
+
+
+def _ranges(cpus: set[int]) -> str:
+    """{0, 1, 2, 5} as "0-2,5"."""
+    runs: list[list[int]] = []
+    for c in sorted(cpus):
+        if runs and runs[-1][1] == c - 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _pointers(
