@@ -322,6 +322,29 @@ def test_bad_arguments_get_clear_errors() -> None:
         s.request_finished("a")
 
 
+def test_a_grown_prompt_is_looked_up_to_its_new_length() -> None:
+    """A streaming-input session's prompt grows in place: `extend_prompt` lets lookups reach
+    it (one prompt token is always left to compute); a shrinking or bad length is refused
+    with nothing changed."""
+    m = CPUOffloadingManager(8)
+    hashes = block_hashes("a", 3)
+    stored = [make_offload_key(h, 0) for h in hashes]
+    assert m.prepare_store(stored, ReqContext("w")) is not None
+    m.complete_store(stored, ReqContext("w"), True)
+    s = OffloadingScheduler(m, tokens_per_block=4)
+    s.add_request("a", hashes, 5)
+    assert s.get_num_new_matched_tokens("a", 0) == 4
+    s.extend_prompt("a", 13)
+    assert s.get_num_new_matched_tokens("a", 0) == 12
+    for bad, match in ((12, "num_prompt_tokens=12 is shorter than the prompt of 13"),
+                       (-1, "num_prompt_tokens"), ("13", "num_prompt_tokens")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            s.extend_prompt("a", bad)  # type: ignore[arg-type]
+    assert s.get_num_new_matched_tokens("a", 0) == 12
+    with pytest.raises(ValueError, match="'b' is not tracked"):
+        s.extend_prompt("b", 13)
+
+
 class _TouchLog(LRUPolicy):
     """LRU that records every touch, to see what the connector reports as a use."""
 

@@ -151,6 +151,20 @@ class OffloadingScheduler:
         self._requests[req_id] = _Request(ctx, block_hashes, prompt, [[] for _ in self.groups])
         self.manager.on_new_request(ctx)
 
+    def extend_prompt(self, req_id: str, num_prompt_tokens: int) -> None:
+        """A tracked request's prompt grew to `num_prompt_tokens` (vLLM's streaming input
+        appends a turn's kept output and the next input chunk to the same request): lookups
+        after a preemption, and stores with `offload_prompt_only`, reach the new length. A
+        prompt never shrinks; a shorter one is a ValueError, with nothing changed."""
+        req = self._get(req_id)
+        prompt = _token_count(req_id, "num_prompt_tokens", num_prompt_tokens)
+        if prompt < req.num_prompt_tokens:
+            raise ValueError(
+                f"request {req_id!r}: num_prompt_tokens={prompt} is shorter than the prompt "
+                f"of {req.num_prompt_tokens} tokens already given; expected a prompt that grows"
+            )
+        req.num_prompt_tokens = prompt
+
     def request_finished(self, req_id: str) -> bool:
         """The engine is done with a request. Returns True when its device blocks must be held
         until the request appears in `take_finished().sending` (transfers still use them)."""

@@ -178,3 +178,33 @@ def test_a_turns_last_block_is_stored_under_the_next_turns_hash(vllm_loaded: Non
     for _ in range(5):
         engine.step()
     assert_no_leaks(engine)
+
+
+def test_a_session_preempted_in_a_later_turn_loads_that_turns_prompt(vllm_loaded: None) -> None:
+    """A session preempted while it decodes its second turn is looked up again up to that
+    turn's prompt (89 tokens: 5 full blocks), not the first turn's 40 (2 blocks)."""
+    engine = make_engine("KVTierConnector", EXTRA)
+    side = kvtier_side(engine)
+    session = add_input(engine, "s", TURN_1, max_tokens=TURN_1_OUTPUT)
+    finish_turn(engine, session)
+    add_input(engine, "s", TURN_2, max_tokens=12)
+    while session.num_computed_tokens <= session.num_prompt_tokens:
+        step_checking_stores(engine, session)
+    assert session.status.name == "RUNNING"
+    assert side.manager.get_stats().stores == expected_chunks(session) == 5
+    assert side.scheduler.num_jobs_in_flight() == 0
+    prompt = list(session.prompt_token_ids)
+    assert engine.scheduler.reset_prefix_cache(reset_running_requests=True)
+    for t in engine.kv_caches.values():
+        t.zero_()  # only a load from kvtier can bring the session's prefix back
+    so = engine.step()
+    assert "s" in so.preempted_req_ids
+    [load] = so.kv_connector_metadata.step.loads
+    assert load.req_id == "s" and len(load.device_blocks) == 5
+    step_until_running(engine, "s")
+    expect_loaded(engine, "s", prompt, 5 * BLOCK_SIZE)
+    finish_turn(engine, session)
+    add_input(engine, "s", [0], resumable=False)  # closes the session
+    for _ in range(5):
+        engine.step()
+    assert_no_leaks(engine)

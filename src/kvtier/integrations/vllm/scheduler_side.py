@@ -128,6 +128,11 @@ class KVTierSchedulerSide:
         """Tokens kvtier can load (asynchronously); `(None, False)` means ask again."""
         if request.num_preemptions:
             self._note_preemption(request)
+            if not self.setup.rswa:
+                # A streaming session preempted in a later turn: its prompt has grown since
+                # add_request. (Under RSWA that turn's earlier output may be vLLM's null
+                # block, and the first turn's prompt stays the limit, as for stores.)
+                self.scheduler.extend_prompt(request.request_id, request.num_prompt_tokens)
         if self._load_failed and request.request_id in self._load_failed:
             return 0, False
         n = self.scheduler.get_num_new_matched_tokens(request.request_id, num_computed_tokens)
