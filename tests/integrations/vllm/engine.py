@@ -95,9 +95,17 @@ def make_vllm_config(
     )
 
 
-def make_kv_cache_config(num_blocks: int, num_groups: int = 1) -> Any:
+def make_kv_cache_config(
+    num_blocks: int,
+    num_groups: int = 1,
+    *,
+    spec: Any | None = None,
+    layer_groups: list[range] | None = None,
+) -> Any:
     """`num_groups` full-attention groups splitting the layers between them (several groups
-    make a hybrid-style config), each layer its own tensor."""
+    make a hybrid-style config), each layer its own tensor. `spec` replaces the
+    full-attention spec (an RSWASpec, a non-causal one); `layer_groups` gives each group's
+    layer indices instead (an empty range: a group whose layers are all on other stages)."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -105,20 +113,27 @@ def make_kv_cache_config(num_blocks: int, num_groups: int = 1) -> Any:
         KVCacheTensor,
     )
 
-    spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32
-    )
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS * num_groups)]
-    groups = [
-        KVCacheGroupSpec(names[g * NUM_LAYERS : (g + 1) * NUM_LAYERS], spec)
-        for g in range(num_groups)
-    ]
+    if spec is None:
+        spec = FullAttentionSpec(
+            block_size=BLOCK_SIZE,
+            num_kv_heads=NUM_KV_HEADS,
+            head_size=HEAD_SIZE,
+            dtype=torch.float32,
+        )
+    if layer_groups is None:
+        layer_groups = [range(g * NUM_LAYERS, (g + 1) * NUM_LAYERS) for g in range(num_groups)]
+    names = [[f"model.layers.{i}.self_attn.attn" for i in layers] for layers in layer_groups]
     page = spec.page_size_bytes
     tensors = [
         KVCacheTensor(size=page * num_blocks, layers=[n], layer_stride=0, block_stride=page)
-        for n in names
+        for group in names
+        for n in group
     ]
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=tensors,
+        kv_cache_groups=[KVCacheGroupSpec(group, spec) for group in names],
+    )
 
 
 def make_kv_caches(kv_cache_config: Any) -> dict[str, torch.Tensor]:

@@ -40,12 +40,7 @@ PROMPT = list(range(1, 41))  # 40 tokens: blocks 0-1 full, block 2 holds 8 promp
 
 def rswa_kv_cache_config(num_blocks: int) -> Any:
     """One KV-cache group of `RSWASpec` layers, each layer its own tensor."""
-    from vllm.v1.kv_cache_interface import (
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
-        RSWASpec,
-    )
+    from vllm.v1.kv_cache_interface import RSWASpec
 
     spec = RSWASpec(
         block_size=BLOCK_SIZE,
@@ -54,17 +49,7 @@ def rswa_kv_cache_config(num_blocks: int) -> Any:
         dtype=torch.float32,
         rswa_window=WINDOW,
     )
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(stand_in.NUM_LAYERS)]
-    page = spec.page_size_bytes
-    tensors = [
-        KVCacheTensor(size=page * num_blocks, layers=[n], layer_stride=0, block_stride=page)
-        for n in names
-    ]
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=tensors,
-        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
-    )
+    return stand_in.make_kv_cache_config(num_blocks, spec=spec)
 
 
 def make_rswa_engine(extra: Mapping[str, Any], num_gpu_blocks: int = 64) -> Engine:

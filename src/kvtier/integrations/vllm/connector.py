@@ -179,7 +179,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """Plan this step's stores and hand the workers every job due."""
-        return self._scheduler().build_connector_meta(scheduler_output)
+        side = self._scheduler()
+        meta = side.build_connector_meta(scheduler_output)
+        # The scheduler sizes the tier from the first worker's KV pages (vLLM gives it that
+        # worker's config); a pipeline stage with more layers sizes its own pool smaller, and
+        # grows it to this count before its first job (worker_side.fit_pool).
+        meta.num_slots = side.setup.num_slots
+        return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Record the workers' finished jobs."""

@@ -14,11 +14,13 @@ from kvtier.connector.metadata import StepMetadata
 
 @dataclass
 class KVTierConnectorMetadata(KVConnectorMetadata):
-    """Scheduler -> workers: the step's jobs, and the finished requests whose blocks vLLM
-    holds until the workers report their stores done (`finished_sending`)."""
+    """Scheduler -> workers: the step's jobs, the finished requests whose blocks vLLM holds
+    until the workers report their stores done (`finished_sending`), and the host tier's slot
+    count as the scheduler sized it (0: not given), which every worker's pool must hold."""
 
     step: StepMetadata
     held: list[str] = field(default_factory=list)
+    num_slots: int = 0
 
 
 @dataclass

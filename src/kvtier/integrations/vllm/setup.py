@@ -1,8 +1,10 @@
 """What kvtier needs to know about a vLLM engine, read once at start-up from its configs.
 
 Both connector halves build a `VllmSetup` in their constructors, so a bad
-`kv_connector_extra_config` key or value fails when the engine starts, and the scheduler's
-slot count and the worker's host pool always agree.
+`kv_connector_extra_config` key or value fails when the engine starts. Each half reads its own
+KV-cache config: vLLM gives the scheduler the first worker's, so a pipeline stage with more
+layers than the first computes fewer slots from `cpu_bytes_to_use`, and grows its pool to the
+scheduler's count before its first job (`KVTierWorkerSide.fit_pool`).
 """
 
 from __future__ import annotations
@@ -88,6 +90,16 @@ def resolve_setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Vl
                     "full-attention groups only (hybrid models whose groups are all full "
                     "attention are supported; sliding-window and Mamba layers are not yet)"
                 )
+            if layer_spec.non_causal:
+                # Prefix-LM layers attend both ways over the prompt: a block's KV depends on
+                # the tokens after it, which its block hash does not cover. Serving it to
+                # another request with the same prefix would give that request wrong KV.
+                raise ConfigError(
+                    f"KV-cache group {index} is non-causal ({type(layer_spec).__name__} with "
+                    "non_causal=True, Prefix LM attention): a block's KV depends on the tokens "
+                    "after it, so its block hash does not identify it, and vLLM turns its own "
+                    "prefix caching off for this model; kvtier offloads causal attention only"
+                )
             if isinstance(layer_spec, RSWASpec):
                 rswa = True
                 if not config.offload_prompt_only:
@@ -122,6 +134,15 @@ def resolve_setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Vl
             f"vLLM hashes blocks of {tokens_per_hash} tokens but KV blocks hold "
             f"{tokens_per_block}; kvtier needs one block hash per device block"
         )
+    if config.chunk_tokens is not None and "block_size" in extra:
+        blocks, rest = divmod(config.chunk_tokens, tokens_per_block)
+        if rest:
+            # Named as the user wrote it: config.py calls this key chunk_tokens.
+            raise ConfigError(
+                f"block_size={extra['block_size']!r} (from vLLM kv_connector_extra_config): "
+                f"expected a multiple of vLLM's KV block size ({tokens_per_block} tokens), "
+                f"such as {(blocks + 1) * tokens_per_block}; or set blocks_per_chunk instead"
+            )
     blocks_per_chunk = config.resolve_blocks_per_chunk(tokens_per_block)
     page_bytes = tuple(_group_page_bytes(g) for g in groups)
     slot_bytes = blocks_per_chunk * max(page_bytes)
@@ -129,15 +150,17 @@ def resolve_setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Vl
         num_slots = config.num_slots
     elif config.cpu_bytes is not None:
         # The budget is the engine's, as in vLLM's own offloading: every worker (tensor and
-        # pipeline ranks) keeps a pool of num_slots chunks of its own share of the KV.
+        # pipeline ranks) keeps a pool of num_slots chunks of its own share of the KV, with
+        # num_slots the scheduler's (from the first worker's pages; see fit_pool).
         world_size = vllm_config.parallel_config.world_size
         num_slots = config.cpu_bytes // (slot_bytes * world_size)
         if num_slots < 1:
+            key = "cpu_bytes_to_use" if "cpu_bytes_to_use" in extra else "cpu_bytes"
             raise ConfigError(
-                f"cpu_bytes={config.cpu_bytes} (from vLLM kv_connector_extra_config) holds no "
-                f"chunk of {slot_bytes} bytes ({blocks_per_chunk} blocks x {max(page_bytes)} "
-                f"bytes) on each of {world_size} workers; expected at least "
-                f"{slot_bytes * world_size} bytes"
+                f"{key}={extra.get(key, config.cpu_bytes)!r} (from vLLM "
+                f"kv_connector_extra_config) holds no chunk of {slot_bytes} bytes "
+                f"({blocks_per_chunk} blocks x {max(page_bytes)} bytes) on each of "
+                f"{world_size} workers; expected at least {slot_bytes * world_size} bytes"
             )
     else:
         raise ConfigError(

@@ -10,7 +10,9 @@ from collections.abc import Mapping
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
+from kvtier.base import TransferResult
 from kvtier.connector import OffloadingWorker
+from kvtier.connector.metadata import StepMetadata, TransferJob
 from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.setup import VllmSetup
 from kvtier.transfer import (
@@ -80,6 +82,10 @@ class KVTierWorkerSide:
         self._held: set[str] = set()
         self._results: list[tuple[int, bool, int]] = []
         self._load_errors: set[int] = set()
+        self._registration: KVCacheRegistration | None = None
+        # KV-cache groups with layers on this worker, and results of jobs of the others.
+        self._groups_here: frozenset[int] = frozenset()
+        self._done_here: list[TransferResult] = []
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Register every offloaded layer's tensor and allocate the host pool."""
@@ -91,12 +97,18 @@ class KVTierWorkerSide:
             KVTensor(block_rows(kv_caches[name], n), 0, group)
             for name, group in self.layer_groups.items()
         ]
-        registration = KVCacheRegistration(tensors)
+        self._registration = KVCacheRegistration(tensors)
+        self._groups_here = frozenset(self._registration.groups)
+        self._start_transfer(self.setup.num_slots)
+
+    def _start_transfer(self, num_slots: int) -> None:
+        registration = self._registration
+        assert registration is not None
         cfg = self.setup.config
         pool = HostPool(
             registration,
             self.setup.blocks_per_chunk,
-            num_slots=self.setup.num_slots,
+            num_slots=num_slots,
             pin=cfg.pin_memory,
         )
         self.transfer = make_transfer_worker(
@@ -118,7 +130,7 @@ class KVTierWorkerSide:
         logger.info(
             "kvtier: worker registered %d KV tensors on %s (%s), host pool %d slots x %d bytes "
             "(%.2f GiB, pinned=%s), %s transfer backend (%s)",
-            len(tensors),
+            len(registration.tensors),
             registration.device,
             ", ".join(
                 f"group {g}: {registration.page_bytes(g)} B/block" for g in registration.groups
@@ -131,6 +143,40 @@ class KVTierWorkerSide:
             f"copy path: {path}" if path else f"copy threads on CPUs {where}",
         )
 
+    def fit_pool(self, num_slots: int) -> None:
+        """Hold `num_slots` slots, the scheduler's count (0: not given, nothing to do).
+
+        The scheduler sizes `cpu_bytes_to_use` from the first worker's KV pages, which is all
+        vLLM gives it; a pipeline stage with more layers than the first computes fewer slots
+        of its larger share of a chunk, and would refuse every job naming a slot beyond them.
+        Its pool grows here, before its first job, so that every worker keeps as many chunks
+        as the scheduler hands out (at a little more than its share of the bytes)."""
+        transfer = self.transfer
+        if transfer is None or num_slots <= transfer.pool.num_slots:
+            return
+        if self._jobs:
+            raise RuntimeError(
+                f"kvtier: the scheduler's host tier has {num_slots} slots but this worker's "
+                f"pool has {transfer.pool.num_slots}, with jobs in flight; expected the "
+                "scheduler to give its slot count before the first job"
+            )
+        logger.warning(
+            "kvtier: worker %d's host pool grows from %d to %d slots (%.2f GiB): the "
+            "scheduler sized cpu_bytes_to_use from the first worker's KV pages, and this "
+            "worker holds more bytes per chunk (a pipeline stage with more layers); set "
+            "num_slots instead of cpu_bytes_to_use to size every worker alike",
+            self.rank,
+            transfer.pool.num_slots,
+            num_slots,
+            num_slots * transfer.pool.slot_bytes / 2**30,
+        )
+        # Free the old pool before allocating the new one.
+        self.transfer = None
+        self._worker = None
+        transfer.shutdown()
+        del transfer
+        self._start_transfer(num_slots)
+
     def _check(self) -> OffloadingWorker:
         if self._worker is None:
             raise RuntimeError("register_kv_caches() was not called before the first step")
@@ -140,21 +186,27 @@ class KVTierWorkerSide:
 
     def handle_preemptions(self, meta: KVTierConnectorMetadata) -> None:
         """Wait for transfers that read blocks vLLM is about to reuse."""
+        self.fit_pool(meta.num_slots)
         if meta.step.wait_for:
             self._check().transfer.wait(meta.step.wait_for)
 
     def start_load_kv(self, meta: KVTierConnectorMetadata) -> None:
         """Submit the step's loads (they fill blocks of requests not computed this step)."""
+        self.fit_pool(meta.num_slots)
         step = meta.step
         if not step.loads:
             return
         worker = self._check()
         for job in step.loads:
             self._track(job.job_id, job.req_id, True, job.device_blocks.tolist())
+        loads = self._jobs_here(step.loads)
+        if loads is not step.loads:
+            step = StepMetadata(loads=loads, wait_for=step.wait_for)
         worker.start_step(step)
 
     def wait_for_save(self, meta: KVTierConnectorMetadata) -> None:
         """Submit the step's stores, after the forward pass that produced their KV."""
+        self.fit_pool(meta.num_slots)
         step = meta.step
         self._held.update(meta.held)
         if not step.stores:
@@ -162,7 +214,27 @@ class KVTierWorkerSide:
         worker = self._check()
         for job in step.stores:
             self._track(job.job_id, job.req_id, False, [])
+        stores = self._jobs_here(step.stores)
+        if stores is not step.stores:
+            step = StepMetadata(stores=stores, wait_for=step.wait_for)
         worker.finish_step(step)
+
+    def _jobs_here(self, jobs: list[TransferJob]) -> list[TransferJob]:
+        """`jobs` of the KV-cache groups with layers on this worker; the others succeed now.
+
+        vLLM gives a pipeline stage every KV-cache group, with only the stage's own layers: a
+        group may have none here (a drafter's layers, on the last stage). Its jobs move
+        nothing on this worker, and fail nothing either."""
+        groups = self._groups_here
+        if all(job.group in groups for job in jobs):
+            return jobs
+        here = []
+        for job in jobs:
+            if job.group in groups:
+                here.append(job)
+            else:
+                self._done_here.append(TransferResult(job.job_id, True))
+        return here
 
     def _track(self, job_id: int, req_id: str, is_load: bool, blocks: list[int]) -> None:
         self._jobs[job_id] = (req_id, is_load, blocks)
@@ -174,7 +246,11 @@ class KVTierWorkerSide:
         """Loads finished (or failed) and held requests whose jobs are all done."""
         out = KVConnectorTransferResults()
         if self._worker is not None:
-            for r in self._worker.get_finished():
+            finished = self._worker.get_finished()
+            if self._done_here:
+                finished = self._done_here + finished
+                self._done_here = []
+            for r in finished:
                 self._results.append((r.job_id, r.success, self.rank))
                 req_id, is_load, blocks = self._jobs.pop(r.job_id)
                 left = self._in_flight[req_id] - 1
