@@ -15,7 +15,8 @@ written from the papers (lists and dicts, no fast paths), with kvtier's document
   at least its target (or main is empty), else main. (This is kvtier's choice, not in the
   docs: the paper's Algorithm 1 keeps evicting from small, promoting, until one key leaves.
   Mooncake's figures are the same either way.) Pinned keys leave their queue and return at
-  its head with `freq + 1`.
+  its head with `freq + 1`. A key's frequency rises once per request: a touch or unpin by
+  the request that raised it last leaves it as it is; without a request, once per call.
 - ARC (Megiddo & Modha, FAST'03), evict before insert: REPLACE takes T1's LRU when
   `|T1| + pinned T1 > p` (or T2 is empty), else T2's; `p` adapts on the ghost hit at insert;
   ghost bounds (|T1| + |B1| <= c, all four lists <= 2c, pinned keys counted) are enforced
@@ -64,9 +65,9 @@ class Model(Protocol):
     def __len__(self) -> int: ...
     def __contains__(self, key: object) -> bool: ...
     def insert(self, keys: Sequence[OffloadKey]) -> None: ...
-    def touch(self, keys: Sequence[OffloadKey]) -> None: ...
+    def touch(self, keys: Sequence[OffloadKey], req: str | None = None) -> None: ...
     def pin(self, keys: Sequence[OffloadKey]) -> None: ...
-    def unpin(self, keys: Sequence[OffloadKey]) -> None: ...
+    def unpin(self, keys: Sequence[OffloadKey], req: str | None = None) -> None: ...
     def remove(self, keys: Sequence[OffloadKey]) -> None: ...
     def evict(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None: ...
     def clear(self) -> None: ...
@@ -92,7 +93,7 @@ class LRUModel:
             if k not in self.order and k not in self.pinned:
                 self.order.append(k)
 
-    def touch(self, keys: Sequence[OffloadKey]) -> None:
+    def touch(self, keys: Sequence[OffloadKey], req: str | None = None) -> None:
         for k in reversed(keys):
             if k in self.order:
                 self.order.remove(k)
@@ -104,7 +105,7 @@ class LRUModel:
                 self.order.remove(k)
                 self.pinned.add(k)
 
-    def unpin(self, keys: Sequence[OffloadKey]) -> None:
+    def unpin(self, keys: Sequence[OffloadKey], req: str | None = None) -> None:
         for k in reversed(keys):
             if k in self.pinned:
                 self.pinned.discard(k)
@@ -157,7 +158,7 @@ class SIEVEModel:
                 self.queue.append(k)
                 self.visited[k] = False
 
-    def touch(self, keys: Sequence[OffloadKey]) -> None:
+    def touch(self, keys: Sequence[OffloadKey], req: str | None = None) -> None:
         for k in keys:
             if k in self:
                 self.visited[k] = True
@@ -167,7 +168,7 @@ class SIEVEModel:
             if k in self.visited:
                 self.pinned.add(k)
 
-    def unpin(self, keys: Sequence[OffloadKey]) -> None:
+    def unpin(self, keys: Sequence[OffloadKey], req: str | None = None) -> None:
         for k in keys:
             if k in self.pinned:
                 self.pinned.discard(k)
@@ -240,6 +241,16 @@ class S3FIFOModel:
         self.main: list[_Entry] = []
         self.ghost: list[OffloadKey] = []
         self.pinned: dict[OffloadKey, tuple[str, int]] = {}
+        self.counted_by: dict[OffloadKey, str] = {}  # held or pinned key -> its last counter
+
+    def _counts(self, k: OffloadKey, req: str | None) -> bool:
+        """Whether a use of `k` by `req` raises its frequency (once per request)."""
+        if req is None:
+            return True
+        if self.counted_by.get(k) == req:
+            return False
+        self.counted_by[k] = req
+        return True
 
     def _find(self, k: object) -> tuple[list[_Entry], _Entry] | None:
         for queue in (self.small, self.main):
@@ -264,10 +275,10 @@ class S3FIFOModel:
             else:
                 self.small.append(_Entry(k, 0))
 
-    def touch(self, keys: Sequence[OffloadKey]) -> None:
-        for k in keys:
+    def touch(self, keys: Sequence[OffloadKey], req: str | None = None) -> None:
+        for k in keys if req is not None else list(dict.fromkeys(keys)):
             found = self._find(k)
-            if found is not None:
+            if found is not None and self._counts(k, req):
                 found[1].freq = min(found[1].freq + 1, self.MAX_FREQ)
 
     def pin(self, keys: Sequence[OffloadKey]) -> None:
@@ -278,12 +289,14 @@ class S3FIFOModel:
                 queue.remove(entry)
                 self.pinned[k] = (_SMALL if queue is self.small else _MAIN, entry.freq)
 
-    def unpin(self, keys: Sequence[OffloadKey]) -> None:
+    def unpin(self, keys: Sequence[OffloadKey], req: str | None = None) -> None:
         for k in keys:
             if k in self.pinned:
                 name, freq = self.pinned.pop(k)
                 queue = self.small if name == _SMALL else self.main
-                queue.append(_Entry(k, min(freq + 1, self.MAX_FREQ)))
+                if self._counts(k, req):
+                    freq = min(freq + 1, self.MAX_FREQ)
+                queue.append(_Entry(k, freq))
 
     def remove(self, keys: Sequence[OffloadKey]) -> None:
         for k in keys:
@@ -291,6 +304,7 @@ class S3FIFOModel:
             if found is not None:
                 found[0].remove(found[1])
             self.pinned.pop(k, None)
+            self.counted_by.pop(k, None)
 
     def evict(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
         if n <= 0:
@@ -311,6 +325,7 @@ class S3FIFOModel:
                     self.ghost.append(entry.key)
                     if len(self.ghost) > self.ghost_cap:
                         self.ghost.pop(0)
+                    self.counted_by.pop(entry.key, None)
                     victims.append(entry.key)
             else:
                 entry = self.main.pop(0)
@@ -319,6 +334,7 @@ class S3FIFOModel:
                 elif entry.freq > 0:
                     self.main.append(_Entry(entry.key, entry.freq - 1))
                 else:
+                    self.counted_by.pop(entry.key, None)
                     victims.append(entry.key)
         self.small[:0] = aside_small
         self.main[:0] = aside_main
@@ -329,6 +345,7 @@ class S3FIFOModel:
         self.main.clear()
         self.ghost.clear()
         self.pinned.clear()
+        self.counted_by.clear()
 
     def table_sizes(self) -> dict[str, int]:
         return {
@@ -336,6 +353,7 @@ class S3FIFOModel:
             "main": len(self.main),
             "ghost": len(self.ghost),
             "pinned": len(self.pinned),
+            "counted_by": len(self.counted_by),
         }
 
 
@@ -381,7 +399,7 @@ class ARCModel:
                 while self.b2 and sum(self.table_sizes().values()) > 2 * self.c:
                     self.b2.pop(0)
 
-    def touch(self, keys: Sequence[OffloadKey]) -> None:
+    def touch(self, keys: Sequence[OffloadKey], req: str | None = None) -> None:
         for k in keys:
             if k in self.t1:
                 self.t1.remove(k)
@@ -397,7 +415,7 @@ class ARCModel:
                     lst.remove(k)
                     self.pinned[k] = name
 
-    def unpin(self, keys: Sequence[OffloadKey]) -> None:
+    def unpin(self, keys: Sequence[OffloadKey], req: str | None = None) -> None:
         for k in keys:
             if self.pinned.pop(k, None) is not None:
                 self.t2.append(k)
@@ -549,8 +567,9 @@ def run_differential(name: str, seed: int, capacity: int, steps: int) -> None:
             (keys,) = args
             assert isinstance(keys, list)
             if op == "touch":
-                policy.touch(keys, d.ctx(keys))
-                model.touch(keys)
+                c = d.ctx(keys)
+                policy.touch(keys, c)
+                model.touch(keys, c.req_id)
             else:
                 policy.insert(keys, d.ctx(keys))
                 model.insert(keys)
@@ -565,8 +584,9 @@ def run_differential(name: str, seed: int, capacity: int, steps: int) -> None:
         elif op == "unpin":
             (keys,) = args
             assert isinstance(keys, list)
-            policy.unpin(keys, d.ctx(keys))
-            model.unpin(keys)
+            c = d.ctx(keys)
+            policy.unpin(keys, c)
+            model.unpin(keys, c.req_id)
             moved = d.pinned.intersection(keys)
             d.pinned -= moved
             d.held |= moved

@@ -108,6 +108,13 @@ def get_policy_cls(spec: str | type[CachePolicy]) -> type[CachePolicy]:
         if not issubclass(spec, CachePolicy):
             raise TypeError(f"{spec!r} is not a CachePolicy subclass")
         return spec
+    if not isinstance(spec, str):
+        # Else the registry lookup fails with "unhashable type" or "argument of type 'int' is
+        # not iterable", naming neither the spec nor what was expected.
+        raise TypeError(
+            f"cache policy {spec!r} has type {type(spec).__name__}; expected a registered "
+            "name, a 'package.module:Class' string or a CachePolicy subclass"
+        )
     _load_builtins()
     if spec in _REGISTRY:
         return _REGISTRY[spec]

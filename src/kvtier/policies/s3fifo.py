@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 
-from kvtier.base import OffloadKey, ReqContext
+from kvtier.base import OffloadKey, ReqContext, checked_int
 from kvtier.policies.base import CachePolicy, register_policy
 
 _MAX_FREQ = 3
@@ -22,6 +22,11 @@ class S3FIFOPolicy(CachePolicy):
     main FIFO, the others leave and are remembered in a ghost FIFO. A ghost hit enters main
     directly. Main evicts like CLOCK with a 2-bit frequency: a reused key is reinserted with
     its count decremented.
+
+    A key's frequency rises at most once per request (`ReqContext.req_id`): an engine reports
+    one use several times (a device hit when the request arrives and when it ends, a load's
+    unpin and the end-of-request touch), and one request alone must not promote a key.
+    Without a request, each call counts a key once.
     """
 
     def __init__(self, capacity: int, small_ratio: float = 0.1, promote_freq: int = 2) -> None:
@@ -33,22 +38,22 @@ class S3FIFOPolicy(CachePolicy):
         self._ghost_cap = max(1, capacity - self._small_target)
         # Frequencies stop at _MAX_FREQ: a threshold above it would promote nothing, one
         # below 1 everything (no filter at all).
-        if (
-            isinstance(promote_freq, bool)
-            or not isinstance(promote_freq, int)
-            or not (1 <= promote_freq <= _MAX_FREQ)
-        ):
-            raise ValueError(
-                f"promote_freq={promote_freq!r} is invalid; expected an integer from 1 to "
-                f"{_MAX_FREQ} (frequencies stop at {_MAX_FREQ})"
-            )
-        self._promote_freq = promote_freq
+        expected = f"expected an integer from 1 to {_MAX_FREQ} (frequencies stop at {_MAX_FREQ})"
+        try:
+            promote = checked_int("promote_freq", promote_freq)
+        except ValueError:
+            promote = 0
+        if not 1 <= promote <= _MAX_FREQ:
+            raise ValueError(f"promote_freq={promote_freq!r} is invalid; {expected}")
+        self._promote_freq = promote
         # Queues map key -> access frequency (0..3); the first item is the oldest (tail).
         self._small: OrderedDict[OffloadKey, int] = OrderedDict()
         self._main: OrderedDict[OffloadKey, int] = OrderedDict()
         self._ghost: OrderedDict[OffloadKey, None] = OrderedDict()
         # Pinned key -> (queue, frequency), so unpinning puts it back where it was.
         self._pinned: dict[OffloadKey, tuple[int, int]] = {}
+        # Held or pinned key -> the request whose use last raised its frequency.
+        self._counted_by: dict[OffloadKey, str] = {}
 
     def __len__(self) -> int:
         return len(self._small) + len(self._main)
@@ -70,16 +75,27 @@ class S3FIFOPolicy(CachePolicy):
     def touch(self, keys: Iterable[OffloadKey], ctx: ReqContext | None) -> None:
         # A hit only bumps a counter: S3-FIFO never reorders on a hit (assigning to a key
         # an OrderedDict holds keeps its place).
-        small, main = self._small, self._main
+        small, main, counted_by = self._small, self._main, self._counted_by
+        if ctx is None:
+            req = None
+            keys = dict.fromkeys(keys)  # no request to tell repeats by: one count per call
+        else:
+            req = ctx.req_id
         for key in keys:
             freq = small.get(key)
             if freq is not None:
-                if freq < _MAX_FREQ:
-                    small[key] = freq + 1
-                continue
-            freq = main.get(key)
-            if freq is not None and freq < _MAX_FREQ:
-                main[key] = freq + 1
+                queue = small
+            else:
+                freq = main.get(key)
+                if freq is None:
+                    continue
+                queue = main
+            if req is not None:
+                if counted_by.get(key) == req:
+                    continue  # this request's use was counted already
+                counted_by[key] = req
+            if freq < _MAX_FREQ:
+                queue[key] = freq + 1
 
     def pin(self, keys: Iterable[OffloadKey]) -> None:
         small, main, pinned = self._small, self._main, self._pinned
@@ -90,26 +106,34 @@ class S3FIFOPolicy(CachePolicy):
                 pinned[key] = (_MAIN, main.pop(key))
 
     def unpin(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
-        small, main, pinned = self._small, self._main, self._pinned
+        small, main, pinned, counted_by = self._small, self._main, self._pinned, self._counted_by
+        req = None if ctx is None else ctx.req_id
         for key in keys:
             entry = pinned.pop(key, None)
             if entry is None:
                 continue
             queue, freq = entry
-            # The key left its place while pinned; it returns at the head, counted as a hit.
-            (small if queue == _SMALL else main)[key] = min(freq + 1, _MAX_FREQ)
+            # The key left its place while pinned; it returns at the head, counted as a hit
+            # unless this request's use was counted already.
+            if req is None:
+                freq = min(freq + 1, _MAX_FREQ)
+            elif counted_by.get(key) != req:
+                counted_by[key] = req
+                freq = min(freq + 1, _MAX_FREQ)
+            (small if queue == _SMALL else main)[key] = freq
 
     def remove(self, keys: Iterable[OffloadKey]) -> None:
-        small, main, pinned = self._small, self._main, self._pinned
+        small, main, pinned, counted_by = self._small, self._main, self._pinned, self._counted_by
         for key in keys:
             small.pop(key, None)
             main.pop(key, None)
             pinned.pop(key, None)
+            counted_by.pop(key, None)
 
     def evict(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
         if n <= 0:
             return []
-        small, main, ghost = self._small, self._main, self._ghost
+        small, main, ghost, counted_by = self._small, self._main, self._ghost, self._counted_by
         if protected:
             if not isinstance(protected, (set, frozenset, dict)):
                 protected = set(protected)
@@ -135,6 +159,7 @@ class S3FIFOPolicy(CachePolicy):
                     ghost[key] = None
                     if len(ghost) > ghost_cap:
                         ghost.popitem(last=False)
+                    counted_by.pop(key, None)
                     victims.append(key)
             else:
                 key, freq = main.popitem(last=False)
@@ -143,6 +168,7 @@ class S3FIFOPolicy(CachePolicy):
                 elif freq > 0:
                     main[key] = freq - 1
                 else:
+                    counted_by.pop(key, None)
                     victims.append(key)
         # Protected keys return to the tail they were taken from, in their order.
         for queue, held in ((small, held_small), (main, held_main)):
@@ -156,12 +182,15 @@ class S3FIFOPolicy(CachePolicy):
         self._main.clear()
         self._ghost.clear()
         self._pinned.clear()
+        self._counted_by.clear()
 
     def table_sizes(self) -> dict[str, int]:
-        """Sizes of the small, main and ghost queues and of the pinned keys."""
+        """Sizes of the small, main and ghost queues, of the pinned keys and of the keys whose
+        counting request is remembered."""
         return {
             "small": len(self._small),
             "main": len(self._main),
             "ghost": len(self._ghost),
             "pinned": len(self._pinned),
+            "counted_by": len(self._counted_by),
         }
