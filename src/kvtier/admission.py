@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import ClassVar, TypeVar
 
-from kvtier.base import OffloadKey, ReqContext
+from kvtier.base import OffloadKey, ReqContext, checked_int
 
 
 class AdmissionPolicy(ABC):
@@ -46,10 +46,6 @@ class AdmissionPolicy(ABC):
         return {}
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 _A = TypeVar("_A", bound=type[AdmissionPolicy])
 _REGISTRY: dict[str, type[AdmissionPolicy]] = {}
 
@@ -58,6 +54,10 @@ def register_admission_policy(name: str, description: str) -> Callable[[_A], _A]
     """Class decorator: make an `AdmissionPolicy` available by `name`."""
 
     def decorate(cls: _A) -> _A:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(
+                f"admission policy {name!r} is already registered by {_REGISTRY[name]}"
+            )
         cls.name = name
         cls.description = description
         _REGISTRY[name] = cls
@@ -100,17 +100,15 @@ class ReuseAdmission(AdmissionPolicy):
     """
 
     def __init__(self, store_threshold: int = 2, max_tracker_size: int = 64_000) -> None:
-        if not _is_int(store_threshold) or store_threshold < 2:
+        try:
+            threshold = checked_int("store_threshold", store_threshold, minimum=2)
+        except ValueError:
             raise ValueError(
                 f"store_threshold={store_threshold!r} is invalid for reuse admission; "
                 "expected an int >= 2 (below 2 every chunk is admitted: use 'always')"
-            )
-        if not _is_int(max_tracker_size) or max_tracker_size < 1:
-            raise ValueError(
-                f"max_tracker_size={max_tracker_size!r} is invalid; expected an int >= 1"
-            )
-        self.store_threshold = store_threshold
-        self.max_tracker_size = max_tracker_size
+            ) from None
+        self.store_threshold = threshold
+        self.max_tracker_size = checked_int("max_tracker_size", max_tracker_size)
         # key -> ids of the distinct requests that offered it, the first `store_threshold` of
         # them (one id alone would count A, B, A as three); least recently offered first.
         self._seen: OrderedDict[OffloadKey, tuple[str, ...]] = OrderedDict()
@@ -164,8 +162,7 @@ def make_admission_policy(
     store_threshold: int = 0, max_tracker_size: int = 64_000
 ) -> AdmissionPolicy:
     """The admission policy for vLLM-style settings: reuse filtering from threshold 2 up."""
-    if not _is_int(store_threshold) or store_threshold < 0:
-        raise ValueError(f"store_threshold={store_threshold!r} is invalid; expected an int >= 0")
-    if store_threshold < 2:
+    threshold = checked_int("store_threshold", store_threshold, minimum=0)
+    if threshold < 2:
         return AlwaysAdmit()
-    return ReuseAdmission(store_threshold, max_tracker_size)
+    return ReuseAdmission(threshold, max_tracker_size)

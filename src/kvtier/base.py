@@ -30,12 +30,14 @@ def make_offload_key(block_hash: bytes, group_idx: int) -> OffloadKey:
         raise TypeError(
             f"block_hash={block_hash!r} has type {type(block_hash).__name__}; expected bytes"
         )
-    try:
-        group_idx = operator.index(group_idx)
-    except TypeError:
-        raise TypeError(
-            f"group_idx={group_idx!r} has type {type(group_idx).__name__}; expected int"
-        ) from None
+    if type(group_idx) is not int:
+        index = _as_index(group_idx)
+        if index is None:
+            # A bool would be group 1 (or 0), colliding with that group's keys.
+            raise TypeError(
+                f"group_idx={group_idx!r} has type {type(group_idx).__name__}; expected int"
+            )
+        group_idx = index
     if not 0 <= group_idx <= _MAX_GROUP:
         raise ValueError(f"group_idx={group_idx} is out of range; expected 0..{_MAX_GROUP}")
     return OffloadKey(bytes(block_hash) + group_idx.to_bytes(_GROUP_BYTES, "big"))
@@ -224,16 +226,29 @@ class OffloadingManager(ABC):
         """Return the manager's counters and gauges."""
 
 
+def _as_index(value: object) -> int | None:
+    """`value` as an int when it is one integer (anything with `__index__`: numpy ints, 0-d
+    integer tensors), else None: a bool, a float, an array or a tensor of several values.
+    torch's `__index__` takes tensor(True) as 1 and tensor([5]) as 5: refused here by their
+    dtype and shape, without importing torch."""
+    if (
+        isinstance(value, bool)
+        or getattr(value, "ndim", 0) != 0
+        or str(getattr(value, "dtype", "")) == "torch.bool"
+    ):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:  # no __index__, or a numpy array that is not one integer
+        return None
+
+
 def checked_int(name: str, value: object, minimum: int = 1) -> int:
     """`value` as an int of at least `minimum`, else a ValueError naming `name` and the value.
     Anything with `__index__` counts (numpy ints, 0-d integer tensors); a float (even 2.0), a
     bool or NaN is refused rather than rounded: a count given as one is a caller's mistake,
     and NaN would disable every comparison with it."""
-    try:
-        # TypeError: no __index__, or an array or tensor that is not one integer.
-        n = None if isinstance(value, bool) else operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        n = None
+    n = _as_index(value)
     if n is None or n < minimum:
         raise ValueError(f"{name}={value!r} is invalid; expected an integer >= {minimum}")
     return n

@@ -18,8 +18,10 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Final, Literal, cast
 
+import numpy as np
 import yaml
 
+from kvtier.base import checked_int
 from kvtier.hashing import HASH_ALGORITHMS
 from kvtier.policies import get_policy_cls, registered_policies
 
@@ -71,13 +73,15 @@ _TRUE_WORDS: Final = frozenset({"1", "true", "yes", "on"})
 _FALSE_WORDS: Final = frozenset({"0", "false", "no", "off"})
 
 
-def parse_size(value: str | int) -> int:
+def parse_size(value: str | int | np.integer[Any]) -> int:
     """Parse a byte size: an int, or a string like `"512MB"`, `"64GiB"`, `"1.5GiB"`, `"4096"`.
 
     Units are case-insensitive: B, KB/MB/GB/TB (powers of 1000) and KiB/MiB/GiB/TiB (powers of
     1024); a bare number is bytes. Raises `ValueError` for negatives, fractions of a byte,
-    unknown units and anything else.
+    unknown units and anything else. A numpy integer counts as an int.
     """
+    if isinstance(value, np.integer):
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ValueError(f"size {value!r} is invalid; expected an int or a string like '64GiB'")
     if isinstance(value, int):
@@ -98,15 +102,21 @@ def parse_size(value: str | int) -> int:
 
 
 def _parse_int(raw: object, minimum: int, expected: str) -> int:
-    if isinstance(raw, int) and not isinstance(raw, bool):
-        value = raw
-    elif isinstance(raw, str) and _INT_RE.fullmatch(raw.strip()):
-        value = int(raw.strip())
-    else:
-        raise _Invalid(expected)
-    if value < minimum:
-        raise _Invalid(expected)
-    return value
+    if isinstance(raw, str):
+        if not _INT_RE.fullmatch(raw.strip()):
+            raise _Invalid(expected)
+        try:
+            value = int(raw.strip())
+        except ValueError:  # more digits than int() reads (sys.get_int_max_str_digits())
+            raise _Invalid(expected) from None
+        if value < minimum:
+            raise _Invalid(expected)
+        return value
+    try:
+        # Any integer scalar (numpy's too, as a plain int); not a bool, a float or an array.
+        return checked_int("value", raw, minimum)
+    except ValueError:
+        raise _Invalid(expected) from None
 
 
 def _int_parser(minimum: int) -> Callable[[object], int]:
@@ -124,9 +134,15 @@ def _parse_coalesce_depth(raw: object) -> int:
 
 
 def _parse_bool(raw: object) -> bool:
-    if isinstance(raw, bool):
-        return raw
-    word = str(raw).strip().lower() if isinstance(raw, (str, int)) else None
+    if isinstance(raw, (bool, np.bool_)):
+        return bool(raw)
+    if isinstance(raw, str):
+        word: str | None = raw.strip().lower()
+    else:
+        try:
+            word = str(checked_int("value", raw, 0))  # 1 and 0, numpy's included
+        except ValueError:
+            word = None
     if word in _TRUE_WORDS:
         return True
     if word in _FALSE_WORDS:
@@ -152,7 +168,7 @@ def _optional(parse: Callable[[object], Any], expected: str) -> Callable[[object
 
 def _parse_cpu_bytes(raw: object) -> int:
     expected = "a positive byte size such as '64GiB', '512MB' or an integer number of bytes"
-    if isinstance(raw, bool) or not isinstance(raw, (int, str)):
+    if isinstance(raw, bool) or not isinstance(raw, (int, str, np.integer)):
         raise _Invalid(expected)
     try:
         value = parse_size(raw)
@@ -214,15 +230,16 @@ def _parse_cpus(raw: object) -> tuple[int, ...] | None:
             raise _Invalid(expected)
         for part in text.split(","):
             lo, _, hi = part.partition("-")
-            first, last = int(lo), int(hi or lo)
+            first, last = (_parse_int(x, 0, expected) for x in (lo, hi or lo))
             if last < first or last > _MAX_CPU:
                 raise _Invalid(expected)
             cpus.extend(range(first, last + 1))
     elif isinstance(raw, (list, tuple)) and raw:
         for c in raw:
-            if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= _MAX_CPU:
+            cpu = _parse_int(c, 0, expected) if not isinstance(c, str) else -1
+            if not 0 <= cpu <= _MAX_CPU:
                 raise _Invalid(expected)
-            cpus.append(c)
+            cpus.append(cpu)
     else:
         raise _Invalid(expected)
     return tuple(sorted(set(cpus)))
@@ -378,12 +395,12 @@ class KVTierConfig:
         """Device blocks per chunk for an engine whose device blocks hold `device_block_size`
         tokens: `chunk_tokens // device_block_size` when `chunk_tokens` is set, else
         `blocks_per_chunk`. Raises `ConfigError` when the two disagree or do not divide."""
-        if (
-            isinstance(device_block_size, bool)
-            or not isinstance(device_block_size, int)
-            or device_block_size < 1
-        ):
-            raise ConfigError(f"device_block_size={device_block_size!r}: expected a positive int")
+        try:
+            device_block_size = checked_int("device_block_size", device_block_size)
+        except ValueError:
+            raise ConfigError(
+                f"device_block_size={device_block_size!r}: expected a positive int"
+            ) from None
         if self.chunk_tokens is None:
             return self.blocks_per_chunk
         blocks, rest = divmod(self.chunk_tokens, device_block_size)

@@ -17,7 +17,7 @@ from typing import Final, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.base import OffloadKey, make_offload_key
+from kvtier.base import OffloadKey, checked_int, make_offload_key
 
 ExtraKey: TypeAlias = str | bytes | int
 """One extra key of a block: a LoRA name, a multimodal input hash, a cache salt, ..."""
@@ -91,8 +91,28 @@ def encode_extra_keys(keys: ExtraKeys | None) -> bytes:
             parts.append(_len_prefixed(_TAG_BYTES, bytes(key)))
         else:
             # Decimal text gives every int, however large or negative, one encoding.
-            parts.append(_len_prefixed(_TAG_INT, str(key).encode("ascii")))
+            parts.append(_len_prefixed(_TAG_INT, _decimal(key)))
     return b"".join(parts)
+
+
+# Digits per piece when str() refuses a whole int: below the lowest limit Python allows (640).
+_PIECE_DIGITS: Final = 600
+
+
+def _decimal(n: int) -> bytes:
+    """`str(n)` as ASCII, also beyond `sys.get_int_max_str_digits()`, a per-process setting: a
+    key must encode the same in every process, or fail in none."""
+    try:
+        return str(n).encode("ascii")
+    except ValueError:
+        pass
+    sign, n = ("-", -n) if n < 0 else ("", int(n))
+    pieces = []
+    base = 10**_PIECE_DIGITS
+    while n:
+        n, piece = divmod(n, base)
+        pieces.append(str(piece).zfill(_PIECE_DIGITS))
+    return (sign + "".join(reversed(pieces)).lstrip("0")).encode("ascii")
 
 
 def _as_token_array(token_ids: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[np.uint32]:
@@ -126,8 +146,7 @@ class BlockHasher:
     def __init__(
         self, block_size: int, *, algorithm: str = "sha256", namespace: str | bytes = b""
     ) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size={block_size!r} is invalid; expected a positive int")
+        block_size = checked_int("block_size", block_size)
         if algorithm == "sha256":
             self._digest: Callable[[bytes], bytes] = _sha256
         elif algorithm == "xxh3_128":
@@ -239,10 +258,7 @@ def chunk_keys(
 
     A trailing chunk with fewer than `blocks_per_chunk` blocks gets no key.
     """
-    if isinstance(blocks_per_chunk, bool) or not isinstance(blocks_per_chunk, int):
-        raise TypeError(f"blocks_per_chunk={blocks_per_chunk!r} is invalid; expected an int")
-    if blocks_per_chunk < 1:
-        raise ValueError(f"blocks_per_chunk={blocks_per_chunk} is invalid; expected >= 1")
+    blocks_per_chunk = checked_int("blocks_per_chunk", blocks_per_chunk)
     make_offload_key(b"", group_idx)  # validates group_idx even when there is no full chunk
     return [
         make_offload_key(block_hashes[i], group_idx)

@@ -40,6 +40,17 @@ def _key_str(key: object) -> str:
     return key.hex() if isinstance(key, bytes) else repr(key)
 
 
+def _one_key_error(keys: object) -> TypeError:
+    # A bytes key is iterable: its bytes would be taken as the keys 0..255.
+    return TypeError(
+        f"keys={keys!r} is one {type(keys).__name__} object; expected a collection of keys "
+        "(a list of OffloadKey)"
+    )
+
+
+_NOT_KEY_LISTS = (bytes, bytearray, memoryview, str)
+
+
 class CPUOffloadingManager(OffloadingManager):
     """Tracks which chunks live in a pool of `num_slots` host slots.
 
@@ -129,6 +140,8 @@ class CPUOffloadingManager(OffloadingManager):
 
     def prepare_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> CPULoadStoreSpec:
         if not isinstance(keys, (list, tuple)):
+            if isinstance(keys, _NOT_KEY_LISTS):
+                raise _one_key_error(keys)
             keys = list(keys)  # read twice below: a one-shot iterator would pin nothing
         slot_of, ref = self._slot_of, self._ref
         slots: list[int] = []
@@ -150,6 +163,8 @@ class CPUOffloadingManager(OffloadingManager):
 
     def complete_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
         if not isinstance(keys, (list, tuple)):
+            if isinstance(keys, _NOT_KEY_LISTS):
+                raise _one_key_error(keys)
             keys = list(keys)
         slot_of, ref = self._slot_of, self._ref
         counts = Counter(keys) if len(set(keys)) != len(keys) else None
@@ -168,6 +183,8 @@ class CPUOffloadingManager(OffloadingManager):
         self._policy.unpin(unpinned, ctx)
 
     def touch(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+        if isinstance(keys, _NOT_KEY_LISTS):
+            raise _one_key_error(keys)
         self._policy.touch(keys, ctx)
 
     # -- stores -------------------------------------------------------------------------------
@@ -177,6 +194,8 @@ class CPUOffloadingManager(OffloadingManager):
     ) -> PrepareStoreOutput | None:
         # Hot path of every engine step and of trace replays: kept flat on purpose.
         if not isinstance(keys, (list, tuple)):
+            if isinstance(keys, _NOT_KEY_LISTS):
+                raise _one_key_error(keys)
             keys = list(keys)  # read again when evicting: a one-shot iterator would be empty
         slot_of = self._slot_of
         new = [key for key in keys if key not in slot_of]
@@ -251,6 +270,8 @@ class CPUOffloadingManager(OffloadingManager):
         if not isinstance(success, (bool, np.bool_)):
             # "no" or None would silently pick a branch: announce unwritten bytes, or drop them.
             raise ValueError(f"complete_store got success={success!r}; expected a bool")
+        if isinstance(keys, _NOT_KEY_LISTS):
+            raise _one_key_error(keys)
         # A copy: read twice (a one-shot iterator would leave slots ready but unannounced and
         # never evictable), and the stored event must not alias the caller's list.
         keys = list(keys)
