@@ -8,6 +8,7 @@ held, and the same prompt runs again with the same tokens as recompute.
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 import pytest
@@ -85,6 +86,77 @@ def test_an_error_while_the_stores_are_planned_leaks_nothing(model: Any) -> None
         # Every block came back: a prompt that needs all 4 of them runs.
         _assert_matches_recompute(model, gen, _ids(60, 4))
         assert_generator_clean(gen)
+
+
+# A bookkeeping call after which a real SIGINT arrives (the handler runs as the call returns,
+# before its caller keeps the result), and which call of it: the stores' plan is the second
+# build_step_metadata of a prompt whose prefix is loaded.
+SIGINT_AFTER = [
+    ("scheduler", "add_request", 0),
+    ("scheduler", "build_step_metadata", 1),
+    ("worker", "get_finished", 0),
+    ("scheduler", "take_finished", 0),
+    ("worker", "finish_step", 0),
+]
+
+
+@pytest.mark.parametrize(("owner", "name", "nth"), SIGINT_AFTER)
+def test_ctrl_c_as_a_bookkeeping_call_returns_loses_nothing(
+    model: Any, owner: str, name: str, nth: int
+) -> None:
+    """Ctrl-C can land between any two bytecodes: as `build_step_metadata` returns the planned
+    stores, before the generator keeps them, the stores were never handed over and their keys
+    stayed pending (a later prompt with that prefix waited forever); as `get_finished` or
+    `take_finished` returns, the results were dropped. The generator holds SIGINT back
+    outside the model and delivers it when its bookkeeping is consistent."""
+    prompt = _ids(70, 5)
+    with KVTierGenerator(model, block_size=BS, max_blocks=8) as gen:
+        gen.generate_one(prompt[:40], 3)  # a stored prefix: the next prompt loads it
+        gen.flush()
+        target = getattr(gen, owner)
+        original = getattr(target, name)
+        calls = [0]
+
+        def then_ctrl_c(*args: Any) -> Any:
+            result = original(*args)
+            calls[0] += 1
+            if calls[0] == nth + 1:
+                signal.raise_signal(signal.SIGINT)
+            return result
+
+        with pytest.raises(KeyboardInterrupt), pytest.MonkeyPatch.context() as mp:
+            mp.setattr(target, name, then_ctrl_c)
+            gen.generate_one(prompt, 3)
+        assert calls[0] > nth, "the interrupt was never sent"
+        assert_generator_clean(gen)
+        assert gen.manager.get_stats().pending_writes == 0
+        # The prefix still loads (nothing waits for a store that never comes), and the output
+        # is the recomputed one.
+        assert _assert_matches_recompute(model, gen, prompt) >= 32
+        assert_generator_clean(gen)
+
+
+def test_ctrl_c_in_the_model_stops_it_at_once(model: Any) -> None:
+    """SIGINT is held back only around the bookkeeping: in the model's forward passes it
+    stops generation at the next bytecode, not after the last token."""
+    prompt = _ids(40, 6)
+    with KVTierGenerator(model, block_size=BS, max_blocks=8) as gen:
+        original = model.forward
+        calls = [0]
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == 1:
+                signal.raise_signal(signal.SIGINT)
+            return original(*args, **kwargs)
+
+        with pytest.raises(KeyboardInterrupt), pytest.MonkeyPatch.context() as mp:
+            mp.setattr(model, "forward", forward)
+            gen.generate_one(prompt, 5)
+        assert calls[0] == 1
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert_generator_clean(gen)
+        _assert_matches_recompute(model, gen, prompt)
 
 
 def test_a_batch_of_prompts_is_not_run_as_one_prompt(model: Any) -> None:

@@ -16,10 +16,14 @@ and a separate transformers cache: a store copies from where the model wrote it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import signal
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -96,6 +100,58 @@ def _vocab_size(model: Any) -> int | None:
         return None
     rows = getattr(embeddings, "num_embeddings", None)
     return rows if isinstance(rows, int) else None
+
+
+class _HeldInterrupts:
+    """Holds SIGINT (Ctrl-C) back while kvtier's bookkeeping runs, and delivers it at the end.
+
+    A KeyboardInterrupt can come between any two bytecodes, for instance as a call that
+    planned stores returns and before its result is kept: the stores' keys would then stay
+    pending, and a later prompt with that prefix would wait for them forever. In a notebook
+    the user goes on after Ctrl-C, so every step of the bookkeeping must happen or not at
+    all. Only the main thread receives SIGINT, and only a Python handler raises; elsewhere
+    this does nothing. `allowed()` lets it through where waiting is long (the model).
+    """
+
+    def __init__(self) -> None:
+        self._previous: Any = None
+        self._caught: tuple[int, FrameType | None] | None = None
+
+    def _hold(self, signum: int, frame: FrameType | None) -> None:
+        if self._caught is None:
+            self._caught = (signum, frame)
+
+    def __enter__(self) -> _HeldInterrupts:
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGINT)
+            if callable(previous):
+                self._previous = previous
+                signal.signal(signal.SIGINT, self._hold)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        previous, self._previous = self._previous, None
+        if previous is None:
+            return
+        signal.signal(signal.SIGINT, previous)
+        caught, self._caught = self._caught, None
+        if caught is not None:
+            previous(*caught)  # the default handler raises KeyboardInterrupt here
+
+    @contextlib.contextmanager
+    def allowed(self) -> Iterator[None]:
+        """Let SIGINT through inside the block (one held so far is delivered now)."""
+        previous = self._previous
+        try:
+            self._release()
+            yield
+        finally:
+            if previous is not None:
+                self._previous = previous
+                signal.signal(signal.SIGINT, self._hold)
 
 
 class KVTierGenerator:
@@ -203,66 +259,76 @@ class KVTierGenerator:
                 f"prompt of {ids.numel()} tokens + {max_new_tokens} new needs {need} blocks; "
                 f"the page buffer holds {self.max_blocks}"
             )
-        req_id = f"hf-{next(self._req_ids)}"
-        hashes = self.hasher.hash_blocks(ids.numpy())
-        scheduler = self.scheduler
-        scheduler.add_request(req_id, hashes, ids.numel())
-        blocks = range(0)  # none yet
-        stores: StepMetadata | None = None
-        try:
-            hit = scheduler.get_num_new_matched_tokens(req_id, 0)
-            while hit is None:  # a chunk of this prefix is still being written
-                self._drain()
-                hit = scheduler.get_num_new_matched_tokens(req_id, 0)
-            blocks = self._allocate(need)
-            scheduler.update_state_after_alloc(req_id, [blocks], hit)
-            if hit:
-                meta = scheduler.build_step_metadata()
-                self.worker.start_step(meta)
-                self.worker.wait_for_loads(meta)
-                self._collect()
-                if req_id in self._last_failed_loads:
-                    hit = 0  # never use the blocks of a failed load: recompute them
-                    self.stats.failed_loads += 1
-            # The model reads the loaded blocks and writes every new token's KV in place, so
-            # the request's blocks hold its whole KV when generation ends: nothing to copy out.
-            cache = self.kv.cache(blocks.start, need, hit)
-            device = self.pages[0].device
-            out = generate_greedy(self.model, ids.unsqueeze(0).to(device), max_new_tokens, cache)
-
-            # Offer the request's full blocks to kvtier (reply blocks only if they may be stored).
-            held_tokens = int(out.cache.get_seq_length())
-            full = held_tokens // self.block_size
-            if full > len(hashes) and not self.config.offload_prompt_only:
-                # Continue the chain from the prompt's last full block: only the new blocks hash.
-                seq = torch.cat([ids, out.tokens[0].cpu()])
-                tail = seq[len(hashes) * self.block_size : full * self.block_size].numpy()
-                hashes.extend(self.hasher.hash_blocks(tail, parent=hashes[-1] if hashes else None))
-            stores = scheduler.build_step_metadata([StepProgress(req_id, [blocks], held_tokens)])
-            self.worker.start_step(stores)
-            self.worker.finish_step(stores)
-        except BaseException:
-            # An error or interrupt anywhere (while waiting for a store, in the load, in the
-            # model, while the stores are planned or handed over) ends the request and frees
-            # its blocks, at once or when its transfers end. Before the stores are planned
-            # nothing is stored. Stores already planned hold reserved slots and pending keys
-            # that only their completion releases (a later prompt with this prefix would wait
-            # for them forever), so the worker gets every one of them: their KV is complete.
+        # Ctrl-C is held back outside the model's forward passes: see _HeldInterrupts.
+        with _HeldInterrupts() as held:
+            req_id = f"hf-{next(self._req_ids)}"
+            hashes = self.hasher.hash_blocks(ids.numpy())
+            scheduler = self.scheduler
+            scheduler.add_request(req_id, hashes, ids.numel())
+            blocks = range(0)  # none yet
+            stores: StepMetadata | None = None
             try:
-                if stores is not None:
-                    self.worker.finish_step(stores)  # skips the ones it already has
-            finally:
-                self._release(req_id, blocks)
-            raise
-        ttft = out.first_token_time - start
-        self._release(req_id, blocks)
+                hit = scheduler.get_num_new_matched_tokens(req_id, 0)
+                while hit is None:  # a chunk of this prefix is still being written
+                    self._drain()
+                    hit = scheduler.get_num_new_matched_tokens(req_id, 0)
+                blocks = self._allocate(need)
+                scheduler.update_state_after_alloc(req_id, [blocks], hit)
+                if hit:
+                    meta = scheduler.build_step_metadata()
+                    self.worker.start_step(meta)
+                    self.worker.wait_for_loads(meta)
+                    self._collect()
+                    if req_id in self._last_failed_loads:
+                        hit = 0  # never use the blocks of a failed load: recompute them
+                        self.stats.failed_loads += 1
+                # The model reads the loaded blocks and writes every new token's KV in place, so
+                # the request's blocks hold its whole KV when generation ends: nothing to copy out.
+                cache = self.kv.cache(blocks.start, need, hit)
+                device = self.pages[0].device
+                with held.allowed():  # the model's time: Ctrl-C stops it at once
+                    out = generate_greedy(
+                        self.model, ids.unsqueeze(0).to(device), max_new_tokens, cache
+                    )
 
-        s = self.stats
-        s.requests += 1
-        s.prompt_tokens += ids.numel()
-        s.hit_tokens += hit
-        s.prefill_tokens += out.prefill_tokens
-        s.ttft_s.append(ttft)
+                # Offer the request's full blocks to kvtier (reply blocks only if they may be
+                # stored).
+                held_tokens = int(out.cache.get_seq_length())
+                full = held_tokens // self.block_size
+                if full > len(hashes) and not self.config.offload_prompt_only:
+                    # Continue the chain from the prompt's last full block: only the new blocks
+                    # hash.
+                    seq = torch.cat([ids, out.tokens[0].cpu()])
+                    tail = seq[len(hashes) * self.block_size : full * self.block_size].numpy()
+                    hashes.extend(
+                        self.hasher.hash_blocks(tail, parent=hashes[-1] if hashes else None)
+                    )
+                stores = scheduler.build_step_metadata(
+                    [StepProgress(req_id, [blocks], held_tokens)]
+                )
+                self.worker.start_step(stores)
+                self.worker.finish_step(stores)
+            except BaseException:
+                # An error or interrupt anywhere (while waiting for a store, in the load, in the
+                # model, while the stores are planned or handed over) ends the request and frees
+                # its blocks, at once or when its transfers end. Before the stores are planned
+                # nothing is stored. Stores already planned hold reserved slots and pending keys
+                # that only their completion releases (a later prompt with this prefix would wait
+                # for them forever), so the worker gets every one of them: their KV is complete.
+                try:
+                    if stores is not None:
+                        self.worker.finish_step(stores)  # skips the ones it already has
+                finally:
+                    self._release(req_id, blocks)
+                raise
+            ttft = out.first_token_time - start
+            self._release(req_id, blocks)
+            s = self.stats
+            s.requests += 1
+            s.prompt_tokens += ids.numel()
+            s.hit_tokens += hit
+            s.prefill_tokens += out.prefill_tokens
+            s.ttft_s.append(ttft)
         return GenerationResult(out.tokens[0], out.logits[0], hit, out.prefill_tokens, ttft)
 
     def generate(
@@ -326,14 +392,17 @@ class KVTierGenerator:
         return int(starts[fits[0]]) if fits.size else None
 
     def _collect(self) -> None:
-        self.scheduler.on_worker_results(self.worker.get_finished())
-        self.stats.bytes_loaded = self.scheduler.bytes_loaded
-        self.stats.bytes_stored = self.scheduler.bytes_stored
-        done = self.scheduler.take_finished()
-        self._last_failed_loads = frozenset(done.failed_loads)
-        for req_id in done.sending:
-            blocks = self._held.pop(req_id)
-            self._free[blocks.start : blocks.stop] = True
+        # Results taken from the worker and not yet applied would be lost to an interrupt,
+        # their jobs in flight forever (flush and close run this outside generate_one).
+        with _HeldInterrupts():
+            self.scheduler.on_worker_results(self.worker.get_finished())
+            self.stats.bytes_loaded = self.scheduler.bytes_loaded
+            self.stats.bytes_stored = self.scheduler.bytes_stored
+            done = self.scheduler.take_finished()
+            self._last_failed_loads = frozenset(done.failed_loads)
+            for req_id in done.sending:
+                blocks = self._held.pop(req_id)
+                self._free[blocks.start : blocks.stop] = True
 
     def _drain(self) -> None:
         self.transfer.wait(self.scheduler.job_ids_in_flight())
