@@ -1,4 +1,5 @@
-"""Two variants of the compiled CPU worker side by side: submit paths, or copy-thread placement.
+"""Two variants of the compiled CPU worker side by side: submit paths, copy-thread placement or
+backlog sharing.
 
 `--compare submit` (default): the submit extension against ctypes, on one worker.
 `--compare placement`: `avoid_submitter_cpu` on against off, two workers on one host pool.
@@ -120,7 +121,7 @@ def bench_case(
 
 def main(argv: list[str] | None = None) -> None:
     """Parse arguments, run every case, print the table, write JSON if asked."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", type=parse_case, nargs="+",
                     default=[parse_case(c) for c in ("64x1", "256x1", "64x16", "16x16")],
                     help="PAGE_KIBxBLOCKS per job")  # fmt: skip

@@ -304,9 +304,10 @@ def main() -> None:
         prefixes = [int(p) for p in args.prefixes.split(",") if p]
     except ValueError:
         prefixes = [0]
-    if any(p < 1 for p in prefixes):
+    # kvtier stores whole blocks only: a prefix that ends inside a block is never all loaded.
+    if any(p < 1 or p % BS for p in prefixes):
         ap.error(f"--prefixes {args.prefixes!r} is invalid; expected comma-separated token "
-                 "counts, each at least 1")  # fmt: skip
+                 f"counts, each a positive multiple of the block size ({BS})")  # fmt: skip
     require_writable(ap, args.json)
     longest = max(prefixes, default=0) + args.tail + args.new_tokens
     model, _ = make_demo_model(

@@ -54,9 +54,17 @@ def zipf_workload(num_requests: int, seed: int = 0) -> Workload:
 
 
 def mooncake_workload(path: Path = MOONCAKE) -> Workload:
-    """The Mooncake conversation trace: one key per 512-token prefix block."""
+    """The Mooncake conversation trace: one key per 512-token prefix block. A line that is not
+    a Mooncake request raises ValueError naming the file and line."""
+    workload: Workload = []
     with path.open() as f:
-        return [[_key(h) for h in json.loads(line)["hash_ids"]] for line in f]
+        for n, line in enumerate(f, 1):
+            try:
+                workload.append([_key(h) for h in json.loads(line)["hash_ids"]])
+            except (ValueError, KeyError, TypeError) as e:
+                what = f"no {e} field" if isinstance(e, KeyError) else str(e)
+                raise ValueError(f"{path}:{n}: not a Mooncake trace line ({what})") from None
+    return workload
 
 
 def replay(
@@ -151,10 +159,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     require_known(parser, "--policies", policies, registered_policies())
     require_writable(parser, args.json, make_parents=True)
     require_file(parser, "--trace", args.trace)
-    workloads = {
-        "zipf": zipf_workload(args.zipf_requests),
-        "mooncake": mooncake_workload(args.trace),
-    }
+    try:
+        workloads = {
+            "zipf": zipf_workload(args.zipf_requests),
+            "mooncake": mooncake_workload(args.trace),
+        }
+    except ValueError as e:
+        parser.error(f"--trace: {e}")
     rows = run(workloads, policies, args.repeats, progress)
     print(
         f"{'workload':<9} {'policy':<8} {'slots':>7} {'calls/s':>11} {'blocks/s':>11} {'hit %':>6}"

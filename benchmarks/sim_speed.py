@@ -43,7 +43,10 @@ def main() -> int:
     require_file(p, "--trace", args.trace)
 
     t0 = time.perf_counter()
-    trace = read_trace(args.trace)
+    try:
+        trace = read_trace(args.trace)
+    except ValueError as e:  # TraceFormatError: the file and line, and what is wrong there
+        p.error(f"--trace: {e}")
     read_s = time.perf_counter() - t0
     unique = trace.num_unique_blocks
     try:

@@ -41,11 +41,17 @@ def split_request(row: dict[str, object], tokens: int) -> dict[str, object]:
 
 
 def split_trace(src: Path, tokens: int) -> Iterator[str]:
-    """The lines of `src` rewritten with `tokens`-token blocks."""
+    """The lines of `src` rewritten with `tokens`-token blocks; ValueError, naming the file and
+    line, at a line that is not a Mooncake request."""
     with src.open() as f:
-        for line in f:
+        for n, line in enumerate(f, 1):
             if line.strip():
-                yield json.dumps(split_request(json.loads(line), tokens)) + "\n"
+                try:
+                    row = split_request(json.loads(line), tokens)
+                except (ValueError, KeyError, TypeError) as e:
+                    what = f"no {e} field" if isinstance(e, KeyError) else str(e)
+                    raise ValueError(f"{src}:{n}: not a Mooncake trace line ({what})") from None
+                yield json.dumps(row) + "\n"
 
 
 def main() -> None:
@@ -64,8 +70,12 @@ def main() -> None:
         out = args.dst.open("w")
     except OSError as e:
         parser.error(f"dst {str(args.dst)!r}: cannot write there ({e.strerror or e})")
-    with out:
-        out.writelines(split_trace(args.src, args.tokens))
+    try:
+        with out:
+            out.writelines(split_trace(args.src, args.tokens))
+    except ValueError as e:
+        args.dst.unlink()  # a partial rewrite is no trace to replay
+        parser.error(f"src: {e}")
 
 
 if __name__ == "__main__":

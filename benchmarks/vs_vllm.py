@@ -487,6 +487,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("needs vLLM 0.33.0 installed next to kvtier (see docs/vllm.md)")
     both = [n for n in registered_policies() if n in CachePolicyFactory._registry]
     require_known(parser, "--policies/--sched-policy", policies, both)
+    try:
+        workload = mooncake_workload(args.trace)
+    except ValueError as e:
+        parser.error(f"--trace: {e}")
+    if not args.skip_scheduler:
+        # A window past the trace's end would replay nothing, and fail only at the end.
+        short = [o for o in offsets if o + args.sched_requests > len(workload)]
+        if short:
+            parser.error(
+                f"--sched-offsets {short} with --sched-requests {args.sched_requests}: the "
+                f"trace has {len(workload)} requests; expected windows inside it"
+            )
     if args.scheduler_child:
         runs = [
             scheduler_run(
@@ -504,7 +516,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     result: dict[str, Any] = {}
     if not args.skip_manager:
-        workload = mooncake_workload(args.trace)
         unique = len({k for chain in workload for k in chain})
         num_slots = max(1, int(args.capacity * unique))
         manager = compare_managers(

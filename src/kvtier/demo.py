@@ -36,7 +36,12 @@ __all__ = ["DemoOptions", "DemoResult", "add_arguments", "run", "run_demo"]
 
 BLOCK_SIZE = 16
 VARIANTS = ("kvtier", "recompute")
-EXIT_HELP = "exit status: 0 when kvtier's tokens equal recomputation's, 1 when they differ"
+EXIT_HELP = (
+    "exit status: 0 when kvtier's tokens equal recomputation's, 1 when they differ, "
+    "2 on bad arguments"
+)
+# The seeds torch.Generator.manual_seed accepts.
+SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
 @dataclass(frozen=True)
@@ -56,9 +61,16 @@ class DemoOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={value!r}; expected an int >= 1")
+        low, high = SEED_RANGE
+        if not isinstance(self.seed, int) or not low <= self.seed <= high:
+            raise ValueError(f"--seed={self.seed!r}; expected an int from -2**63 to 2**64 - 1")
         if self.model is not None and not self.model.is_dir():
             raise ValueError(
                 f"--model {self.model} is not a directory; expected a local checkpoint"
+            )
+        if self.model is not None and not (self.model / "config.json").is_file():
+            raise ValueError(
+                f"--model {self.model} has no config.json; expected a transformers checkpoint"
             )
 
 
@@ -98,7 +110,16 @@ def _load_model(opts: DemoOptions) -> tuple[Any, str]:
     from transformers import AutoModelForCausalLM
 
     auto: Any = AutoModelForCausalLM  # untyped upstream
-    model = auto.from_pretrained(str(opts.model), local_files_only=True, dtype=torch.float32)
+    try:
+        model = auto.from_pretrained(str(opts.model), local_files_only=True, dtype=torch.float32)
+    except (ValueError, OSError, KeyError) as e:
+        # transformers' message for a non-causal-LM config lists every supported config class
+        # (hundreds of names); its first line says what is wrong.
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(
+            f"--model {opts.model}: cannot load it as a causal LM ({first}); expected a "
+            "checkpoint AutoModelForCausalLM loads"
+        ) from None
     model.eval()
     return model, f"{opts.model.resolve()}:float32"
 
@@ -144,6 +165,14 @@ def run_demo(opts: DemoOptions, on_request: Callable[[], None] = lambda: None) -
     ]
     longest = max(opts.system_tokens + sum(u.numel() for u in conv) for conv in users)
     longest += opts.turns * opts.new_tokens
+    # The model reads every token of the last conversation but its last reply's last one.
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(positions, int) and longest - 1 > positions:
+        raise ValueError(
+            f"--model {opts.model}: the workload's longest conversation needs {longest - 1} "
+            f"positions, the model has {positions} (max_position_embeddings); expected fewer "
+            "--turns, --user-tokens, --system-tokens or --new-tokens"
+        )
     max_blocks = -(-longest // BLOCK_SIZE)
     # Replies are stored too (offload_prompt_only=False): in a chat the next turn's prompt
     # starts with this turn's reply, so its KV is as reusable as the prompt's. The pool holds
@@ -278,6 +307,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar and no table")
 
 
+def _check_writable(path: Path) -> None:
+    """Refuse `path` for `--json` unless a file can be written there; leaves no new file."""
+    if not path.parent.is_dir():
+        raise ValueError(f"--json {path}: directory {path.parent} does not exist")
+    existed = path.exists()
+    try:
+        with path.open("a"):
+            pass
+    except OSError as e:
+        raise ValueError(f"--json {path}: cannot write there ({e.strerror or e})") from None
+    if not existed:
+        path.unlink()
+
+
 def run(args: argparse.Namespace) -> int:
     """Run `kvtier demo`; 0 when outputs are identical, 1 when not, 2 on bad input."""
     opts = DemoOptions(
@@ -289,9 +332,9 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         model=args.model,
     )
-    if args.json is not None and not args.json.parent.is_dir():
+    if args.json is not None:
         # Checked first: a run takes tens of seconds, and its results would be lost at the end.
-        raise ValueError(f"--json {args.json}: directory {args.json.parent} does not exist")
+        _check_writable(args.json)
     try:
         import transformers  # noqa: F401
     except ImportError:
