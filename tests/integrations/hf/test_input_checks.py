@@ -154,3 +154,27 @@ def test_block_ids_in_a_float_tensor_are_refused(model: Any) -> None:
             build_cache_from_blocks(pages, ids, 2 * BS, model.config)
     cache = build_cache_from_blocks(pages, torch.tensor([[2, 3]], dtype=torch.int32), 20)
     assert cache.get_seq_length() == 20
+
+
+def test_a_model_whose_attention_is_not_causal_is_refused() -> None:
+    """A BERT-style model loads as a causal LM without `is_decoder=True`, and attends both
+    ways: a block's KV then depends on later tokens, so serving it by prefix is wrong."""
+    from transformers import AutoModelForCausalLM, BertConfig
+
+    auto: Any = AutoModelForCausalLM  # untyped upstream
+
+    def bert(is_decoder: bool) -> Any:
+        config = BertConfig(
+            num_hidden_layers=1,
+            hidden_size=32,
+            num_attention_heads=2,
+            intermediate_size=64,
+            vocab_size=100,
+            is_decoder=is_decoder,
+        )
+        return auto.from_config(config)
+
+    with pytest.raises(ValueError, match=r"attention encoder\.layer\.0\.attention\.self \(Bert"):
+        KVTierGenerator(bert(is_decoder=False), block_size=BS, max_blocks=8)
+    causal = bert(is_decoder=True)
+    KVTierGenerator(causal, block_size=BS, max_blocks=8).close()

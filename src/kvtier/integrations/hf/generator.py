@@ -102,6 +102,27 @@ def _vocab_size(model: Any) -> int | None:
     return rows if isinstance(rows, int) else None
 
 
+def _non_causal_attention(model: Any) -> str | None:
+    """The first attention module of the model's decoder that says it is not causal, if any.
+
+    transformers marks attention modules with `is_causal`; BERT-style models loaded as causal
+    LMs without `is_decoder=True` attend both ways. (A multimodal model's vision tower is not
+    causal either, hence the decoder only, where the model names it.)"""
+    root = model
+    get_decoder = getattr(model, "get_decoder", None)
+    if callable(get_decoder):
+        try:
+            decoder = get_decoder()
+        except (AttributeError, NotImplementedError, TypeError):
+            decoder = None
+        if isinstance(decoder, torch.nn.Module):
+            root = decoder
+    for name, module in root.named_modules():
+        if getattr(module, "is_causal", None) is False:
+            return f"{name or type(root).__name__} ({type(module).__name__})"
+    return None
+
+
 class _HeldInterrupts:
     """Holds SIGINT (Ctrl-C) back while kvtier's bookkeeping runs, and delivers it at the end.
 
@@ -178,6 +199,15 @@ class KVTierGenerator:
     ) -> None:
         config = config if config is not None else KVTierConfig()
         max_blocks = checked_int("max_blocks", max_blocks)
+        where = _non_causal_attention(model)
+        if where is not None:
+            # A block's KV would depend on the tokens after it, which its prefix hash does not
+            # cover: another prompt with the same prefix would be served KV it never computed.
+            raise ValueError(
+                f"the model's attention {where} is not causal (is_causal=False): kvtier reuses "
+                "KV by prefix, which only a causal LM's KV allows; expected a causal LM (a "
+                "BERT-style model needs is_decoder=True in its config)"
+            )
         self.model = model
         self.config = config
         self.block_size = block_size
