@@ -114,3 +114,18 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(trace: Path, args: lis
         err = proc.stderr.read().decode()
         assert proc.wait(timeout=120) == 1
         assert err == ""
+
+
+def test_the_plot_is_titled_with_the_whole_trace_name(
+    tmp_path: Path, trace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The title was cut at the first ':' of the table's title, so `run:1.jsonl` became `run`."""
+    import kvtier.sim.command as command
+
+    named = tmp_path / "run:1.jsonl"
+    named.write_text(trace.read_text())
+    titles: list[str] = []
+    monkeypatch.setattr(command, "plot_miss_ratio", lambda rows, path, title: titles.append(title))
+    args = ["simulate", str(named), "--policies", "lru", "-q", "--plot", str(tmp_path / "c.png")]
+    assert main([*args, "--jobs", "1"]) == 0
+    assert titles == ["run:1.jsonl (flat)"]

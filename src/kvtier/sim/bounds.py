@@ -18,7 +18,7 @@ import time
 from collections.abc import Hashable, Sequence
 
 from kvtier.base import OffloadKey
-from kvtier.sim.replay import DevicePrefixCache
+from kvtier.sim.replay import STORE_ON, DevicePrefixCache
 from kvtier.sim.result import RunResult
 from kvtier.sim.trace import Trace
 
@@ -96,6 +96,9 @@ def opt_result(
     """Replay `trace` against Belady's optimum of `capacity` blocks, as a `RunResult`."""
     if mode not in ("flat", "engine"):
         raise ValueError(f"mode={mode!r} is invalid; expected 'flat' or 'engine'")
+    if store_on not in STORE_ON:
+        # Before the check below, which would call a misspelling a valid, unsupported choice.
+        raise ValueError(f"store_on={store_on!r} is invalid; expected one of: {STORE_ON}")
     if mode == "engine" and store_on != "eager":
         raise ValueError(
             "opt is exact only where every miss may be stored at once (flat, or engine with "

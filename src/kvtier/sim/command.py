@@ -361,12 +361,16 @@ def _run(args: argparse.Namespace) -> int:
     runs = [(p, c) for p in policies for c in capacities] + [("infinite", unique)]
     with _progress(len(trace) * len(runs), show_progress) as progress:
         results = run_grid(trace, runs, opts, jobs=jobs, progress=progress)
-    _emit(results, shape, args, title)
+    _emit(results, shape, args, title, plot_title=f"{trace.name} ({args.mode})")
     return 0
 
 
 def _emit(
-    results: list[RunResult], shape: ModelShape | None, args: argparse.Namespace, title: str
+    results: list[RunResult],
+    shape: ModelShape | None,
+    args: argparse.Namespace,
+    title: str,
+    plot_title: str,
 ) -> None:
     # The table first, so a file that fails to write does not cost the results.
     if args.json != "-" and args.csv != "-":
@@ -379,7 +383,7 @@ def _emit(
             write_csv(results, f, shape)
     if args.plot is not None:
         try:
-            plot_miss_ratio(results, args.plot, title=title.split(":")[0] + f" ({args.mode})")
+            plot_miss_ratio(results, args.plot, title=plot_title)
         except PlotUnavailable as e:
             raise ValueError(str(e)) from None
 

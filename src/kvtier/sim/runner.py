@@ -20,9 +20,11 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Final, TypeVar
 
+from kvtier.base import checked_int
 from kvtier.sim.bounds import opt_result
 from kvtier.sim.replay import (
     HIT_ACTIONS,
+    STORE_ON,
     ProgressFn,
     make_manager,
     replay_engine,
@@ -74,6 +76,21 @@ class ReplayOptions:
             raise ValueError(f"mode={self.mode!r} is invalid; expected one of: {MODES}")
         if self.hits_as not in (None, *HIT_ACTIONS):
             raise ValueError(f"hits_as={self.hits_as!r} is invalid; expected one of: {HIT_ACTIONS}")
+        # Checked here, once, rather than by every run of a grid (each failing on its own, OPT's
+        # with a message that takes a misspelt `store_on` for a valid but unsupported one).
+        if self.store_on not in STORE_ON:
+            raise ValueError(f"store_on={self.store_on!r} is invalid; expected one of: {STORE_ON}")
+        checked_int("store_threshold", self.store_threshold, minimum=0)
+        checked_int("device_blocks", self.device_blocks, minimum=0)
+        checked_int("max_tracker_size", self.max_tracker_size)
+        per_slot = self.tracker_per_slot
+        # NaN fails the comparison too; 0 or less would silently become a 1-key tracker.
+        if per_slot is not None and (
+            isinstance(per_slot, bool) or not isinstance(per_slot, (int, float)) or not per_slot > 0
+        ):
+            raise ValueError(
+                f"tracker_per_slot={per_slot!r} is invalid; expected a number of keys per slot > 0"
+            )
 
 
 def run_one(

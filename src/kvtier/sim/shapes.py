@@ -81,6 +81,7 @@ def parse_model_shape(spec: str) -> ModelShape:
 
 _CAPACITY_RE: Final = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(%|[a-zA-Z]+)?\s*$")
 _MAX_BLOCKS: Final = 10**308
+_MAX_DIGITS: Final = 4000  # below the 4,300 digits Python's int() reads; 1e308 has 309
 _SIZE_UNITS: Final = ("B", "KB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB")
 
 
@@ -103,6 +104,13 @@ def parse_capacity(
             "or a size ('64GiB')"
         )
     digits, unit = m.group(1), (m.group(2) or "")
+    if len(digits) > _MAX_DIGITS:
+        # Python refuses to read an int of more than 4,300 digits, with a message about
+        # sys.set_int_max_str_digits that says nothing of the capacity.
+        raise ValueError(
+            f"capacity {spec[:40]!r}... has {len(digits):,} digits; expected at most "
+            f"{_MAX_DIGITS:,} (and at most 1e308 blocks)"
+        )
     exact = Fraction(digits)
     if unit == "%":
         # Exact arithmetic: in floats a tie such as 4.4% of 375 blocks (16.5) can land on
