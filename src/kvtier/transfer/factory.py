@@ -29,10 +29,13 @@ def make_transfer_worker(
     `compiled` and `coalesce_depth`, for the CPU `copy_threads`, `copy_cpus`,
     `avoid_submitter_cpu` and `share_backlog`) go to the backend. The CPU ones are ignored on
     CUDA, the CUDA ones by the pageable fallback and on the CPU, and the CPU ones by the
-    Python-thread fallback, which splits large jobs over torch's threads.
+    Python-thread fallback, which splits large jobs over torch's threads. Their values are
+    checked on every backend all the same (`stage_bytes`, `fault_injector`, and the CUDA ones
+    `compiled` and `coalesce_depth`, which a CPU-only test run would otherwise never see).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is unknown; expected one of {BACKENDS}")
+    _check_options(kwargs)
     if backend == "auto":
         backend = "cuda" if registration.device.type == "cuda" else "cpu"
     if backend == "cuda":
@@ -60,3 +63,31 @@ def make_transfer_worker(
     kwargs.pop("avoid_submitter_cpu", None)
     kwargs.pop("share_backlog", None)
     return CPUTransferWorker(registration, pool, **kwargs)
+
+
+def _check_options(kwargs: dict[str, Any]) -> None:
+    """Check the values of options that some backends drop unread."""
+    stage = kwargs.get("stage_bytes", 1)
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage <= 0:
+        raise ValueError(f"stage_bytes={stage!r} must be a positive int")
+    injector = kwargs.get("fault_injector")
+    if injector is not None and not callable(injector):
+        raise ValueError(f"fault_injector={injector!r} must be a callable or None")
+    if not kwargs.keys() & {"compiled", "coalesce_depth"}:
+        return
+    # Imported only here: a CPU-only run that passes no CUDA option never loads it.
+    from kvtier.transfer.cuda_engine import MAX_COALESCE_DEPTH
+
+    compiled = kwargs.get("compiled")
+    if compiled is not None and compiled is not True and compiled is not False:
+        raise ValueError(f"compiled={compiled!r} must be None, True or False")
+    depth = kwargs.get("coalesce_depth", 0)
+    if (
+        isinstance(depth, bool)
+        or not isinstance(depth, int)
+        or not 0 <= depth <= MAX_COALESCE_DEPTH
+    ):
+        raise ValueError(
+            f"coalesce_depth={depth!r} is not valid; expected an int from 0 (off) to "
+            f"{MAX_COALESCE_DEPTH}"
+        )

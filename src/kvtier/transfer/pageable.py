@@ -126,8 +126,13 @@ class PageableCUDATransferWorker(CPUTransferWorker):
     def _submit(self, job: Job) -> None:
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(torch.cuda.current_stream(self.registration.device))
-        self._events[job.job_id] = event
-        super()._submit(job)
+        try:
+            self._events[job.job_id] = event
+            super()._submit(job)
+        except BaseException:
+            if not self._accepted(job.job_id):  # not queued: no `_run` will take the event
+                self._events.pop(job.job_id, None)
+            raise
 
     def shutdown(self) -> None:
         """As the CPU backend; also drops the events of jobs that were cancelled."""
@@ -139,5 +144,11 @@ class PageableCUDATransferWorker(CPUTransferWorker):
         with self._lock:
             event = self._events.pop(job.job_id, None)
         if event is not None:
-            self._stream.wait_event(event)
+            try:
+                self._stream.wait_event(event)
+            except BaseException:
+                # A CUDA error (a sticky one from an earlier fault, say): fail this job. Raised
+                # out of here it would end the copy thread, and no job would be reported again.
+                logger.exception("transfer job %d (%s) failed", job.job_id, job.direction.value)
+                return False
         return super()._run(job)

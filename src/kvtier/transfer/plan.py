@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from numbers import Integral
 
 import numpy as np
 import numpy.typing as npt
@@ -56,7 +57,7 @@ def _ids(name: str, values: IdsLike, limit: int) -> IndexArray:
         raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
     if arr.dtype.kind not in "iu":
         if arr.size:
-            raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+            return _exact_ids(name, values, arr, limit)
         return np.empty(0, dtype=np.int64)  # `[]` arrives as float64
     if arr.dtype.kind == "u" and arr.size and int(arr.max()) >= limit:
         raise ValueError(f"{name} contains {int(arr.max())}, outside 0..{limit - 1}")  # unwrapped
@@ -72,6 +73,24 @@ def _ids(name: str, values: IdsLike, limit: int) -> IndexArray:
         bad = lo if lo < 0 else hi
         raise ValueError(f"{name} contains {bad}, outside 0..{limit - 1}")
     return arr
+
+
+def _exact_ids(name: str, values: IdsLike, arr: npt.NDArray[np.generic], limit: int) -> IndexArray:
+    """Integers that numpy could not give an integer dtype: a list mixing `np.uint64` with
+    `int` arrives as float64, one holding an int beyond 64 bits as object. Taken one by one
+    (off the hot path), so that valid ids are accepted and a bad one is named."""
+    items: object = arr.tolist() if arr.dtype.kind == "O" else values
+    if isinstance(items, (list, tuple)) and all(
+        isinstance(v, Integral) and not isinstance(v, bool) for v in items
+    ):
+        ints = [int(v) for v in items]
+        bad = next((v for v in ints if not 0 <= v < limit), None)
+        if bad is not None:
+            raise ValueError(
+                f"{name} contains {bad}, outside 0..{limit - 1}: it must hold integers in range"
+            )
+        return np.array(ints, dtype=np.int64)
+    raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
 
 
 def _unique(name: str, arr: IndexArray) -> None:

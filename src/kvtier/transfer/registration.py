@@ -143,10 +143,14 @@ class KVTensor:
         t, d = self.tensor, self.block_dim
         item = t.element_size()
         shape, strides = list(t.shape), list(t.stride())
-        # The dims after the block dim must be packed row-major so each part is one byte run.
+        # The dims after the block dim must tile one byte run, in any order: an engine may
+        # store a block head-major and expose it token-major (vLLM's "HND" cache layout,
+        # `permute`d to the logical shape), and kvtier copies the block's bytes as they lie.
         expected = 1
-        for size, stride in zip(reversed(shape[d + 1 :]), reversed(strides[d + 1 :]), strict=True):
-            if size != 1 and stride != expected:
+        for stride, size in sorted(
+            (s, n) for n, s in zip(shape[d + 1 :], strides[d + 1 :], strict=True) if n != 1
+        ):
+            if stride != expected:
                 raise ValueError(
                     f"tensor of layout {self.layout!r} with shape {tuple(shape)} and strides "
                     f"{tuple(strides)} is not densely packed after its block dimension {d}; "

@@ -35,6 +35,14 @@ def _flash_permuted(nb: int, dt: torch.dtype, dev: str) -> list[KVTensor]:
     return [KVTensor(base.transpose(0, 1), "flash")]
 
 
+def _hnd(nb: int, dt: torch.dtype, dev: str) -> list[KVTensor]:
+    # vLLM's "HND" cache layout: allocated head-major, exposed token-major with `permute`, so
+    # a block is one byte run whose dimensions are not in row-major order.
+    flash = torch.empty(2, nb, 2, 4, 8, dtype=dt, device=dev).permute(0, 1, 3, 2, 4)
+    flashinfer = torch.empty(nb, 2, 2, 4, 8, dtype=dt, device=dev).permute(0, 1, 3, 2, 4)
+    return [KVTensor(flash, "flash"), KVTensor(flashinfer, "flashinfer")]
+
+
 def _flashinfer(nb: int, dt: torch.dtype, dev: str) -> list[KVTensor]:
     return [
         KVTensor(torch.empty(nb, 2, 4, 2, 8, dtype=dt, device=dev), "flashinfer") for _ in range(2)
@@ -72,6 +80,7 @@ LAYOUTS: dict[str, Callable[[int, torch.dtype, str], list[KVTensor]]] = {
     "flash": _flash,
     "flash_permuted": _flash_permuted,
     "flashinfer": _flashinfer,
+    "hnd": _hnd,
     "cross_layer": _cross_layer,
     "mla": _mla,
     "aliased": _aliased,
