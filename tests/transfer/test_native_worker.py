@@ -113,7 +113,7 @@ def test_factory_drops_the_cuda_options_on_the_cpu(
     _, reg, pool = _setup()
     if not native:
         monkeypatch.setattr("kvtier.transfer.factory.library", lambda: None)
-    cuda_only = {"copy_mode": "engine", "compiled": True, "coalesce_depth": 2}
+    cuda_only = {"copy_mode": "kernel", "compiled": True, "coalesce_depth": 2}
     with make_transfer_worker(reg, pool, "cpu", **cuda_only) as w:
         assert isinstance(w, NativeCPUTransferWorker) is native
 

@@ -84,6 +84,7 @@ def test_ids_that_are_not_integers_are_still_refused(blocks: Any) -> None:
         ({"stage_bytes": "1M"}, "stage_bytes='1M' must be a positive int"),
         ({"stage_bytes": 0}, "stage_bytes=0 must be a positive int"),
         ({"fault_injector": 3}, "fault_injector=3 must be a callable"),
+        ({"copy_mode": "engine"}, "copy_mode='engine' is unknown; expected one of"),
     ],
 )
 def test_a_bad_option_is_refused_even_by_a_backend_that_ignores_it(

@@ -73,10 +73,15 @@ def _check_options(kwargs: dict[str, Any]) -> None:
     injector = kwargs.get("fault_injector")
     if injector is not None and not callable(injector):
         raise ValueError(f"fault_injector={injector!r} must be a callable or None")
-    if not kwargs.keys() & {"compiled", "coalesce_depth"}:
+    if not kwargs.keys() & {"compiled", "coalesce_depth", "copy_mode"}:
         return
-    # Imported only here: a CPU-only run that passes no CUDA option never loads it.
+    # Imported only here: a CPU-only run that passes no CUDA option never loads them.
     from kvtier.transfer.cuda_engine import MAX_COALESCE_DEPTH
+    from kvtier.transfer.cuda_worker import COPY_MODES
+
+    mode = kwargs.get("copy_mode", "auto")
+    if mode not in COPY_MODES:
+        raise ValueError(f"copy_mode={mode!r} is unknown; expected one of {COPY_MODES}")
 
     compiled = kwargs.get("compiled")
     if compiled is not None and compiled is not True and compiled is not False:
