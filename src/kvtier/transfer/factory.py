@@ -31,7 +31,8 @@ def make_transfer_worker(
     CUDA, the CUDA ones by the pageable fallback and on the CPU, and the CPU ones by the
     Python-thread fallback, which splits large jobs over torch's threads. Their values are
     checked on every backend all the same (`stage_bytes`, `fault_injector`, and the CUDA ones
-    `compiled` and `coalesce_depth`, which a CPU-only test run would otherwise never see).
+    `copy_mode`, `compiled` and `coalesce_depth`, which a CPU-only test run would otherwise
+    never see).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is unknown; expected one of {BACKENDS}")
