@@ -213,13 +213,22 @@ static int load_driver(kvt_cuda *c, char *err, size_t errlen) {
 }
 
 /* Make the engine's context current on the calling thread (a thread torch has not used yet
- * has none). */
-static CUresult enter(kvt_cuda *c) {
+ * has none); `*prev` gets the caller's, for leave(). */
+static CUresult enter(kvt_cuda *c, CUcontext *prev) {
     CUcontext cur = NULL;
     CUresult r = c->cu.ctx_get(&cur);
+    *prev = cur;
     if (r == CUDA_SUCCESS && cur != c->ctx)
         r = c->cu.ctx_set(c->ctx);
     return r;
+}
+
+/* Give the caller its own context back after a successful enter(). Left current, the engine's
+ * context would also become the runtime's (torch's) current device on the caller's thread,
+ * where that is another device: its later work and allocations would go to this one. */
+static void leave(kvt_cuda *c, CUcontext prev) {
+    if (prev != c->ctx)
+        c->cu.ctx_set(prev);
 }
 
 void kvt_cuda_free(kvt_cuda *c);
@@ -560,7 +569,8 @@ static void *launcher(void *arg) {
     kvt_cuda *c = ((kvt_launcher_arg *)arg)->c;
     kvt_lane *l = ((kvt_launcher_arg *)arg)->l;
     free(arg);
-    int entered = enter(c) == CUDA_SUCCESS; /* if not, every job is reported failed */
+    CUcontext none;
+    int entered = enter(c, &none) == CUDA_SUCCESS; /* if not, every job is reported failed */
     pthread_mutex_lock(&c->mu);
     for (;;) {
         while (l->nflight) { /* drop the batches that have ended (or were polled) */
@@ -639,16 +649,29 @@ int kvt_cuda_coalesce(kvt_cuda *c, size_t depth) {
  * failed), -1 out of memory or engine stopping, CUDA_ERROR_INVALID_VALUE (1) for a lane or
  * table that does not exist, or a CUresult if the wait for compute could not be queued
  * (nothing queued in either case). The rows are copied. */
+static int submit(kvt_cuda *c, int lane, uint64_t compute, int64_t id, int fail, int table,
+                  uint64_t nbytes, const int64_t *dst, const int64_t *src, size_t n);
+
 int kvt_cuda_submit(kvt_cuda *c, int lane, uint64_t compute, int64_t id, int fail, int table,
                     uint64_t nbytes, const int64_t *dst, const int64_t *src, size_t n) {
     /* The tables are all added before the first submit, so ntables is read without the
      * mutex. A job submitted failed copies nothing, but a bad index is the caller's bug. */
     if (lane < 0 || lane >= KVT_LANES || table < 0 || (size_t)table >= c->ntables)
         return CUDA_ERROR_INVALID_VALUE;
-    kvt_lane *l = &c->lanes[lane];
-    CUresult r = enter(c);
+    CUcontext prev;
+    CUresult r = enter(c, &prev);
     if (r != CUDA_SUCCESS)
         return r;
+    r = submit(c, lane, compute, id, fail, table, nbytes, dst, src, n);
+    leave(c, prev);
+    return r;
+}
+
+/* kvt_cuda_submit in the engine's context. */
+static int submit(kvt_cuda *c, int lane, uint64_t compute, int64_t id, int fail, int table,
+                  uint64_t nbytes, const int64_t *dst, const int64_t *src, size_t n) {
+    kvt_lane *l = &c->lanes[lane];
+    CUresult r;
     pthread_mutex_lock(&c->mu);
     if (c->stopping) {
         pthread_mutex_unlock(&c->mu);
@@ -770,7 +793,8 @@ uint64_t kvt_cuda_accepted(kvt_cuda *c, int lane) {
  * GPU time is shared among its jobs by their bytes. */
 size_t kvt_cuda_poll(kvt_cuda *c, kvt_result *out, size_t max) {
     size_t k = 0;
-    if (enter(c) != CUDA_SUCCESS)
+    CUcontext prev;
+    if (enter(c, &prev) != CUDA_SUCCESS)
         return 0;
     pthread_mutex_lock(&c->mu);
     for (int i = 0; i < KVT_LANES; i++) {
@@ -801,6 +825,7 @@ size_t kvt_cuda_poll(kvt_cuda *c, kvt_result *out, size_t max) {
         }
     }
     pthread_mutex_unlock(&c->mu);
+    leave(c, prev);
     return k;
 }
 
@@ -812,7 +837,8 @@ int kvt_cuda_wait(kvt_cuda *c, int lane, uint64_t seq) {
     if (lane < 0 || lane >= KVT_LANES)
         return CUDA_ERROR_INVALID_VALUE;
     kvt_lane *l = &c->lanes[lane];
-    CUresult r = enter(c);
+    CUcontext prev;
+    CUresult r = enter(c, &prev);
     if (r != CUDA_SUCCESS)
         return r;
     pthread_mutex_lock(&c->mu);
@@ -823,12 +849,15 @@ int kvt_cuda_wait(kvt_cuda *c, int lane, uint64_t seq) {
     if (seq >= l->first_seq && seq < l->first_seq + l->len)
         end = at_seq(l, at_seq(l, seq)->last)->end;
     pthread_mutex_unlock(&c->mu);
-    return end ? c->cu.event_sync(end) : CUDA_SUCCESS;
+    r = end ? c->cu.event_sync(end) : CUDA_SUCCESS;
+    leave(c, prev);
+    return r;
 }
 
 /* Block until every job submitted so far is launched and its copies have finished. */
 int kvt_cuda_sync(kvt_cuda *c) {
-    CUresult r = enter(c);
+    CUcontext prev;
+    CUresult r = enter(c, &prev);
     if (r != CUDA_SUCCESS)
         return r;
     pthread_mutex_lock(&c->mu);
@@ -838,6 +867,7 @@ int kvt_cuda_sync(kvt_cuda *c) {
     pthread_mutex_unlock(&c->mu);
     for (int i = 0; i < KVT_LANES && r == CUDA_SUCCESS; i++)
         r = c->cu.stream_sync(c->lanes[i].stream);
+    leave(c, prev);
     return r;
 }
 
@@ -847,7 +877,8 @@ void kvt_cuda_free(kvt_cuda *c) {
         return;
     if (c->sync_made) /* with coalescing, every lane has its thread */
         stop_launchers(c, c->coalesce ? KVT_LANES : 0);
-    if (c->ctx && enter(c) == CUDA_SUCCESS) {
+    CUcontext prev;
+    if (c->ctx && enter(c, &prev) == CUDA_SUCCESS) {
         for (int i = 0; i < KVT_LANES; i++) {
             kvt_lane *l = &c->lanes[i];
             for (size_t k = 0; k < l->cap; k++) {
@@ -859,6 +890,7 @@ void kvt_cuda_free(kvt_cuda *c) {
         }
         if (c->module)
             c->cu.module_unload(c->module);
+        leave(c, prev);
     }
     for (int i = 0; i < KVT_LANES; i++) {
         kvt_lane *l = &c->lanes[i];

@@ -41,6 +41,10 @@ int fake_batches(void);
 int fake_live_events(void);
 int fake_sticky(void);
 void fake_fail_launch(int n);
+void *fake_other_context(void);
+void fake_other_context_off(void);
+int cuCtxGetCurrent(void **ctx);
+int cuCtxSetCurrent(void *ctx);
 void fake_hold(uintptr_t stream, int held);
 void fake_host(uintptr_t stream, void (*fn)(void *), void *arg);
 int fake_memcpy_batch(uint64_t *, uint64_t *, size_t *, size_t, void *, size_t *, size_t,
@@ -707,6 +711,43 @@ static void check_random(size_t d, uint64_t seed) {
     rig_down(&r, "random");
 }
 
+/* A caller whose current context is another device's (torch's current device is not the
+ * engine's) keeps it across every call into the engine: the engine's context is made current
+ * only for the call. Left current, it would move the caller's later torch work (and cudart's
+ * current device) to the engine's device. */
+static void check_caller_context(void) {
+    rig r;
+    rig_up(&r, 64, 64, 0, 0);
+    void *other = fake_other_context(), *cur = NULL;
+    if (cuCtxSetCurrent(other))
+        FAIL("caller context: the fake refused its other context");
+    const char *step = "";
+#define STILL_OTHER(what)                                                                       \
+    do {                                                                                        \
+        step = what;                                                                            \
+        cuCtxGetCurrent(&cur);                                                                  \
+        if (cur != other)                                                                       \
+            FAIL("caller context: %s left the engine's context current", step);                \
+    } while (0)
+    int64_t blocks[BPC], slots[1] = {1};
+    for (int i = 0; i < BPC; i++)
+        blocks[i] = i;
+    store(&r, 1, blocks, BPC, slots);
+    STILL_OTHER("kvt_cuda_submit_ids");
+    kvt_cuda_wait(r.c, 0, 1);
+    STILL_OTHER("kvt_cuda_wait");
+    kvt_cuda_sync(r.c);
+    STILL_OTHER("kvt_cuda_sync");
+    kvt_result res[4];
+    if (kvt_cuda_poll(r.c, res, 4) != 1 || !res[0].ok)
+        FAIL("caller context: the store did not finish ok");
+    STILL_OTHER("kvt_cuda_poll");
+    rig_down(&r, "caller context");
+    STILL_OTHER("kvt_cuda_free");
+#undef STILL_OTHER
+    fake_other_context_off();
+}
+
 static void shared_checks(void) {
     check_paths();
     check_compute_order();
@@ -724,6 +765,7 @@ int main(void) {
     check_two_computes();
     check_wait_unlaunched();
     check_free_launches();
+    check_caller_context();
     for (size_t d = 0; d <= 3; d++)
         for (uint64_t seed = 1; seed <= 3; seed++)
             check_random(d, 0x9e3779b97f4a7c15ull * seed);

@@ -248,12 +248,25 @@ int fake_run(void) { LOCKED(int, run()); }
 
 /* ---- the driver functions cudaengine.c resolves ---- */
 
+/* A thread may make another device's context current (fake_other_context), as a caller whose
+ * current torch device is not the engine's has; the engine must leave it so. */
+static int other_token;
+static __thread int other_current;
+
+void *fake_other_context(void) { return &other_token; }
+void fake_other_context_off(void) { other_current = 0; }
+
 CUresult cuCtxGetCurrent(void **ctx) {
-    *ctx = context_set ? &ctx_token : NULL;
+    *ctx = other_current ? (void *)&other_token : context_set ? &ctx_token : NULL;
     return OK;
 }
 
-CUresult cuCtxSetCurrent(void *ctx) { return ctx == &ctx_token ? OK : ERR_INVALID; }
+CUresult cuCtxSetCurrent(void *ctx) {
+    if (ctx != &ctx_token && ctx != &other_token)
+        return ERR_INVALID;
+    other_current = ctx == &other_token;
+    return OK;
+}
 
 CUresult cuModuleLoadData(void **module, const void *image) {
     *module = (void *)image;
