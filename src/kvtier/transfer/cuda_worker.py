@@ -449,9 +449,24 @@ class CUDATransferWorker(TransferWorker):
                 results.append(TransferResult(job_id, ok, live.nbytes if ok else 0, seconds))
             return results
         for lane in self._lanes.values():
-            while lane.records and lane.records[0].end.query():  # type: ignore[no-untyped-call]
-                r = lane.records.popleft()
-                seconds = r.start.elapsed_time(r.end) / 1e3
+            records = lane.records
+            while records:
+                r = records[0]
+                try:
+                    if not r.end.query():  # type: ignore[no-untyped-call]
+                        break
+                    seconds = r.start.elapsed_time(r.end) / 1e3
+                except RuntimeError:
+                    # torch raises a CUDA error (sticky after a fault) from the query: the job
+                    # is failed, not left unreported, and so is each later one that raises.
+                    # Its events and index buffer are not reused.
+                    logger.exception("transfer job %d failed: its end event reports an error",
+                                     r.job_id)  # fmt: skip
+                    records.popleft()
+                    results.append(TransferResult(r.job_id, False, 0, 0.0))
+                    del self._by_id[r.job_id]
+                    continue
+                records.popleft()
                 results.append(TransferResult(r.job_id, r.ok, r.nbytes if r.ok else 0, seconds))
                 self._events += (r.start, r.end)
                 if r.indices is not None:
