@@ -522,7 +522,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             workload, args.policies.split(","), num_slots, args.repeats, progress
         )
         result["manager"] = manager
-        print(f"manager, Mooncake trace, {num_slots} slots ({args.capacity:.0%} of unique blocks)")
+        share = f"{args.capacity:.0%} of unique blocks"
+        print(f"manager, {args.trace.name}, {num_slots} slots ({share})")
         print(
             f"{'policy':<7} {'vLLM calls/s':>13} {'kvtier calls/s':>15} {'ratio':>6} "
             f"{'vLLM hit %':>10} {'kvtier hit %':>12}"
