@@ -35,7 +35,7 @@ from kvtier.connector import OffloadingScheduler, OffloadingWorker, StepMetadata
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.hashing import BlockHasher
 from kvtier.integrations.hf.paged_cache import PagedKVBuffer
-from kvtier.integrations.hf.prefix import generate_greedy
+from kvtier.integrations.hf.prefix import generate_greedy, input_vocab_size
 from kvtier.transfer import FaultInjector, HostPool, make_transfer_worker
 
 __all__ = ["GenerationResult", "GeneratorStats", "KVTierGenerator"]
@@ -90,16 +90,6 @@ def _prompt_ids(prompt: Sequence[int] | torch.Tensor) -> torch.Tensor:
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise TypeError(f"prompt has dtype {ids.dtype}; expected integer token ids")
     return ids.reshape(-1).to(device="cpu", dtype=torch.int64)
-
-
-def _vocab_size(model: Any) -> int | None:
-    """Rows of the model's input embedding (the token ids it accepts), if it says."""
-    try:
-        embeddings = model.get_input_embeddings()
-    except (AttributeError, NotImplementedError):
-        return None
-    rows = getattr(embeddings, "num_embeddings", None)
-    return rows if isinstance(rows, int) else None
 
 
 def _non_causal_attention(model: Any) -> str | None:
@@ -257,7 +247,7 @@ class KVTierGenerator:
         self._held: dict[str, range] = {}
         self._req_ids = itertools.count()
         self._closed = False
-        self._vocab_size = _vocab_size(model)
+        self._vocab_size = input_vocab_size(model)
 
     # -- public API ---------------------------------------------------------------------------
 

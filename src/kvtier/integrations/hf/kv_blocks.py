@@ -30,6 +30,8 @@ from transformers.cache_utils import (
     StaticSlidingWindowLayer,
 )
 
+from kvtier.base import checked_int
+
 __all__ = [
     "KVLayout",
     "allocate_pages",
@@ -175,6 +177,10 @@ def extract_blocks(
     Everything is validated before anything is written: on error the pages are unchanged.
     """
     page_block_size = _check_pages(out_pages, block_size)
+    # A float would fail later as a bare slicing error, and True would count as 1.
+    batch_index = checked_int("batch_index", batch_index, minimum=0)
+    token_start = checked_int("token_start", token_start, minimum=0)
+    num_blocks = checked_int("num_blocks", num_blocks, minimum=0)
     ids = _as_ids(out_block_ids, "out_block_ids")
     if num_blocks < 0 or ids.numel() != num_blocks:
         raise ValueError(
@@ -240,6 +246,8 @@ def build_cache_from_blocks(
     model's own forward would; `device` defaults to the pages' device.
     """
     block_size = _check_pages(pages)
+    # A float would fail later as a bare slicing error, and True would count as one token.
+    num_tokens = checked_int("num_tokens", num_tokens, minimum=0)
     if isinstance(block_ids_per_sequence, torch.Tensor):
         rows = block_ids_per_sequence
         if rows.ndim != 2:

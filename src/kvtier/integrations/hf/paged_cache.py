@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from kvtier.base import checked_int
 from kvtier.integrations.hf.kv_blocks import kv_layout
 from kvtier.transfer import KVCacheRegistration, KVTensor
 
@@ -92,6 +93,15 @@ class PagedKVLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # untyped up
                 f"tokens, K and V each (1, {heads}, tokens, {head_dim}) (kv_heads and head_dim "
                 "as read from the model's config)"
             )
+        # `copy_` would cast (or move) silently, and attention then fail on K/V of another
+        # dtype than its queries with a bare error, after the buffer was already written.
+        for name, t in (("K", key_states), ("V", value_states)):
+            if t.dtype != self.dtype or t.device != self.device:
+                raise ValueError(
+                    f"cannot cache {name} of {t.dtype} on {t.device} in a buffer of "
+                    f"{self.dtype} on {self.device}; expected the model's KV dtype and device "
+                    "(PagedKVBuffer(..., dtype=model.dtype, device=<the model's device>))"
+                )
         self._key_space[:, :, start:end].copy_(key_states)
         self._value_space[:, :, start:end].copy_(value_states)
         self.keys = self._key_space[:, :, :end]
@@ -134,11 +144,10 @@ class PagedKVBuffer:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(
-                f"num_blocks={num_blocks}, block_size={block_size} are invalid; "
-                "expected positive ints"
-            )
+        num_blocks = checked_int("num_blocks", num_blocks)
+        block_size = checked_int("block_size", block_size)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype={dtype!r} is invalid; expected a floating-point torch dtype")
         layout = kv_layout(config)
         shape = (2, layout.kv_heads, num_blocks, block_size, layout.head_dim)
         self.layout = layout
@@ -161,6 +170,9 @@ class PagedKVBuffer:
         The blocks must be consecutive: only then are they one strided tensor that attention
         can read without a copy.
         """
+        first_block = checked_int("first_block", first_block, minimum=0)
+        num_blocks = checked_int("num_blocks", num_blocks)
+        held_tokens = checked_int("held_tokens", held_tokens, minimum=0)
         if first_block < 0 or num_blocks < 1 or first_block + num_blocks > self.num_blocks:
             raise ValueError(
                 f"blocks {first_block}..{first_block + num_blocks - 1} are out of range; "

@@ -45,12 +45,66 @@ class GreedyOutput:
     """`time.perf_counter()` when the first token's logits were ready (time to first token)."""
 
 
-def _check_ids(input_ids: torch.Tensor) -> None:
-    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[1] == 0:
+def _check_ids(model: Any, input_ids: torch.Tensor) -> None:
+    if (
+        not isinstance(input_ids, torch.Tensor)
+        or input_ids.ndim != 2
+        or input_ids.shape[0] == 0
+        or input_ids.shape[1] == 0
+    ):
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)
-        raise ValueError(f"input_ids is {shape}; expected a (batch, seq_len >= 1) tensor")
+        raise ValueError(
+            f"input_ids is {shape}; expected a (batch, seq_len >= 1) tensor with batch >= 1"
+        )
     if input_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"input_ids has dtype {input_ids.dtype}; expected int64 token ids")
+    vocab = input_vocab_size(model)
+    if vocab is not None:
+        outside = (input_ids < 0) | (input_ids >= vocab)
+        if bool(outside.any()):
+            # The embedding lookup would fail inside the model: on CUDA a device-side assert
+            # that leaves the context unusable, on the CPU an IndexError naming neither.
+            row, pos = (int(i) for i in torch.nonzero(outside)[0])
+            raise IndexError(
+                f"token id {int(input_ids[row, pos])} at row {row}, position {pos} is not in "
+                f"the model's vocabulary (its input embedding has {vocab} rows); expected "
+                f"0..{vocab - 1}"
+            )
+
+
+def input_vocab_size(model: Any) -> int | None:
+    """Rows of the model's input embedding (the token ids it accepts), if it says."""
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    rows = getattr(embeddings, "num_embeddings", None)
+    return rows if isinstance(rows, int) else None
+
+
+def _check_cache_fits(model: Any, cache: Cache, batch: int) -> None:
+    """Refuse held KV of another dtype or batch than the run's before the model sees it.
+
+    Another dtype would be promoted silently where the cache concatenates (bf16 pages under a
+    float32 model: logits off by ~1e-2 from recompute) or fail inside attention with a bare
+    dtype error; another batch fails inside the model as a size mismatch.
+    """
+    model_dtype = getattr(model, "dtype", None)
+    for i, layer in enumerate(cache.layers):
+        keys = getattr(layer, "keys", None)
+        if not isinstance(keys, torch.Tensor) or keys.ndim != 4 or keys.shape[-2] == 0:
+            continue  # nothing held (or not plain per-token KV): nothing to mix with
+        if isinstance(model_dtype, torch.dtype) and keys.dtype != model_dtype:
+            raise ValueError(
+                f"cache layer {i} holds {keys.dtype} KV but the model runs in {model_dtype}; "
+                f"expected KV of the model's dtype (build the pages or buffer with "
+                f"dtype={model_dtype})"
+            )
+        if keys.shape[0] != batch:
+            raise ValueError(
+                f"cache layer {i} holds a batch of {keys.shape[0]} sequences but input_ids has "
+                f"{batch} rows; expected one cached row per prompt row"
+            )
 
 
 def _forward(model: Any, ids: torch.Tensor, cache: Cache, start: int) -> torch.Tensor:
@@ -98,9 +152,11 @@ def prefill(
     (ValueError: load at most `T - 1` tokens). `cache=None` starts a fresh `DynamicCache`
     (the recompute path).
     """
-    _check_ids(input_ids)
+    _check_ids(model, input_ids)
     if cache is None:
         cache = DynamicCache(config=model.config)
+    else:
+        _check_cache_fits(model, cache, input_ids.shape[0])
     seq_len = input_ids.shape[1]
     cached = int(cache.get_seq_length())
     if cached > seq_len:
