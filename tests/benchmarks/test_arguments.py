@@ -28,7 +28,8 @@ NEEDS = {
     "e2e_hf": "transformers",
 }
 # (script, its arguments, the functions that start its run, what the refusal names).
-# TRACE is a small trace, BAD a path no file can be written to.
+# TRACE is a small trace, TRACE3 a 3-request one, NOTJSON a file of prose, NOHASH a JSON line
+# without hash_ids, BAD a path no file can be written to, OUT a path to write to.
 CASES: list[tuple[str, list[str], list[str], str]] = [
     ("policy_fuzz", ["--seeds", "0:1", "--json", "BAD"], ["ProcessPoolExecutor"], "--json"),
     ("policy_hit_ratios", ["--json", "BAD"], ["ProcessPoolExecutor"], "--json"),
@@ -89,6 +90,22 @@ CASES: list[tuple[str, list[str], list[str], str]] = [
     ("e2e_hf", ["--repeats", "0"], ["make_demo_model"], "--repeats: '0'"),
     ("e2e_hf", ["--rounds", "0"], ["make_demo_model"], "--rounds: '0'"),
     ("e2e_hf", ["--tail", "0"], ["make_demo_model"], "--tail: '0'"),
+    ("e2e_hf", ["--prefixes", "1024,40"], ["make_demo_model"], "multiple of the block size"),
+    # A malformed trace or a window past its end: one line naming it, not a traceback.
+    ("manager_ops", ["--trace", "NOTJSON"], ["run"], ":1: not a Mooncake trace line"),
+    ("manager_ops", ["--trace", "NOHASH"], ["run"], "no 'hash_ids' field"),
+    ("sim_speed", ["--trace", "NOTJSON"], ["run_grid"], ":1: not valid JSON"),
+    ("sim_speed", ["--trace", "NOHASH"], ["run_grid"], "unknown trace format"),
+    ("split_blocks", ["NOTJSON", "OUT"], [], ":1: not a Mooncake trace line"),
+    ("split_blocks", ["NOHASH", "OUT"], [], "no 'hash_ids' field"),
+    ("vs_vllm", ["--trace", "NOTJSON"], ["compare_managers", "compare_schedulers"], ":1: not"),
+    ("vs_vllm", ["--trace", "NOHASH", "--skip-manager"], ["compare_schedulers"], "hash_ids"),
+    (
+        "vs_vllm",
+        ["--trace", "TRACE3", "--sched-offsets", "0,2", "--sched-requests", "2"],
+        ["compare_managers", "compare_schedulers"],
+        "--sched-offsets [2] with --sched-requests 2: the trace has 3 requests",
+    ),
 ]
 
 
@@ -113,9 +130,20 @@ def paths(tmp_path: Path) -> dict[str, str]:
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"timestamp": 0, "input_length": 1024, "hash_ids": [1, 2]}\n')
     (tmp_path / "a-file").write_text("")
+    three = tmp_path / "t3.jsonl"
+    three.write_text(
+        "".join(
+            f'{{"timestamp": {i}, "input_length": 1024, "hash_ids": [1, {i + 2}]}}\n'
+            for i in range(3)
+        )
+    )
+    (tmp_path / "prose.jsonl").write_text("# not a trace\n")
+    (tmp_path / "nohash.jsonl").write_text('{"timestamp": 0, "input_length": 10}\n')
     # A folder that is a file: nothing can be written below it, not even by root.
     return {"TRACE": str(trace), "BAD": str(tmp_path / "a-file" / "out.json"),
-            "OUT": str(tmp_path / "out.jsonl")}  # fmt: skip
+            "OUT": str(tmp_path / "out.jsonl"), "TRACE3": str(three),
+            "NOTJSON": str(tmp_path / "prose.jsonl"),
+            "NOHASH": str(tmp_path / "nohash.jsonl")}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -144,6 +172,8 @@ def test_a_bad_argument_is_refused_in_one_line_before_the_run(
     assert "Traceback" not in err
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"{name}.py: error: ") and names in last, err
+    if name == "split_blocks":  # no half-written trace left behind
+        assert not Path(paths["OUT"]).exists()
 
 
 def test_the_json_check_leaves_no_file_and_keeps_an_existing_one(
