@@ -143,6 +143,24 @@ class _Live:
     nbytes: int
 
 
+def check_cuda_options(copy_mode: object, compiled: object, coalesce_depth: object) -> None:
+    """ValueError for a `copy_mode`, `compiled` or `coalesce_depth` the CUDA worker cannot
+    take (the factory checks them on every backend, so a CPU-only run sees them too)."""
+    if copy_mode not in COPY_MODES:
+        raise ValueError(f"copy_mode={copy_mode!r} is unknown; expected one of {COPY_MODES}")
+    if compiled is not None and compiled is not True and compiled is not False:
+        raise ValueError(f"compiled={compiled!r} must be None, True or False")
+    if (
+        isinstance(coalesce_depth, bool)
+        or not isinstance(coalesce_depth, int)
+        or not 0 <= coalesce_depth <= MAX_COALESCE_DEPTH
+    ):
+        raise ValueError(
+            f"coalesce_depth={coalesce_depth!r} is not valid; expected an int from 0 (off) to "
+            f"{MAX_COALESCE_DEPTH}"
+        )
+
+
 class CUDATransferWorker(TransferWorker):
     """Transfer worker for KV tensors on one CUDA device and a pinned host pool.
 
@@ -167,19 +185,7 @@ class CUDATransferWorker(TransferWorker):
         compiled: bool | None = None,
         coalesce_depth: int = 0,
     ) -> None:
-        if copy_mode not in COPY_MODES:
-            raise ValueError(f"copy_mode={copy_mode!r} is unknown; expected one of {COPY_MODES}")
-        if compiled not in (None, True, False):
-            raise ValueError(f"compiled={compiled!r} must be None, True or False")
-        if (
-            isinstance(coalesce_depth, bool)
-            or not isinstance(coalesce_depth, int)
-            or not 0 <= coalesce_depth <= MAX_COALESCE_DEPTH
-        ):
-            raise ValueError(
-                f"coalesce_depth={coalesce_depth!r} is not valid; expected an int from 0 (off) "
-                f"to {MAX_COALESCE_DEPTH}"
-            )
+        check_cuda_options(copy_mode, compiled, coalesce_depth)
         if coalesce_depth and compiled is False:
             raise ValueError("coalesce_depth needs the compiled path (compiled=False turns it off)")
         device = registration.device

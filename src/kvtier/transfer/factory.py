@@ -76,24 +76,9 @@ def _check_options(kwargs: dict[str, Any]) -> None:
         raise ValueError(f"fault_injector={injector!r} must be a callable or None")
     if not kwargs.keys() & {"compiled", "coalesce_depth", "copy_mode"}:
         return
-    # Imported only here: a CPU-only run that passes no CUDA option never loads them.
-    from kvtier.transfer.cuda_engine import MAX_COALESCE_DEPTH
-    from kvtier.transfer.cuda_worker import COPY_MODES
+    # Imported only here: a CPU-only run that passes no CUDA option never loads it.
+    from kvtier.transfer.cuda_worker import check_cuda_options
 
-    mode = kwargs.get("copy_mode", "auto")
-    if mode not in COPY_MODES:
-        raise ValueError(f"copy_mode={mode!r} is unknown; expected one of {COPY_MODES}")
-
-    compiled = kwargs.get("compiled")
-    if compiled is not None and compiled is not True and compiled is not False:
-        raise ValueError(f"compiled={compiled!r} must be None, True or False")
-    depth = kwargs.get("coalesce_depth", 0)
-    if (
-        isinstance(depth, bool)
-        or not isinstance(depth, int)
-        or not 0 <= depth <= MAX_COALESCE_DEPTH
-    ):
-        raise ValueError(
-            f"coalesce_depth={depth!r} is not valid; expected an int from 0 (off) to "
-            f"{MAX_COALESCE_DEPTH}"
-        )
+    check_cuda_options(
+        kwargs.get("copy_mode", "auto"), kwargs.get("compiled"), kwargs.get("coalesce_depth", 0)
+    )
