@@ -489,6 +489,31 @@ class Fuzz:
             done.sending.add(r.rid)
             r.tracked = False
 
+    def fail_unreported(self, who: int | None) -> None:
+        """The workers that lost reports are declared gone: each report they owe is a failure."""
+        st = self.m.get_stats()
+        expect: list[int] = []
+        n_failed = 0
+        for j in self.incomplete():
+            owed = j.lost - j.reported if who is None else j.lost & {who} - j.reported
+            if not owed:
+                continue
+            for w in owed:
+                j.reported.add(w)
+                j.fenced.add(w)
+                j.ok[w] = False
+            if self.done(j):
+                expect.append(j.spec.job_id)
+                self.forget(j)
+                self.on_complete(j)
+                if j.generation == self.generation and not j.load:
+                    n_failed += len(j.keys)
+        assert sorted(self.s.fail_unreported(who)) == sorted(expect)
+        self.sync_events()
+        st2 = self.m.get_stats()
+        assert (st2.stores, st2.failed_stores - st.failed_stores) == (st.stores, n_failed)
+        self.check_state()
+
     # -- the engine's device blocks ----------------------------------------------------------
 
     def device_hit(self, r: Req) -> int:
@@ -903,14 +928,17 @@ class Fuzz:
 
     def check_end(self) -> None:
         """Every request ended and every report that was not lost arrived: nothing is left but
-        what the lost reports hold."""
+        what the lost reports hold, and once those are failed (`fail_unreported`), nothing."""
         lost = [j for j in self.incomplete()]
         assert all(j.lost for j in lost), "a report was never delivered"
         assert not any(j.queued for j in lost)
         self.check_state()
         assert {r.rid for r in self.reqs.values() if r.tracked} == {j.spec.req_id for j in lost}
         if lost:
-            return
+            self.stats["lost reports failed"] += 1
+            for who in range(self.W) if self.named else [None]:
+                self.fail_unreported(who)
+            self.take_finished()
         st = self.m.get_stats()
         assert (st.pinned, st.pending_writes, st.used_slots) == (0, 0, st.ready)
         assert st.ready == len(self.announced)
@@ -980,6 +1008,7 @@ def test_random_engines_never_serve_bad_kv_nor_leak(batch: int) -> None:
         "offer gone at alloc",
         "duplicate refused",
         "lost report",
+        "lost reports failed",
         "load from mid chunk",
         "load of several groups",
         "preempted before its load was sent",

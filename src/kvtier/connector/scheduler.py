@@ -412,14 +412,7 @@ class OffloadingScheduler:
         (without it only more reports than workers can be told apart). A report of a job not
         in flight (not yet sent in a `StepMetadata`, or already completed), or reported too
         often, raises before any report is applied."""
-        if worker is not None and (
-            isinstance(worker, bool)
-            or not isinstance(worker, int)
-            or not 0 <= worker < self.num_workers
-        ):
-            raise ValueError(
-                f"worker={worker!r} is invalid; expected a worker index in [0, {self.num_workers})"
-            )
+        self._check_worker(worker)
         results = list(results)
         seen: dict[int, int] = {}
         for r in results:
@@ -452,6 +445,45 @@ class OffloadingScheduler:
                     else:
                         self.bytes_stored += job.bytes
                 self._complete(self._jobs.pop(r.job_id))
+
+    def fail_unreported(self, worker: int | None = None) -> list[int]:
+        """Count every report still missing from `worker` (every worker if None) as a failure,
+        and return the ids of the jobs that completed.
+
+        For reports that will never come: the worker died or was replaced, or its results were
+        lost between its `get_finished` and `on_worker_results` (an interrupt). Without this,
+        such jobs hold their pins, host slots and request forever. Call it only once no copy of
+        those jobs can still run on that worker (its process is gone, or its transfer worker
+        waited for them and its results were applied): a store's slots become reusable at
+        once. Jobs not yet sent in a `StepMetadata` are left alone; a later report of a job
+        failed here is refused as not in flight. With several workers, naming one needs the
+        reports so far to have named theirs (`on_worker_results(..., worker=i)`)."""
+        self._check_worker(worker)
+        owed: list[tuple[_Job, int]] = []
+        for job in self._jobs.values():
+            if not job.sent:
+                continue
+            if worker is None:
+                owed.append((job, job.reports_left))
+                continue
+            anonymous = self.num_workers - job.reports_left - len(job.reporters)
+            if anonymous and self.num_workers > 1:
+                raise ValueError(
+                    f"job {job.spec.job_id} has reports that named no worker; cannot tell "
+                    f"whether worker {worker} reported it (pass worker= to on_worker_results)"
+                )
+            if worker not in job.reporters and job.reports_left:
+                owed.append((job, 1))
+        done: list[int] = []
+        for job, n in owed:
+            job.reports_left -= n
+            job.success = False
+            if worker is not None:
+                job.reporters.add(worker)
+            if job.reports_left == 0:
+                done.append(job.spec.job_id)
+                self._complete(self._jobs.pop(job.spec.job_id))
+        return done
 
     def take_finished(self) -> FinishedRequests:
         """Requests whose transfers ended since the last call."""
@@ -507,6 +539,16 @@ class OffloadingScheduler:
             del self._requests[spec.req_id]
 
     # -- helpers ------------------------------------------------------------------------------
+
+    def _check_worker(self, worker: int | None) -> None:
+        if worker is not None and (
+            isinstance(worker, bool)
+            or not isinstance(worker, int)
+            or not 0 <= worker < self.num_workers
+        ):
+            raise ValueError(
+                f"worker={worker!r} is invalid; expected a worker index in [0, {self.num_workers})"
+            )
 
     def _get(self, req_id: str) -> _Request:
         req = self._requests.get(req_id)
