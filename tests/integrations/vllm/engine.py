@@ -154,6 +154,24 @@ def token_value(tokens: list[int], position: int, layer: int) -> float:
     return float(h + layer * 7)
 
 
+def make_request(req_id: str, prompt: list[int], max_tokens: int, **kwargs: Any) -> Any:
+    """A vLLM `Request` sampling `max_tokens` tokens (EOS ignored), hashed as the engine does."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    return Request(
+        req_id,
+        prompt,
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        None,
+        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+        **kwargs,
+    )
+
+
 @dataclass
 class Engine:
     """The real vLLM Scheduler plus a CPU worker loop around a worker-side connector."""
@@ -170,20 +188,7 @@ class Engine:
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 4) -> Any:
         """Add a request with greedy sampling of `max_tokens` tokens."""
-        from vllm.sampling_params import SamplingParams
-        from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-        from vllm.v1.request import Request
-
-        init_none_hash(sha256)
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        request = Request(
-            req_id,
-            prompt,
-            params,
-            None,
-            block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
-        )
+        request = make_request(req_id, prompt, max_tokens)
         self.scheduler.add_request(request)
         return request
 

@@ -20,7 +20,7 @@ if importlib.util.find_spec("vllm") is None:
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import engine as stand_in
-from engine import BLOCK_SIZE, make_vllm_config, token_value
+from engine import BLOCK_SIZE, make_request, make_vllm_config, token_value
 from test_vllm import MODULE, vllm_loaded
 
 __all__ = ["vllm_loaded"]  # the module-scoped fixture, shared with test_vllm
@@ -53,19 +53,7 @@ class PipelineEngine:
     finished: set[str] = field(default_factory=set)
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 2) -> Any:
-        from vllm.sampling_params import SamplingParams
-        from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-        from vllm.v1.request import Request
-
-        init_none_hash(sha256)
-        request = Request(
-            req_id,
-            prompt,
-            SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-            None,
-            block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
-        )
+        request = make_request(req_id, prompt, max_tokens)
         self.scheduler.add_request(request)
         return request
 

@@ -15,7 +15,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install 'kvtier[vllm]')", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine import BLOCK_SIZE, Engine, make_engine
+from engine import BLOCK_SIZE, Engine, make_engine, make_request
 from test_vllm import (
     EXTRA,
     assert_no_leaks,
@@ -44,20 +44,8 @@ def add_input(
     """Send one input chunk of a streaming session, as vLLM's `AsyncLLM` does: the first
     chunk opens the session, later ones (same request id) extend its prompt, and a
     non-resumable request with the same id closes it."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-    request = Request(
-        req_id,
-        list(tokens),  # vLLM extends the first chunk's list in place as the session grows
-        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-        None,
-        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
-        resumable=resumable,
-    )
+    # vLLM extends the first chunk's list in place as the session grows
+    request = make_request(req_id, list(tokens), max_tokens, resumable=resumable)
     engine.scheduler.add_request(request)
     return request
 

@@ -84,11 +84,17 @@ def resolve_setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Vl
             else [spec]
         )
         for layer_spec in specs:
-            if not isinstance(layer_spec, FullAttentionSpec) or layer_spec.sliding_window:
+            # A FullAttentionSpec with `sliding_window` or `attention_chunk_size` is a local
+            # attention layer that vLLM allocates as full attention (hybrid manager off, or
+            # page sizes it cannot unify): every token's KV stays in its blocks, and vLLM's
+            # own prefix cache serves those blocks by hash, so kvtier can too.
+            if not isinstance(layer_spec, FullAttentionSpec):
                 raise ConfigError(
                     f"KV-cache group {index} uses {type(layer_spec).__name__}; kvtier offloads "
-                    "full-attention groups only (hybrid models whose groups are all full "
-                    "attention are supported; sliding-window and Mamba layers are not yet)"
+                    "groups whose KV vLLM keeps for every token (FullAttentionSpec and its "
+                    "subclasses, including sliding-window layers vLLM allocates as full "
+                    "attention); sliding-window groups that drop old blocks and Mamba "
+                    "layers are not supported yet"
                 )
             if layer_spec.non_causal:
                 # Prefix-LM layers attend both ways over the prompt: a block's KV depends on

@@ -1,0 +1,130 @@
+"""KVTierConnector on a model whose sliding-window layers vLLM allocates as full attention.
+
+With the hybrid KV-cache manager off (or page sizes it cannot unify), vLLM's planner promotes
+sliding-window layers to one `FullAttentionSpec` group that carries `sliding_window`: every
+token's KV stays in its blocks and vLLM's prefix cache serves them by hash. kvtier must offload
+that group as full attention, not refuse it at start-up."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (pip install 'kvtier[vllm]')", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine import (
+    BLOCK_SIZE,
+    HEAD_SIZE,
+    NUM_KV_HEADS,
+    NUM_LAYERS,
+    Engine,
+    make_kv_caches,
+    make_vllm_config,
+    token_value,
+)
+
+PROMPT = list(range(1, 70))  # 4 full 16-token blocks
+
+
+@pytest.fixture(scope="module")
+def vllm_loaded() -> Iterator[None]:
+    import vllm.v1.core.sched.scheduler  # noqa: F401
+
+    import kvtier.integrations.vllm  # noqa: F401
+
+    yield
+
+
+def _promoted_engine(num_blocks: int = 64) -> Engine:
+    """The real Scheduler and a worker-side connector on the KV-cache config vLLM's own
+    planner builds for one full and one 32-token sliding-window layer, hybrid manager off."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheTensor,
+        SlidingWindowSpec,
+    )
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    vllm_config = make_vllm_config(
+        "KVTierConnector", {"cpu_bytes_to_use": "8MiB"}, num_blocks, "kvtier.integrations.vllm"
+    )
+    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = True
+    shape: dict[str, Any] = {
+        "block_size": BLOCK_SIZE,
+        "num_kv_heads": NUM_KV_HEADS,
+        "head_size": HEAD_SIZE,
+        "dtype": torch.float32,
+    }
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+    specs: dict[str, Any] = {
+        names[0]: FullAttentionSpec(**shape),
+        names[1]: SlidingWindowSpec(**shape, sliding_window=32),
+    }
+    groups = get_kv_cache_groups(vllm_config, specs)
+    assert len(groups) == 1
+    spec = groups[0].kv_cache_spec
+    assert type(spec) is FullAttentionSpec and spec.sliding_window == 32  # vLLM's promotion
+    page = spec.page_size_bytes
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(size=page * num_blocks, layers=[n], layer_stride=0, block_stride=page)
+            for n in names
+        ],
+        kv_cache_groups=groups,
+    )
+    scheduler = Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK_SIZE,
+        log_stats=True,
+    )
+    worker = KVConnectorFactory.create_connector(
+        config=vllm_config, role=KVConnectorRole.WORKER, kv_cache_config=kv_cache_config
+    )
+    kv_caches = make_kv_caches(kv_cache_config)
+    worker.register_kv_caches(kv_caches)
+    return Engine(scheduler, worker, kv_caches, dict.fromkeys(names, 0))
+
+
+def test_sliding_window_layers_vllm_allocates_as_full_attention_are_offloaded(
+    vllm_loaded: None,
+) -> None:
+    engine = _promoted_engine()
+    engine.add("a", PROMPT)
+    engine.run_until(["a"])
+    side = engine.scheduler.connector.scheduler_side
+    assert side.manager.get_stats().stores == 4
+    assert engine.scheduler.reset_prefix_cache()
+    for t in engine.kv_caches.values():
+        t.zero_()  # only a load from kvtier can bring the bytes back
+
+    tokens = [*PROMPT, 900, 901]
+    b = engine.add("b", tokens)
+    engine.step()
+    assert b.status.name == "WAITING_FOR_REMOTE_KVS"
+    assert b.num_computed_tokens == 4 * BLOCK_SIZE
+    engine.step()  # the load completes and b is scheduled
+    table = engine.scheduler.kv_cache_manager.get_block_ids("b")
+    for name, t in engine.kv_caches.items():
+        layer = int(name.split(".")[2])
+        for p in range(4 * BLOCK_SIZE):
+            got = t[table[0][p // BLOCK_SIZE], :, p % BLOCK_SIZE, :]
+            assert bool((got == token_value(tokens, p, layer)).all()), (name, p)
+    engine.run_until(["a", "b"])
+    assert side.scheduler.num_jobs_in_flight() == 0
+    assert side.manager.get_stats().pinned == 0
