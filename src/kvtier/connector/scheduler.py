@@ -91,6 +91,10 @@ class OffloadingScheduler:
     `tokens_per_block` is the engine's block size; a chunk is `blocks_per_chunk` blocks.
     `groups` are the KV-cache groups offloaded (a chunk hits only if every group hits).
     `num_workers` workers must report a job before it completes.
+    `proof_chunks` serves EAGLE/MTP drafter groups, whose KV at a position depends on the
+    tokens after it: a chunk is loaded only if the next `proof_chunks` chunks of the request
+    hit too (so those tokens match the request that stored it), and a decoding request's last
+    `proof_chunks` computed chunks are not stored (a rejected draft may still rewrite them).
     """
 
     def __init__(
@@ -102,14 +106,17 @@ class OffloadingScheduler:
         groups: Sequence[int] = (0,),
         num_workers: int = 1,
         offload_prompt_only: bool = False,
+        proof_chunks: int = 0,
     ) -> None:
-        for name, value in (
-            ("tokens_per_block", tokens_per_block),
-            ("blocks_per_chunk", blocks_per_chunk),
-            ("num_workers", num_workers),
+        for name, value, least in (
+            ("tokens_per_block", tokens_per_block, 1),
+            ("blocks_per_chunk", blocks_per_chunk, 1),
+            ("num_workers", num_workers, 1),
+            ("proof_chunks", proof_chunks, 0),
         ):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} is invalid; expected a positive integer")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                expected = "a positive integer" if least else "an integer >= 0"
+                raise ValueError(f"{name}={value!r} is invalid; expected {expected}")
         if not groups or len(set(groups)) != len(groups):
             raise ValueError(f"groups={list(groups)!r} is invalid; expected distinct group ids")
         self.manager = manager
@@ -119,6 +126,7 @@ class OffloadingScheduler:
         self.groups = tuple(groups)
         self.num_workers = num_workers
         self.offload_prompt_only = offload_prompt_only
+        self.proof_chunks = proof_chunks
         self._requests: dict[str, _Request] = {}
         self._jobs: dict[int, _Job] = {}
         self._next_job_id = 0
@@ -223,7 +231,8 @@ class OffloadingScheduler:
         last_chunk = min(self._num_chunks(req), (req.num_prompt_tokens - 1) // tpc)
         end_chunk = first_chunk
         lookup = self.manager.lookup
-        for c in range(first_chunk, last_chunk):
+        proof = self.proof_chunks
+        for c in range(first_chunk, min(last_chunk + proof, self._num_chunks(req))):
             for g in range(len(self.groups)):
                 result = lookup(self._key(req, g, c), req.ctx)
                 if result is LookupResult.HIT:
@@ -235,6 +244,8 @@ class OffloadingScheduler:
                 end_chunk = c + 1
                 continue
             break
+        if proof:
+            end_chunk = max(first_chunk, min(end_chunk - proof, last_chunk))
         num_tokens = end_chunk * tpc - num_computed_tokens
         if num_tokens <= 0:
             return 0
@@ -323,7 +334,10 @@ class OffloadingScheduler:
             computed = p.num_computed_tokens
             if self.offload_prompt_only:
                 computed = min(computed, req.num_prompt_tokens)
-            end_chunk = min(computed // tpc, self._num_chunks(req))
+            end_chunk = computed // tpc
+            if self.proof_chunks and computed > req.num_prompt_tokens:
+                end_chunk -= self.proof_chunks  # a decoding drafter's tail is not final yet
+            end_chunk = min(end_chunk, self._num_chunks(req))
             if end_chunk > req.next_store_chunk:
                 # Every block table is checked before any store is planned: a bad entry
                 # raises with no slot reserved for the entries before it either.

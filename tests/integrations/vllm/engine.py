@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -283,10 +283,12 @@ def make_engine(
     kv_events_config: Any | None = None,
     tensor_parallel_size: int = 1,
     kv_cache_config: Any | None = None,
+    configure: Callable[[Any], None] | None = None,
 ) -> Engine:
     """Build the scheduler (which builds the scheduler-side connector) and a worker-side
     connector with registered CPU KV tensors; `kv_cache_config` replaces the
-    `num_groups` full-attention groups that are built by default."""
+    `num_groups` full-attention groups that are built by default, and `configure` may
+    change the `VllmConfig` before either half is built."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -302,6 +304,8 @@ def make_engine(
         kv_events_config,
         tensor_parallel_size,
     )
+    if configure is not None:
+        configure(vllm_config)
     if kv_cache_config is None:
         kv_cache_config = make_kv_cache_config(num_gpu_blocks, num_groups)
     scheduler = Scheduler(

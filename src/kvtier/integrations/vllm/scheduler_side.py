@@ -78,6 +78,7 @@ class KVTierSchedulerSide:
             # RSWA frees a turn's output blocks behind the window, and the next input makes
             # them prompt with their KV gone (vLLM's null block in the block table).
             offload_prompt_only=cfg.offload_prompt_only and setup.rswa,
+            proof_chunks=setup.proof_chunks,
         )
         self._live_prompt_only = cfg.offload_prompt_only and not setup.rswa
         self._requests: dict[str, Request] = {}

@@ -42,7 +42,9 @@ class VllmSetup:
     host slots of `blocks_per_chunk` device blocks each, `num_workers` the workers that must
     report every job, `events` whether KV events go to vLLM's publisher, `rswa` whether a
     group is vLLM's `RSWASpec`, whose manager frees a running request's blocks of generated
-    tokens once they fall out of its window.
+    tokens once they fall out of its window, `proof_chunks` the chunks after a loaded one that
+    must hit too (1 where a group holds EAGLE/MTP drafter layers, whose KV at a position
+    depends on the next token; `OffloadingScheduler`).
     """
 
     config: KVTierConfig
@@ -55,6 +57,7 @@ class VllmSetup:
     num_device_blocks: int
     events: bool = False
     rswa: bool = False
+    proof_chunks: int = 0
 
     @property
     def slot_bytes(self) -> int:
@@ -184,7 +187,20 @@ def resolve_setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Vl
         num_device_blocks=int(kv_cache_config.num_blocks),
         events=events,
         rswa=rswa,
+        proof_chunks=_proof_chunks(vllm_config, kv_cache_config),
     )
+
+
+def _proof_chunks(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
+    """1 where vLLM drops a prefix hit's last block for drafter groups (EAGLE, EAGLE3, MTP: a
+    position's draft KV is built from the token after it), so kvtier drops a load's last chunk
+    unless the chunk after it hits too; else 0. As vLLM's own offloading connector does, no
+    group flagged as a drafter's (a drafter that shares the target's KV) means nothing to
+    protect: the target model verifies every draft, and a hit is not given up for it."""
+    spec = vllm_config.speculative_config
+    if spec is None or not spec.use_eagle_block_drop():
+        return 0
+    return int(any(g.is_eagle_group for g in kv_cache_config.kv_cache_groups))
 
 
 def _resolve_events(vllm_config: VllmConfig, config: KVTierConfig, explicit: bool) -> bool:
