@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,43 +24,33 @@ from engine import (
     NUM_KV_HEADS,
     NUM_LAYERS,
     Engine,
-    make_kv_caches,
+    make_engine,
     make_vllm_config,
     token_value,
 )
+from test_vllm import EXTRA, MODULE, PROMPT, vllm_loaded
 
-PROMPT = list(range(1, 70))  # 4 full 16-token blocks
+__all__ = ["vllm_loaded"]  # the module-scoped fixture, shared with test_vllm
 
 
-@pytest.fixture(scope="module")
-def vllm_loaded() -> Iterator[None]:
-    import vllm.v1.core.sched.scheduler  # noqa: F401
-
-    import kvtier.integrations.vllm  # noqa: F401
-
-    yield
+def hybrid_manager_off(vllm_config: Any) -> None:
+    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = True
 
 
 def _promoted_engine(num_blocks: int = 64) -> Engine:
     """The real Scheduler and a worker-side connector on the KV-cache config vLLM's own
     planner builds for one full and one 32-token sliding-window layer, hybrid manager off."""
     import torch
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
-    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheTensor,
         SlidingWindowSpec,
     )
-    from vllm.v1.structured_output import StructuredOutputManager
 
-    vllm_config = make_vllm_config(
-        "KVTierConnector", {"cpu_bytes_to_use": "8MiB"}, num_blocks, "kvtier.integrations.vllm"
-    )
-    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = True
+    vllm_config = make_vllm_config("KVTierConnector", EXTRA, num_blocks, MODULE)
+    hybrid_manager_off(vllm_config)
     shape: dict[str, Any] = {
         "block_size": BLOCK_SIZE,
         "num_kv_heads": NUM_KV_HEADS,
@@ -86,19 +75,13 @@ def _promoted_engine(num_blocks: int = 64) -> Engine:
         ],
         kv_cache_groups=groups,
     )
-    scheduler = Scheduler(
-        vllm_config=vllm_config,
+    return make_engine(
+        "KVTierConnector",
+        EXTRA,
+        num_gpu_blocks=num_blocks,
         kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=BLOCK_SIZE,
-        log_stats=True,
+        configure=hybrid_manager_off,
     )
-    worker = KVConnectorFactory.create_connector(
-        config=vllm_config, role=KVConnectorRole.WORKER, kv_cache_config=kv_cache_config
-    )
-    kv_caches = make_kv_caches(kv_cache_config)
-    worker.register_kv_caches(kv_caches)
-    return Engine(scheduler, worker, kv_caches, dict.fromkeys(names, 0))
 
 
 def test_sliding_window_layers_vllm_allocates_as_full_attention_are_offloaded(
