@@ -79,4 +79,5 @@ class _Job:
     sent: bool = False
     success: bool = True
     bytes: int = 0  # moved by the workers that reported success so far
+    seconds: float = 0.0  # their copy time, summed
     reporters: set[int] = field(default_factory=set)  # workers that named themselves

@@ -137,6 +137,15 @@ class OffloadingScheduler:
         """Bytes moved by successful load jobs, summed over workers."""
         self.bytes_stored = 0
         """Bytes moved by successful store jobs, summed over workers."""
+        self.load_seconds = 0.0
+        """Copy time of successful load jobs as the workers report it, summed over workers."""
+        self.store_seconds = 0.0
+        """Copy time of successful store jobs as the workers report it, summed over workers."""
+        self.load_jobs_failed = 0
+        """Load jobs that failed on any worker, and loads (one per group) gone before they
+        could be planned."""
+        self.store_jobs_failed = 0
+        """Store jobs that failed on any worker."""
         self._wait_for: list[int] = []
         self._finished = FinishedRequests()
 
@@ -300,6 +309,7 @@ class OffloadingScheduler:
                     self.manager.complete_load(g_keys, req.ctx)
                 slots = []
         if not slots:
+            self.load_jobs_failed += len(self.groups)
             req.load_failed = True
             self._finished.recving.add(req_id)
             self._finished.failed_loads.add(req_id)
@@ -450,14 +460,17 @@ class OffloadingScheduler:
             job.success = job.success and r.success
             if r.success:
                 job.bytes += r.bytes
+                job.seconds += r.seconds
             if job.reports_left == 0:
                 # Counted once the job is done: a job that failed on one worker is not a
                 # successful job, whatever the other workers moved.
                 if job.success:
                     if job.spec.kind is JobKind.LOAD:
                         self.bytes_loaded += job.bytes
+                        self.load_seconds += job.seconds
                     else:
                         self.bytes_stored += job.bytes
+                        self.store_seconds += job.seconds
                 self._complete(self._jobs.pop(r.job_id))
 
     def fail_unreported(self, worker: int | None = None) -> list[int]:
@@ -527,6 +540,10 @@ class OffloadingScheduler:
             if self._jobs_before_reset == 0:
                 self.manager.on_reset_flushed()
         if not job.success:
+            if spec.kind is JobKind.LOAD:
+                self.load_jobs_failed += 1
+            else:
+                self.store_jobs_failed += 1
             logger.warning(
                 "kvtier: %s job %d of request %s failed",
                 spec.kind.value,

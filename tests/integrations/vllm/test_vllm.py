@@ -476,14 +476,14 @@ def test_each_worker_reports_a_job_once(vllm_loaded: None) -> None:
     engine.add("a", PROMPT)
     so = engine.scheduler.schedule()
     (job,) = so.kv_connector_metadata.step.stores
-    twice = KVTierWorkerMetadata([(job.job_id, True, 0), (job.job_id, True, 0)])
+    twice = KVTierWorkerMetadata([(job.job_id, True, 0, 0, 0.0), (job.job_id, True, 0, 0, 0.0)])
     with pytest.raises(ValueError, match=f"job {job.job_id} was already reported by worker 0"):
         _feed(engine, so, twice, set())
     assert side.scheduler.job_ids_in_flight() == [job.job_id]
     assert side.manager.get_stats().pending_writes == 4
 
-    both = KVTierWorkerMetadata([(job.job_id, True, 0)]).aggregate(
-        KVTierWorkerMetadata([(job.job_id, True, 1)])
+    both = KVTierWorkerMetadata([(job.job_id, True, 0, 0, 0.0)]).aggregate(
+        KVTierWorkerMetadata([(job.job_id, True, 1, 0, 0.0)])
     )
     _feed(engine, so, both, set())
     assert side.scheduler.num_jobs_in_flight() == 0
@@ -500,7 +500,7 @@ def test_a_refused_report_leaves_both_halves_agreeing(vllm_loaded: None) -> None
     engine = make_engine("KVTierConnector", EXTRA, with_worker=False, tensor_parallel_size=2)
     side = kvtier_side(engine)
 
-    def step(report: Callable[[Any], list[tuple[int, bool, int]]]) -> Any:
+    def step(report: Callable[[Any], list[tuple[int, bool, int, int, float]]]) -> Any:
         so = engine.scheduler.schedule()
         meta = so.kv_connector_metadata
         req_ids = list(so.num_scheduled_tokens)
@@ -518,8 +518,8 @@ def test_a_refused_report_leaves_both_halves_agreeing(vllm_loaded: None) -> None
             engine.finished.update(o.request_id for o in eo.outputs if o.finish_reason)
         return meta.step
 
-    def every_job_once_per_worker(s: Any) -> list[tuple[int, bool, int]]:
-        return [(j.job_id, True, w) for j in (*s.loads, *s.stores) for w in (0, 1)]
+    def every_job_once_per_worker(s: Any) -> list[tuple[int, bool, int, int, float]]:
+        return [(j.job_id, True, w, 0, 0.0) for j in (*s.loads, *s.stores) for w in (0, 1)]
 
     engine.add("a", PROMPT, max_tokens=1)
     while "a" not in engine.finished or engine.scheduler.has_requests():
@@ -533,12 +533,16 @@ def test_a_refused_report_leaves_both_halves_agreeing(vllm_loaded: None) -> None
     assert side._loads[load.job_id] == ["b", 2]
 
     # Worker 0 reports the load; worker 1 reports it twice and is refused.
-    bad = KVTierWorkerMetadata([(load.job_id, True, 0), *[(load.job_id, True, 1)] * 2])
+    bad = KVTierWorkerMetadata(
+        [(load.job_id, True, 0, 0, 0.0), *[(load.job_id, True, 1, 0, 0.0)] * 2]
+    )
     with pytest.raises(ValueError, match="already reported by worker 1"):
         side.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=bad))
     assert side._loads[load.job_id] == ["b", 1]  # worker 0's report, counted by both halves
     side.update_connector_output(
-        KVConnectorOutput(kv_connector_worker_meta=KVTierWorkerMetadata([(load.job_id, True, 1)]))
+        KVConnectorOutput(
+            kv_connector_worker_meta=KVTierWorkerMetadata([(load.job_id, True, 1, 0, 0.0)])
+        )
     )
     assert not side._loads and not side._loading
     assert side.scheduler.num_jobs_in_flight() == 0
@@ -558,9 +562,9 @@ def test_worker_reports_carry_its_rank_within_the_engine(vllm_loaded: None) -> N
     )
     assert isinstance(worker, KVTierConnector) and worker.worker_side is not None
     assert worker.worker_side.rank == 1
-    worker.worker_side._results.append((5, True, worker.worker_side.rank))
+    worker.worker_side._results.append((5, True, worker.worker_side.rank, 0, 0.0))
     meta = worker.build_connector_worker_meta()
-    assert meta is not None and meta.results == [(5, True, 1)]
+    assert meta is not None and meta.results == [(5, True, 1, 0, 0.0)]
 
 
 def test_overrides_and_type_imports_match_the_pinned_vllm(vllm_loaded: None) -> None:

@@ -25,6 +25,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.scheduler_side import KVTierSchedulerSide
 from kvtier.integrations.vllm.setup import resolve_setup
+from kvtier.integrations.vllm.stats import KVTierConnectorStats, KVTierPromMetrics
 from kvtier.integrations.vllm.worker_side import KVTierWorkerSide
 
 if TYPE_CHECKING:
@@ -32,6 +33,12 @@ if TYPE_CHECKING:
 
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -213,6 +220,30 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def has_pending_block_frees(self) -> bool:
         """Stores in flight will hand blocks back, so vLLM may wait instead of preempting."""
         return self.scheduler_side is not None and self.scheduler_side.has_held()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Scheduler side: kvtier's counters since the last call (bytes and copy time of
+        finished jobs, tokens loaded, failures, lookups, stores, evictions); the workers
+        report theirs through their job reports, so they return None."""
+        if self.scheduler_side is None:
+            return None
+        return self.scheduler_side.get_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        """Rebuild the stats from the dict vLLM ships to its loggers."""
+        return KVTierConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        """Prometheus counters `vllm:kvtier_<counter>_total` (`stats.COUNTERS`)."""
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def reset_cache(self) -> bool | None:
         """Empty kvtier's host tier (transfers in flight finish harmlessly)."""

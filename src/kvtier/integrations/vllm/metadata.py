@@ -25,10 +25,11 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker(s) -> scheduler: finished jobs as `(job_id, success, worker rank)`, one entry
-    per worker; the rank lets the scheduler refuse a worker that reports a job twice."""
+    """Worker(s) -> scheduler: finished jobs as `(job_id, success, worker rank, bytes,
+    seconds)`, one entry per worker; the rank lets the scheduler refuse a worker that reports
+    a job twice, and the bytes and copy time feed the connector stats."""
 
-    results: list[tuple[int, bool, int]] = field(default_factory=list)
+    results: list[tuple[int, bool, int, int, float]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Concatenate two workers' reports; the scheduler counts one report per worker."""

@@ -17,6 +17,7 @@ from kvtier.cpu import CPUOffloadingManager
 from kvtier.integrations.vllm.events import to_vllm_events
 from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.setup import VllmSetup
+from kvtier.integrations.vllm.stats import KVTierConnectorStats, Snapshot
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
@@ -94,6 +95,8 @@ class KVTierSchedulerSide:
         # Preemptions (vLLM's `Request.num_preemptions`) already handed to the scheduler, for
         # requests preempted at least once.
         self._preemptions: dict[str, int] = {}
+        self._loaded_tokens = 0  # offered and accepted by vLLM, for the connector stats
+        self._stats_mark = self._snapshot()
         logger.info(
             "kvtier: scheduler side ready: %d host slots of %d blocks x %d tokens "
             "(%.2f GiB), cache policy %s, %d KV-cache group(s), %d worker(s), KV events %s",
@@ -106,6 +109,16 @@ class KVTierSchedulerSide:
             setup.num_workers,
             "on" if setup.events else "off",
         )
+
+    def _snapshot(self) -> Snapshot:
+        return Snapshot.take(self.scheduler, self.manager.get_stats(), self._loaded_tokens)
+
+    def get_stats(self) -> KVTierConnectorStats | None:
+        """The counters' growth since the last call (None if nothing moved), for vLLM's
+        connector metrics."""
+        now = self._snapshot()
+        stats, self._stats_mark = now.since(self._stats_mark), now
+        return stats
 
     def bind_block_ids(self, get_block_ids: Callable[[str], tuple[list[int], ...]]) -> None:
         """Where to read a request's block table (vLLM's `KVCacheManager.get_block_ids`)."""
@@ -151,6 +164,7 @@ class KVTierSchedulerSide:
         self.scheduler.update_state_after_alloc(
             request.request_id, blocks.get_block_ids(), num_external_tokens
         )
+        self._loaded_tokens += num_external_tokens
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierConnectorMetadata:
         """Turn one scheduler step into kvtier's step metadata."""
@@ -190,8 +204,8 @@ class KVTierSchedulerSide:
         if not isinstance(meta, KVTierWorkerMetadata) or not meta.results:
             return
         by_worker: dict[int, list[TransferResult]] = {}
-        for job_id, ok, rank in meta.results:
-            by_worker.setdefault(rank, []).append(TransferResult(job_id, ok))
+        for job_id, ok, rank, nbytes, seconds in meta.results:
+            by_worker.setdefault(rank, []).append(TransferResult(job_id, ok, nbytes, seconds))
         # One worker's reports at a time, each applied whole with its bookkeeping here, so a
         # report refused (a worker's bug) leaves both halves agreeing on what is in flight.
         for rank, results in by_worker.items():

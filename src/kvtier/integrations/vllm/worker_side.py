@@ -80,7 +80,7 @@ class KVTierWorkerSide:
         self._loads_in_flight: dict[str, int] = {}
         self._failed: set[str] = set()
         self._held: set[str] = set()
-        self._results: list[tuple[int, bool, int]] = []
+        self._results: list[tuple[int, bool, int, int, float]] = []
         self._load_errors: set[int] = set()
         self._registration: KVCacheRegistration | None = None
         # KV-cache groups with layers on this worker, and results of jobs of the others.
@@ -251,7 +251,7 @@ class KVTierWorkerSide:
                 finished = self._done_here + finished
                 self._done_here = []
             for r in finished:
-                self._results.append((r.job_id, r.success, self.rank))
+                self._results.append((r.job_id, r.success, self.rank, r.bytes, r.seconds))
                 req_id, is_load, blocks = self._jobs.pop(r.job_id)
                 left = self._in_flight[req_id] - 1
                 if left:
