@@ -19,7 +19,7 @@ from kvtier.transfer.host_pool import HostPool
 from kvtier.transfer.native import row_copier
 from kvtier.transfer.plan import Job
 from kvtier.transfer.registration import KVCacheRegistration
-from kvtier.transfer.worker import FaultInjector, TransferWorker, shutdown_at_exit
+from kvtier.transfer.worker import FaultInjector, TransferWorker, job_ids_of, shutdown_at_exit
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,8 @@ class _JobQueue:
         self.in_flight: set[int] = set()
         self.results: list[TransferResult] = []
         self.stopping = False
+        self.stopped = threading.Event()
+        """Set once the thread has ended and the queued jobs are reported failed."""
         self.thread = threading.Thread(
             target=_serve, args=(worker, self), name="kvtier-transfer", daemon=True
         )
@@ -76,6 +78,7 @@ class _JobQueue:
             self.urgent.clear()
             self.queue.clear()
             self.done_cv.notify_all()
+        self.stopped.set()
 
 
 def _serve(ref: weakref.ReferenceType[CPUTransferWorker], jobs: _JobQueue) -> None:
@@ -175,7 +178,7 @@ class CPUTransferWorker(TransferWorker):
 
     def wait(self, job_ids: Iterable[int]) -> None:
         """Block until every job in `job_ids` has finished (ids not in flight are ignored)."""
-        ids = set(job_ids)
+        ids = set(job_ids_of(job_ids))
         if threading.current_thread() is self._thread:
             raise RuntimeError("wait() called from the transfer thread would deadlock")
         jobs = self._jobs
@@ -190,12 +193,16 @@ class CPUTransferWorker(TransferWorker):
         the running one, so that results stay in submission order)."""
         atexit.unregister(self._at_exit)
         with self._lock:
-            if self._closed:
-                return
+            first = not self._closed
             self._closed = True
             self._jobs.stopping = True  # no job starts from here on
             self._jobs.cv.notify_all()
-        self._finalizer()
+        if first:
+            self._finalizer()
+        elif threading.current_thread() is not self._thread:
+            # Another thread's call is stopping it: return, as it will, once every job is
+            # reported (the copy thread itself cannot wait for its own end).
+            self._jobs.stopped.wait()
 
     def _run(self, job: Job) -> bool:
         try:

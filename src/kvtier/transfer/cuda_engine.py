@@ -204,4 +204,5 @@ class CUDAEngine:
 
     def sync(self) -> None:
         """Block until every queued copy has finished."""
-        self._lib.kvt_cuda_sync(self.handle)
+        if self._finalizer.alive:  # freed at exit (`_close` synced it): nothing is queued
+            self._lib.kvt_cuda_sync(self.handle)

@@ -27,7 +27,13 @@ from kvtier.transfer.host_pool import HostPool
 from kvtier.transfer.native import EXT_REFUSED, EXT_STOPPED, submit_extension
 from kvtier.transfer.plan import Direction, IdsLike, Job
 from kvtier.transfer.registration import KVCacheRegistration
-from kvtier.transfer.worker import FaultInjector, IdStaging, SubmitCall, TransferWorker
+from kvtier.transfer.worker import (
+    FaultInjector,
+    IdStaging,
+    SubmitCall,
+    TransferWorker,
+    job_ids_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -482,6 +488,7 @@ class CUDATransferWorker(TransferWorker):
 
     def wait(self, job_ids: Iterable[int]) -> None:
         """Block until every job in `job_ids` has finished (ids not in flight are ignored)."""
+        job_ids = job_ids_of(job_ids)
         if self._engine is not None:
             last = [0] * len(LANES)
             with self._lock:
@@ -503,9 +510,9 @@ class CUDATransferWorker(TransferWorker):
     def shutdown(self) -> None:
         """Wait for every launched copy (CUDA work cannot be cancelled) and refuse new jobs."""
         with self._lock:
-            if self._closed:
-                return
             self._closed = True
+        # Every call waits, not only the first: a second one (another thread's) returned while
+        # the first still waited for the launched copies, with jobs neither done nor reported.
         if self._engine is not None:
             self._engine.sync()
         for stream in self._streams:

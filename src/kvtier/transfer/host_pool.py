@@ -17,6 +17,7 @@ import weakref
 
 import torch
 
+from kvtier.base import checked_int
 from kvtier.transfer.registration import KVCacheRegistration
 
 logger = logging.getLogger(__name__)
@@ -47,15 +48,14 @@ class HostPool:
             raise TypeError(
                 f"registration must be a KVCacheRegistration, got {type(registration).__name__}"
             )
-        _check_positive_int("blocks_per_chunk", blocks_per_chunk)
+        blocks_per_chunk = _positive_int("blocks_per_chunk", blocks_per_chunk)
         if (num_slots is None) == (byte_budget is None):
             raise ValueError(
                 f"give exactly one of num_slots={num_slots!r} and byte_budget={byte_budget!r}"
             )
         if byte_budget is not None:
             num_slots = self.slots_for_budget(registration, blocks_per_chunk, byte_budget)
-        assert num_slots is not None
-        _check_positive_int("num_slots", num_slots)
+        num_slots = _positive_int("num_slots", num_slots)
         self.registration = registration
         self.blocks_per_chunk = blocks_per_chunk
         self.row_bytes = registration.max_page_bytes
@@ -98,8 +98,8 @@ class HostPool:
         registration: KVCacheRegistration, blocks_per_chunk: int, byte_budget: int
     ) -> int:
         """Number of slots that fit in `byte_budget` bytes (exact, no rounding up)."""
-        _check_positive_int("blocks_per_chunk", blocks_per_chunk)
-        _check_positive_int("byte_budget", byte_budget)
+        blocks_per_chunk = _positive_int("blocks_per_chunk", blocks_per_chunk)
+        byte_budget = _positive_int("byte_budget", byte_budget)
         slot_bytes = blocks_per_chunk * registration.max_page_bytes
         if byte_budget < slot_bytes:
             raise ValueError(
@@ -175,6 +175,9 @@ def _clear_cuda_error() -> None:
             continue
 
 
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive int")
+def _positive_int(name: str, value: object) -> int:
+    """`value` as a positive int; numpy's and 0-d integer tensors too, as everywhere else."""
+    try:
+        return checked_int(name, value, 1)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} must be a positive int") from None

@@ -17,6 +17,7 @@ contract, and the same tests run against both.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import logging
 import os
@@ -50,6 +51,8 @@ from kvtier.transfer.worker import (
     IdStaging,
     SubmitCall,
     TransferWorker,
+    as_int,
+    job_ids_of,
     shutdown_at_exit,
 )
 
@@ -245,14 +248,19 @@ class NativeCPUTransferWorker(TransferWorker):
             copy_threads = min(max(1, torch.get_num_threads()), MAX_DEFAULT_COPY_THREADS)
             if cpus:
                 copy_threads = min(copy_threads, len(cpus))
+        threads = copy_threads
+        if type(threads) is not int:
+            with contextlib.suppress(ValueError):  # refused below, with the range
+                threads = as_int("copy_threads", threads)  # numpy's too
         if (
-            isinstance(copy_threads, bool)
-            or not isinstance(copy_threads, int)
-            or not 1 <= copy_threads <= MAX_COPY_THREADS
+            isinstance(threads, bool)
+            or not isinstance(threads, int)
+            or not 1 <= threads <= MAX_COPY_THREADS
         ):
             raise ValueError(
                 f"copy_threads={copy_threads!r} must be an int from 1 to {MAX_COPY_THREADS}"
             )
+        copy_threads = threads
         CPUTransferWorker._check_device(registration)
         super().__init__(registration, pool, fault_injector)
         del stage_bytes
@@ -316,6 +324,9 @@ class NativeCPUTransferWorker(TransferWorker):
         self._finalizer = weakref.finalize(
             self, _release, lib, handle, self._hook, self._engine_ident, keep
         )
+        # Not freed at exit: the hook above stops the threads, and an exit handler or daemon
+        # thread that polls or waits after the free (legal after shutdown) read freed memory.
+        self._finalizer.atexit = False
 
     @property
     def shared_jobs(self) -> int:
@@ -492,7 +503,7 @@ class NativeCPUTransferWorker(TransferWorker):
             raise RuntimeError("wait() called from the transfer thread would deadlock")
         last = [0, 0]
         with self._lock:
-            for j in job_ids:
+            for j in job_ids_of(job_ids):
                 live = self._live.get(j)
                 if live is not None and live.seq > last[live.lane]:
                     last[live.lane] = live.seq
@@ -507,7 +518,7 @@ class NativeCPUTransferWorker(TransferWorker):
         in ends (as `CPUTransferWorker`'s does)."""
         atexit.unregister(self._at_exit)
         with self._lock:
-            if self._closed:
-                return
             self._closed = True
+        # Every call, not only the first: a later one (another thread's) returns once the
+        # first has reported every job (or at once on the engine's thread, as the first does).
         self._lib.kvt_engine_stop(self._engine)  # joins the thread; releases the GIL meanwhile

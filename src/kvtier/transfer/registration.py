@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.base import checked_int
+
 LAYOUTS: dict[str, int] = {"flash": 1, "flashinfer": 0, "cross_layer": 0, "mla": 0}
 """Named layouts and the dimension that indexes device blocks."""
 
@@ -100,10 +102,17 @@ class KVTensor:
     def __init__(self, tensor: torch.Tensor, layout: str | int, group: int = 0) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-        if isinstance(group, bool) or not isinstance(group, int) or group < 0:
-            raise ValueError(f"group={group!r} must be a non-negative int")
-        if isinstance(layout, bool):
-            raise TypeError(f"layout={layout!r} must be a layout name or a block dimension")
+        try:
+            group = checked_int("group", group, 0)  # numpy's and 0-d tensors too, never a bool
+        except ValueError:
+            raise ValueError(f"group={group!r} must be a non-negative int") from None
+        if not isinstance(layout, str):
+            try:
+                layout = checked_int("layout", layout, -(1 << 63))  # its range is checked below
+            except ValueError:
+                raise TypeError(
+                    f"layout={layout!r} must be a layout name or a block dimension"
+                ) from None
         if isinstance(layout, str):
             if layout not in LAYOUTS:
                 raise ValueError(
@@ -117,15 +126,13 @@ class KVTensor:
                     f"expected {pattern}"
                 )
             block_dim = LAYOUTS[layout]
-        elif isinstance(layout, int):
+        else:
             if not 0 <= layout < tensor.dim():
                 raise ValueError(
                     f"block dimension {layout} is out of range for a tensor of shape "
                     f"{tuple(tensor.shape)}"
                 )
             block_dim = layout
-        else:
-            raise TypeError(f"layout={layout!r} must be a layout name or a block dimension")
         if tensor.shape[block_dim] == 0 or tensor.numel() == 0:
             raise ValueError(f"tensor of shape {tuple(tensor.shape)} holds no blocks")
         self.tensor = tensor

@@ -20,13 +20,12 @@ import threading
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from numbers import Integral
 from typing import NamedTuple, Self
 
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.base import TransferResult
+from kvtier.base import TransferResult, checked_int
 from kvtier.transfer.host_pool import HostPool
 from kvtier.transfer.plan import Direction, IdsLike, Job, JobPlanner
 from kvtier.transfer.registration import KVCacheRegistration
@@ -61,6 +60,24 @@ def _int_ids(values: IdsLike) -> npt.NDArray[np.integer] | None:
 
 _EMPTY = np.empty(0, dtype=np.int64)
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def as_int(name: str, value: object) -> int:
+    """`value`, an integer of another type than int (numpy's, a 0-d integer tensor), as an
+    int; a bool, a float or anything else is a ValueError naming it. The compiled submit paths
+    read only exact ints, and the planner's checks take only ints, as do the ids' records."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return int(value)
+    try:
+        return checked_int(name, value, _INT64_MIN)  # no numpy or torch integer is below it
+    except ValueError:
+        raise ValueError(f"{name}={value!r} must be an int") from None
+
+
+def job_ids_of(job_ids: Iterable[object]) -> list[int]:
+    """`wait`'s ids as ints, numpy's and torch's too: a tensor hashes by identity, so as it is
+    it would match no job and `wait` would return before the job ran."""
+    return [j if type(j) is int else as_int("job id", j) for j in job_ids]
 
 
 class IdStaging:
@@ -135,6 +152,8 @@ class TransferWorker(ABC):
     ) -> None:
         """Queue a copy of whole chunks: `device_blocks` (`len(slots) * blocks_per_chunk` of
         them, in chunk order) into `slots`. On CUDA it runs after the compute queued so far."""
+        if type(job_id) is not int:
+            job_id = as_int("job_id", job_id)
         if type(group) is not int:
             group = self._as_group(group)
         if self._plans_ids():
@@ -157,8 +176,12 @@ class TransferWorker(ABC):
         """Queue a copy of the blocks of `slots`' chunks, in order from `skip_blocks` of the first
         chunk, into `device_blocks`; the last chunk may be used partially. `urgent` loads run in
         their own lane and do not wait behind queued loads."""
+        if type(job_id) is not int:
+            job_id = as_int("job_id", job_id)
         if type(group) is not int:
             group = self._as_group(group)
+        if type(skip_blocks) is not int:
+            skip_blocks = as_int("skip_blocks", skip_blocks)
         if urgent is not False and urgent is not True:
             if not isinstance(urgent, (bool, np.bool_)):
                 raise ValueError(f"urgent={urgent!r} must be a bool")
@@ -185,6 +208,8 @@ class TransferWorker(ABC):
         """Whether `job_id` is queued, running, or finished and not yet returned by
         `get_finished`: it will be reported. After a `submit_*` that raised, False means that
         nothing was queued (see the module docstring)."""
+        if type(job_id) is not int:
+            job_id = as_int("job_id", job_id)
         with self._lock:
             return job_id in self._unreported
 
@@ -263,13 +288,14 @@ class TransferWorker(ABC):
         self._queue(job)
 
     def _as_group(self, group: object) -> int:
-        """`group` of another integer type (numpy's) as an int. Anything else is a ValueError
-        here: the lookups behind would take 0.0 or True for a group, or raise TypeError."""
-        if isinstance(group, bool) or not isinstance(group, Integral):
-            raise ValueError(
-                f"group={group!r} must be an int; groups are {list(self._planner.page_bytes)}"
-            )
-        return int(group)
+        """`group` of another integer type (numpy's, a 0-d integer tensor) as an int. Anything
+        else is a ValueError here: the lookups behind would take 0.0 or True for a group, or
+        raise TypeError."""
+        try:
+            return as_int("group", group)
+        except ValueError:
+            groups = list(self._planner.page_bytes)
+            raise ValueError(f"group={group!r} must be an int; groups are {groups}") from None
 
     def _check_job_id(self, job_id: int) -> None:
         if self._closed:
