@@ -7,6 +7,8 @@ Kept free of torch and numpy: the trace and policy scripts import it too.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -29,6 +31,22 @@ def at_least(low: int) -> Callable[[str], int]:
 
 positive_int = at_least(1)
 """An argparse `type`: an integer of at least 1."""
+
+SEED_MAX = 2**64 - 1
+"""The largest seed `torch.manual_seed` takes (it overflows past it, with a traceback)."""
+
+
+def seed_int(text: str) -> int:
+    """An argparse `type`: a seed from 0 to `SEED_MAX`."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is invalid; expected an integer from 0 to 2**64 - 1"
+        )
+    return value
 
 
 def int_list(low: int) -> Callable[[str], list[int]]:
@@ -60,13 +78,22 @@ def require_writable(
     option: str = "--json",
     *,
     make_parents: bool = False,
+    inputs: Iterable[Path | str] = (),
 ) -> None:
     """Refuse `path` (where `option` asks results to be written) unless a file can be written
     there, so that a long run does not end in an error. Creates `path`'s folders with
-    `make_parents`; leaves an existing file as it is, and no new one behind."""
+    `make_parents`; leaves an existing file as it is, and no new one behind. `path` must not
+    be one of `inputs` (a trace the run reads, which the results would replace)."""
     if path is None:
         return
     p = Path(path)
+    for source in inputs:
+        with contextlib.suppress(OSError):  # a missing input is refused by its own check
+            if p.exists() and os.path.samefile(p, source):  # also through a link
+                parser.error(
+                    f"{option} {str(path)!r} is the input {str(source)!r}; expected another "
+                    "file for the results"
+                )
     existed = p.exists()
     try:
         if make_parents:

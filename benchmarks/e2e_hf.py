@@ -42,8 +42,9 @@ from rich.table import Table
 
 import kvtier.integrations.hf.generator as generator_module
 from _bench import sync
-from _cli import positive_int, require_writable
+from _cli import SEED_MAX, positive_int, require_writable, seed_int
 from kvtier.config import KVTierConfig
+from kvtier.demo import physical_memory
 from kvtier.integrations.hf.generator import KVTierGenerator
 from kvtier.integrations.hf.models import make_demo_model
 from kvtier.integrations.hf.paged_cache import PagedKVBuffer
@@ -271,6 +272,29 @@ def bench_fresh(
     return out
 
 
+def _kv_bytes(args: argparse.Namespace, prefixes: list[int]) -> int:
+    """The most KV memory either part holds at once (host pool, paged buffers, the plain
+    cache and the copy test), from the arguments alone: a huge --prefixes or --fresh-tokens
+    would otherwise fail allocating, with a traceback, or swap for hours."""
+    from transformers import LlamaConfig
+
+    from kvtier.integrations.hf.kv_blocks import kv_layout
+    from kvtier.integrations.hf.models import _DEFAULT_SIZE  # make_demo_model's shape
+
+    layout = kv_layout(LlamaConfig(**{**_DEFAULT_SIZE, **SIZES[args.size]}))
+    itemsize = int(torch.empty(0, dtype=getattr(torch, args.dtype)).element_size())
+    token = 2 * layout.num_layers * layout.kv_heads * layout.head_dim * itemsize
+    part1 = 0
+    for p in prefixes:
+        blocks = -(-(p + args.tail) // BS) + 1
+        # pool, the generator's and the bound's buffers, recompute's cache, the copy test
+        part1 = max(part1, (blocks * (args.repeats + 4)) * BS * token + 3 * p * token)
+    blocks = -(-(args.fresh_tokens + args.new_tokens) // BS)
+    part2 = blocks * (POOL_REQUESTS + 4) * BS * token  # pool, 2x buffer, paged, plain
+    need: int = max(part1, part2)  # the arguments are untyped (argparse)
+    return need
+
+
 def _ms(s: float) -> str:
     return f"{s * 1e3:.1f}"
 
@@ -286,7 +310,7 @@ def main() -> None:
                     help="part 2 rounds (a prompt per variant)")  # fmt: skip
     ap.add_argument("--fresh-tokens", type=positive_int, default=1024)
     ap.add_argument("--new-tokens", type=positive_int, default=16)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=seed_int, default=0)
     ap.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     ap.add_argument("--size", choices=list(SIZES), default="demo", help="the model's shape")
@@ -308,7 +332,17 @@ def main() -> None:
     if any(p < 1 or p % BS for p in prefixes):
         ap.error(f"--prefixes {args.prefixes!r} is invalid; expected comma-separated token "
                  f"counts, each a positive multiple of the block size ({BS})")  # fmt: skip
+    # Part 1 seeds each prefix's prompts with seed + prefix length: it must stay a torch seed.
+    if args.seed + max(prefixes, default=0) > SEED_MAX:
+        ap.error(f"--seed {args.seed} plus the longest of --prefixes {args.prefixes!r} is past "
+                 "2**64 - 1 (part 1's torch seed); expected a smaller seed or prefix")  # fmt: skip
     require_writable(ap, args.json)
+    need, ram = _kv_bytes(args, prefixes), physical_memory()
+    if ram is not None and need > ram:
+        ap.error(f"--prefixes {args.prefixes!r}, --tail {args.tail}, --repeats {args.repeats}, "
+                 f"--fresh-tokens {args.fresh_tokens}, --new-tokens {args.new_tokens} with "
+                 f"--size {args.size}: the runs' KV may need {need / 2**30:,.1f} GiB, more than "
+                 f"this machine's {ram / 2**30:,.1f} GiB; expected smaller values")  # fmt: skip
     longest = max(prefixes, default=0) + args.tail + args.new_tokens
     model, _ = make_demo_model(
         "llama", args.seed, max_position_embeddings=max(4096, longest), **SIZES[args.size]

@@ -157,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     policies = args.policies.split(",")
     require_known(parser, "--policies", policies, registered_policies())
-    require_writable(parser, args.json, make_parents=True)
+    require_writable(parser, args.json, make_parents=True, inputs=[args.trace])
     require_file(parser, "--trace", args.trace)
     try:
         workloads = {

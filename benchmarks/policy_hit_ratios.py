@@ -212,7 +212,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.jobs < 1:
         parser.error(f"--jobs={args.jobs} is invalid; expected >= 1")
-    require_writable(parser, args.json)
+    require_writable(parser, args.json, inputs=[TRACE])
     require_file(parser, "the Mooncake trace", TRACE)
     names = list(registered_policies())
     workloads = ["mooncake"]

@@ -83,7 +83,7 @@ def main() -> None:
     args = ap.parse_args()
     if not 0.0 < args.split < 1.0:
         ap.error(f"--split {args.split} is invalid; expected a share between 0 and 1")
-    require_writable(ap, args.json)
+    require_writable(ap, args.json, inputs=[args.trace])
     require_file(ap, "trace", args.trace)
     trace = read_trace(args.trace)
     unique = trace.num_unique_blocks

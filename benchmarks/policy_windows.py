@@ -76,7 +76,7 @@ def main() -> None:
         ap.error(f"unknown policies {unknown}; expected some of {known}")
     if args.starts < 1 or min(args.sizes) < 1:
         ap.error("--starts and every --sizes value must be at least 1")
-    require_writable(ap, args.json)
+    require_writable(ap, args.json, inputs=args.traces)
     for path in args.traces:
         require_file(ap, "trace", path)
     rows: list[dict[str, object]] = []

@@ -39,7 +39,7 @@ def main() -> int:
     args = p.parse_args()
     policies = args.policies.split(",")
     require_known(p, "--policies", policies, [*registered_policies(), *BOUNDS])
-    require_writable(p, args.json)
+    require_writable(p, args.json, inputs=[args.trace])
     require_file(p, "--trace", args.trace)
 
     t0 = time.perf_counter()

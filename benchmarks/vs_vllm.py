@@ -198,7 +198,8 @@ def _stub_worker_output(meta: Any) -> Any:
 
     if isinstance(meta, KVTierConnectorMetadata):
         step = meta.step
-        done = [(j.job_id, True, 0) for j in (*step.loads, *step.stores)]  # worker 0 of 1
+        # (job id, success, worker 0 of 1, bytes, seconds): no bytes move in this comparison
+        done = [(j.job_id, True, 0, 0, 0.0) for j in (*step.loads, *step.stores)]
         return KVConnectorOutput(
             finished_recving={j.req_id for j in step.loads},
             finished_sending=set(meta.held),
@@ -474,7 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.hash_seeds and max(args.hash_seeds) > 4294967295:
         parser.error(f"--hash-seeds {args.hash_seeds}: PYTHONHASHSEED is at most 4294967295")
     if not args.scheduler_child:
-        require_writable(parser, args.json, make_parents=True)
+        require_writable(parser, args.json, make_parents=True, inputs=[args.trace])
     require_file(parser, "--trace", args.trace)
     policies = [
         *([] if args.skip_manager else args.policies.split(",")),

@@ -144,7 +144,7 @@ def main() -> None:
         parser.error(f"--capacities={args.capacities!r}: expected shares such as 0.01,0.05")
     if not fractions or any(not 0 < f <= 1 for f in fractions):
         parser.error(f"--capacities={args.capacities!r}: every share must be in (0, 1]")
-    require_writable(parser, args.json)
+    require_writable(parser, args.json, inputs=[TRACE])
     require_file(parser, "the Mooncake trace", TRACE)
     stream = [k for req in load_trace(TRACE) for k in req]
     caps = [max(2, int(f * len(set(stream)))) for f in fractions]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -124,6 +125,44 @@ def _load_model(opts: DemoOptions) -> tuple[Any, str]:
     return model, f"{opts.model.resolve()}:float32"
 
 
+def physical_memory() -> int | None:
+    """Bytes of RAM of this machine, where the OS says."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _check_memory(opts: DemoOptions, model_config: Any) -> None:
+    """Refuse a workload whose KV cannot fit in this machine's memory, before drawing it.
+
+    Otherwise a large --user-tokens fails allocating its token ids with a traceback, and a
+    large --conversations or --turns allocates (or page-faults in) a host pool for hours."""
+    from kvtier.integrations.hf.kv_blocks import kv_layout
+
+    try:
+        layout = kv_layout(model_config)
+    except ValueError as e:  # a hybrid model's recurrent layers: name the option that chose it
+        raise ValueError(f"--model {opts.model}: {e}") from None
+    u = opts.user_tokens
+    # The most a conversation can reach: a first turn of up to 3u tokens (mean 2u, +50%),
+    # later ones of up to 1.5u, and every reply.
+    longest = opts.system_tokens + 3 * u + (opts.turns - 1) * (u + u // 2)
+    longest += opts.turns * opts.new_tokens
+    blocks = -(-longest // BLOCK_SIZE)
+    block_bytes = 2 * layout.num_layers * layout.kv_heads * layout.head_dim * 4 * BLOCK_SIZE
+    # The host pool holds every conversation's blocks; the generator's buffer one's more.
+    need = (blocks * (opts.conversations + 1) + 1) * block_bytes
+    ram = physical_memory()
+    if ram is not None and need > ram:
+        raise ValueError(
+            f"--conversations {opts.conversations}, --turns {opts.turns}, --system-tokens "
+            f"{opts.system_tokens}, --user-tokens {opts.user_tokens}, --new-tokens "
+            f"{opts.new_tokens}: the workload's KV may need {_size(need)}, more than this "
+            f"machine's {_size(ram)} of memory; expected a smaller workload"
+        )
+
+
 def _user_turn(opts: DemoOptions, vocab: int, turn: int, gen: torch.Generator) -> torch.Tensor:
     import torch
 
@@ -156,6 +195,7 @@ def run_demo(opts: DemoOptions, on_request: Callable[[], None] = lambda: None) -
 
     start = time.perf_counter()
     model, namespace = _load_model(opts)
+    _check_memory(opts, model.config)
     vocab = int(model.config.vocab_size)
     rng = torch.Generator().manual_seed(opts.seed)
     system = torch.randint(0, vocab, (opts.system_tokens,), generator=rng)
@@ -234,8 +274,16 @@ def run_demo(opts: DemoOptions, on_request: Callable[[], None] = lambda: None) -
     )
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+def _size(n: int) -> str:
+    """`n` bytes in MiB (GiB from 1 GiB), or KiB / B where MiB to one decimal would read 0.0
+    (a tiny workload)."""
+    if n >= 2**30:
+        return f"{n / 2**30:,.1f} GiB"
+    if n >= 2**20 // 10:
+        return f"{n / 2**20:.1f} MiB"
+    if n >= 2**10:
+        return f"{n / 2**10:.1f} KiB"
+    return f"{n} B"
 
 
 def result_table(r: DemoResult) -> Table:
@@ -261,8 +309,8 @@ def result_table(r: DemoResult) -> Table:
             f"{r.ttft_p90_s['kvtier'] * 1e3:.1f} ms",
             f"{r.ttft_p90_s['recompute'] * 1e3:.1f} ms",
         ),
-        ("bytes loaded", _mib(r.bytes_loaded), "-"),
-        ("bytes stored", _mib(r.bytes_stored), "-"),
+        ("bytes loaded", _size(r.bytes_loaded), "-"),
+        ("bytes stored", _size(r.bytes_stored), "-"),
     ]
     for row in rows:
         table.add_row(*row)

@@ -233,6 +233,20 @@ def _check_distinct_outputs(outputs: tuple[tuple[str, str | None], ...]) -> None
         seen[place] = flag
 
 
+def _check_not_the_trace(trace: Path, outputs: tuple[tuple[str, str | None], ...]) -> None:
+    """Refuse an output that would overwrite the trace: it is read first, then replaced by
+    the results, and the user's trace is gone."""
+    for flag, name in outputs:
+        if name is None or name == "-" or not Path(name).exists():
+            continue
+        with contextlib.suppress(OSError):  # a trace that cannot be read is reported later
+            if os.path.samefile(name, trace):  # also through a symlink or hard link
+                raise ValueError(
+                    f"{flag}={name!r} is the trace being read; expected another file for the "
+                    "results"
+                )
+
+
 def _stdout_console() -> Console:
     # Piped output keeps whole rows (rich would wrap them at 80 columns).
     return Console() if sys.stdout.isatty() else Console(width=200)
@@ -287,6 +301,13 @@ def _run(args: argparse.Namespace) -> int:
                 f"--advise needs a policy to size; --policies={args.policies!r} names only the "
                 "infinite cache"
             )
+        if policies == ["opt"] and args.mode == "engine" and args.store == "on-evict":
+            # opt is skipped below; the search would answer an empty table and exit 0.
+            raise ValueError(
+                f"--advise needs a policy to size; --policies={args.policies!r} names only opt, "
+                "which --store on-evict skips (it is exact only with eager stores); expected a "
+                "cache policy too, or --store eager"
+            )
     store_on = args.store or "eager"
     if args.store_threshold < 0:
         raise ValueError(f"--store-threshold={args.store_threshold} is invalid; expected >= 0")
@@ -298,6 +319,7 @@ def _run(args: argparse.Namespace) -> int:
     for flag, name in outputs:
         _check_output(flag, name)
     _check_distinct_outputs(outputs)
+    _check_not_the_trace(args.trace, outputs)
     trace = read_trace(
         args.trace,
         fmt=args.format,

@@ -26,12 +26,15 @@ FORMATS: Final = ("auto", "mooncake", "tokens")
 _MAX_ID: Final = (1 << 64) - 1
 _MAX_TOKEN: Final = (1 << 32) - 1
 _decode = msgspec.json.Decoder()
+_BOM: Final = b"\xef\xbb\xbf"
 
 
 def _lines(path: Path) -> Generator[tuple[int, dict[str, Any]], None, None]:
     """Yield (line number, JSON object) for every non-blank line."""
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
+            if lineno == 1 and raw.startswith(_BOM):
+                raw = raw[len(_BOM) :]  # editors on Windows start UTF-8 files with one
             if not raw.strip():
                 continue
             try:

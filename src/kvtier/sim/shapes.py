@@ -69,7 +69,9 @@ def parse_model_shape(spec: str) -> ModelShape:
     if spec in MODEL_PRESETS:
         return MODEL_PRESETS[spec]
     parts = [p.strip() for p in spec.split(",")]
-    if len(parts) in (3, 4) and all(p.isdigit() for p in parts[:3]):
+    # isdecimal, not isdigit: isdigit also takes '²' or '①', which int() then refuses with a
+    # message that names neither the shape nor what was expected.
+    if len(parts) in (3, 4) and all(p.isdecimal() for p in parts[:3]):
         layers, kv_heads, head_dim = (int(p) for p in parts[:3])
         dtype = parts[3] if len(parts) == 4 else "bf16"
         return ModelShape(spec, layers, kv_heads, head_dim, dtype)

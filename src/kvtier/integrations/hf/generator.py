@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 import signal
 import threading
 import time
@@ -75,10 +76,44 @@ class GeneratorStats:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+_INT64_MAX = 2**63 - 1
+
+
+def _unconvertible(prompt: object) -> Exception:
+    """The error for a prompt torch cannot make a tensor of: name its first bad id.
+
+    torch's own messages ("Overflow when unpacking long long", "too many dimensions 'str'")
+    name neither the id nor its position."""
+    if isinstance(prompt, (list, tuple)):
+        for i, t in enumerate(prompt):
+            try:
+                value = None if isinstance(t, bool) else operator.index(t)  # numpy ints too
+            except TypeError:
+                value = None
+            if value is None:
+                return TypeError(
+                    f"prompt has token id {t!r} at position {i}; expected integer token ids"
+                )
+            if not 0 <= value <= _INT64_MAX:
+                return IndexError(
+                    f"token id {value} at position {i} is not in the model's vocabulary; "
+                    "expected an id of its input embedding"
+                )
+    return TypeError(
+        f"prompt {prompt!r:.80} is not a list or tensor of token ids; expected one prompt's "
+        "integer token ids"
+    )
+
+
 def _prompt_ids(prompt: Sequence[int] | torch.Tensor) -> torch.Tensor:
     """One prompt's token ids as a 1-D int64 CPU tensor (hashing reads them with numpy, and a
     prompt may come on the model's GPU); a (1, seq_len) row counts as one prompt."""
-    ids = torch.as_tensor(prompt)
+    try:
+        ids = torch.as_tensor(prompt)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        raise _unconvertible(prompt) from None
+    if isinstance(prompt, (list, tuple)) and any(isinstance(t, bool) for t in prompt):
+        raise _unconvertible(prompt)  # torch reads [5, True] as the ids 5, 1
     if ids.numel() == 0:
         raise ValueError("prompt is empty; expected at least one token id")
     if ids.ndim > 2 or (ids.ndim == 2 and ids.shape[0] != 1):
@@ -89,6 +124,11 @@ def _prompt_ids(prompt: Sequence[int] | torch.Tensor) -> torch.Tensor:
         )
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise TypeError(f"prompt has dtype {ids.dtype}; expected integer token ids")
+    if ids.dtype == torch.uint64:
+        # int64 would wrap an id past 2**63 - 1 to a negative one, and name that instead.
+        values = ids.reshape(-1).tolist()
+        if values and max(values) > _INT64_MAX:
+            raise _unconvertible(values)
     return ids.reshape(-1).to(device="cpu", dtype=torch.int64)
 
 

@@ -76,8 +76,42 @@ class KVLayout:
         return (num_blocks, 2, block_size, self.kv_heads, self.head_dim)
 
 
+def _stateful_layer(config: Any) -> str | None:
+    """The first decoder layer whose cache is not plain per-token attention KV, if any.
+
+    Hybrid models (Jamba, Bamba, Qwen3-Next, LFM2's conv layers, ...) carry a recurrent or
+    convolution state in some layers: it sums up the whole prefix, so no set of per-token
+    blocks restores it (and the model fails inside its forward, mid-generation).
+    transformers' own `DynamicCache(config=...)` says which layers those are (it builds no
+    tensors); a config it cannot read is left to the shape checks."""
+    if not hasattr(config, "get_text_config"):
+        return None
+    try:
+        layers = DynamicCache(config=config).layers
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+    text = config.get_text_config(decoder=True)
+    types = getattr(text, "layer_types", None) or []
+    for i, layer in enumerate(layers):
+        if isinstance(layer, _REFUSED_LAYERS) or not isinstance(layer, DynamicLayer):
+            kind = f"a {types[i]!r} layer, " if i < len(types) else ""
+            return f"layer {i} ({kind}cached as {type(layer).__name__})"
+    return None
+
+
 def kv_layout(config: Any) -> KVLayout:
-    """The paged-KV layout of a decoder-only transformers model, read from its config."""
+    """The paged-KV layout of a decoder-only transformers model, read from its config.
+
+    A model with a layer that holds no plain per-token KV (a recurrent, convolution or linear
+    attention layer of a hybrid model) is refused with `ValueError`: its KV blocks alone do
+    not restore a prefix."""
+    stateful = _stateful_layer(config)
+    if stateful is not None:
+        raise ValueError(
+            f"the model's {stateful} holds state other than plain per-token KV (recurrent, "
+            "convolution or indexed): no set of KV blocks restores a prefix of it; expected a "
+            "model whose every layer is attention (full, sliding-window or chunked)"
+        )
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     heads = int(text.num_attention_heads)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads

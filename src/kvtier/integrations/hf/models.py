@@ -22,6 +22,7 @@ can, which would make the token check weaker.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Final
 
 import torch
@@ -30,6 +31,9 @@ __all__ = ["DEMO_ARCHS", "make_demo_model"]
 
 DEMO_ARCHS: Final = ("llama", "qwen2", "mistral")
 """Architectures `make_demo_model` builds."""
+
+_SEED_MIN: Final = -(2**63)
+_SEED_MAX: Final = 2**64 - 1  # the seeds torch.manual_seed takes
 
 _DEFAULT_SIZE: Final[dict[str, Any]] = {
     "vocab_size": 2048,
@@ -68,6 +72,13 @@ def make_demo_model(
     auto: Any = AutoModelForCausalLM  # untyped upstream
 
     config_cls = _config_class(arch)
+    try:
+        index = None if isinstance(seed, bool) else operator.index(seed)  # numpy ints too
+    except TypeError:
+        index = None
+    if index is None or not _SEED_MIN <= index <= _SEED_MAX:
+        # torch.manual_seed fails past its range with "Overflow when unpacking long long".
+        raise ValueError(f"seed={seed!r} is invalid; expected an int from -2**63 to 2**64 - 1")
     if not logit_scale > 0:
         raise ValueError(f"logit_scale={logit_scale!r} is invalid; expected a positive float")
     fields = {**_DEFAULT_SIZE, **size}
