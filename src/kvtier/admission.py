@@ -163,6 +163,9 @@ def make_admission_policy(
 ) -> AdmissionPolicy:
     """The admission policy for vLLM-style settings: reuse filtering from threshold 2 up."""
     threshold = checked_int("store_threshold", store_threshold, minimum=0)
+    # Checked whatever the threshold: a bad size was accepted and ignored below 2, then
+    # refused by the same settings with the threshold raised.
+    max_tracker_size = checked_int("max_tracker_size", max_tracker_size)
     if threshold < 2:
         return AlwaysAdmit()
     return ReuseAdmission(threshold, max_tracker_size)

@@ -65,6 +65,14 @@ class ReqContext:
     kv_transfer_params: Mapping[str, Any] | None = None
     key_positions: dict[OffloadKey, int] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if type(self.req_id) is not str and not isinstance(self.req_id, str):
+            # Policies key per-request tables by it: an unhashable id failed part-way
+            # through a manager call, after the manager had changed its state.
+            raise TypeError(
+                f"req_id={self.req_id!r} has type {type(self.req_id).__name__}; expected str"
+            )
+
     def position(self, key: OffloadKey) -> int | None:
         """Token position where `key`'s chunk ends in this request, if known."""
         return self.key_positions.get(key)

@@ -51,6 +51,14 @@ def _one_key_error(keys: object) -> TypeError:
 _NOT_KEY_LISTS = (bytes, bytearray, memoryview, str)
 
 
+def _check_ctx(ctx: object) -> None:
+    # The policies and admission read ctx.req_id and ctx.key_positions part-way through a
+    # batch, after the manager changed its own state: a wrong ctx (a bare request id string,
+    # None) failed there, leaving a slot ready but never evictable, or a key pinned forever.
+    if type(ctx) is not ReqContext and not isinstance(ctx, ReqContext):
+        raise TypeError(f"ctx={ctx!r} has type {type(ctx).__name__}; expected a ReqContext")
+
+
 class CPUOffloadingManager(OffloadingManager):
     """Tracks which chunks live in a pool of `num_slots` host slots.
 
@@ -74,13 +82,26 @@ class CPUOffloadingManager(OffloadingManager):
     ) -> None:
         num_slots = checked_int("num_slots", num_slots)
         max_pending_events = checked_int("max_pending_events", max_pending_events)
+        if not isinstance(enable_events, (bool, np.bool_)):
+            # "false" or "no" is truthy: events would be collected that nobody asked for.
+            raise ValueError(f"enable_events={enable_events!r} is invalid; expected a bool")
+        if admission is None:
+            admission = make_admission_policy(store_threshold, max_tracker_size)
+        elif not isinstance(admission, AdmissionPolicy):
+            # Else the first prepare_store fails on a missing `preview`.
+            raise TypeError(
+                f"admission={admission!r} has type {type(admission).__name__}; expected an "
+                "AdmissionPolicy instance (or store_threshold for the built-in ones)"
+            )
+        elif store_threshold != 0:
+            # Both would decide admission; the threshold was silently ignored.
+            raise ValueError(
+                f"store_threshold={store_threshold!r} with admission={admission!r}: expected "
+                "only one of them (the admission policy carries its own threshold)"
+            )
         self.num_slots = num_slots
         self._policy: CachePolicy = make_policy(cache_policy, num_slots)
-        self._admission: AdmissionPolicy = (
-            admission
-            if admission is not None
-            else make_admission_policy(store_threshold, max_tracker_size)
-        )
+        self._admission: AdmissionPolicy = admission
         self._admit_all = type(self._admission) is AlwaysAdmit
         self._slot_of: dict[OffloadKey, int] = {}
         self._ref: list[int] = [_FREE] * num_slots
@@ -129,8 +150,15 @@ class CPUOffloadingManager(OffloadingManager):
     # -- lookups and loads --------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
-        slot = self._slot_of.get(key)
+        try:
+            slot = self._slot_of.get(key)
+        except TypeError:  # unhashable
+            slot = None
         if slot is None:
+            if type(key) is not bytes:
+                # An int block hash or a str was a silent miss, counted in the stats, while
+                # prepare_store refuses it: a caller would never learn why nothing hits.
+                raise TypeError(f"offload keys are bytes; got {type(key).__name__} {key!r}")
             self._misses += 1
             return LookupResult.MISS
         if self._ref[slot] == _PENDING:
@@ -143,6 +171,8 @@ class CPUOffloadingManager(OffloadingManager):
             if isinstance(keys, _NOT_KEY_LISTS):
                 raise _one_key_error(keys)
             keys = list(keys)  # read twice below: a one-shot iterator would pin nothing
+        # Unused here, but complete_load refuses it: the pins would be released by nothing.
+        _check_ctx(ctx)
         slot_of, ref = self._slot_of, self._ref
         slots: list[int] = []
         for key in keys:
@@ -166,6 +196,7 @@ class CPUOffloadingManager(OffloadingManager):
             if isinstance(keys, _NOT_KEY_LISTS):
                 raise _one_key_error(keys)
             keys = list(keys)
+        _check_ctx(ctx)
         slot_of, ref = self._slot_of, self._ref
         counts = Counter(keys) if len(set(keys)) != len(keys) else None
         for key in keys:
@@ -173,18 +204,39 @@ class CPUOffloadingManager(OffloadingManager):
             needed = counts[key] if counts is not None else 1
             if slot is None or ref[slot] < needed:
                 raise ValueError(f"complete_load of key {_key_str(key)} that no load pinned")
-        unpinned = []
+        # The keys this call unpins, in the order their last load ends.
+        if counts is None:
+            unpinned = [key for key in keys if ref[slot_of[key]] == 1]
+        else:
+            left = dict(counts)
+            unpinned = []
+            for key in keys:
+                left[key] -= 1
+                if not left[key] and ref[slot_of[key]] == counts[key]:
+                    unpinned.append(key)
+        # The policy first: should it raise part-way (a ctx it cannot read), its keys are
+        # pinned again and the manager is unchanged, rather than unpinned here but held pinned
+        # by the policy, never evictable again.
+        try:
+            self._policy.unpin(unpinned, ctx)
+        except BaseException:
+            self._policy.pin(unpinned)
+            raise
         for key in keys:
-            slot = slot_of[key]
-            ref[slot] -= 1
-            if ref[slot] == _READY:
-                unpinned.append(key)
+            ref[slot_of[key]] -= 1
         self._num_pinned -= len(unpinned)
-        self._policy.unpin(unpinned, ctx)
 
     def touch(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
-        if isinstance(keys, _NOT_KEY_LISTS):
-            raise _one_key_error(keys)
+        if not isinstance(keys, (list, tuple)):
+            if isinstance(keys, _NOT_KEY_LISTS):
+                raise _one_key_error(keys)
+            keys = list(keys)  # read twice: checked, then handed to the policy
+        _check_ctx(ctx)
+        for key in keys:
+            if type(key) is not bytes:
+                # Policies ignore (or, kvaware, count) a key they do not hold, so an int block
+                # hash was a silent no-op, and an unhashable one raised after earlier keys moved.
+                raise TypeError(f"offload keys are bytes; got {type(key).__name__} {key!r}")
         self._policy.touch(keys, ctx)
 
     # -- stores -------------------------------------------------------------------------------
@@ -197,6 +249,7 @@ class CPUOffloadingManager(OffloadingManager):
             if isinstance(keys, _NOT_KEY_LISTS):
                 raise _one_key_error(keys)
             keys = list(keys)  # read again when evicting: a one-shot iterator would be empty
+        _check_ctx(ctx)
         slot_of = self._slot_of
         new = [key for key in keys if key not in slot_of]
         num_new = len(new)
@@ -275,6 +328,7 @@ class CPUOffloadingManager(OffloadingManager):
         # A copy: read twice (a one-shot iterator would leave slots ready but unannounced and
         # never evictable), and the stored event must not alias the caller's list.
         keys = list(keys)
+        _check_ctx(ctx)
         slot_of, ref = self._slot_of, self._ref
         slots = [slot_of.get(key, -1) for key in keys]
         for key, slot in zip(keys, slots, strict=True):
@@ -282,11 +336,17 @@ class CPUOffloadingManager(OffloadingManager):
                 raise ValueError(f"complete_store of key {_key_str(key)}: no store pending")
         if len(slots) > 1 and len(set(slots)) != len(slots):
             raise ValueError("complete_store got the same key twice")
-        self._num_pending -= len(slots)
         if success:
+            # The policy first: should it raise part-way, it forgets the keys and they stay
+            # pending here, rather than ready here but unknown to it, never evictable.
+            try:
+                self._policy.insert(keys, ctx)
+            except BaseException:
+                self._policy.remove(keys)
+                raise
             for slot in slots:
                 ref[slot] = _READY
-            self._policy.insert(keys, ctx)
+            self._num_pending -= len(slots)
             self._stores += len(keys)
             # An empty event would only count towards max_pending_events and force merges.
             if keys and self._events is not None:
@@ -297,11 +357,13 @@ class CPUOffloadingManager(OffloadingManager):
                 del slot_of[key]
                 ref[slot] = _FREE
             self._free.extend(slots)
+            self._num_pending -= len(slots)
             self._failed_stores += len(slots)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     def on_request_finished(self, ctx: ReqContext) -> None:
+        _check_ctx(ctx)
         self._policy.on_request_finished(ctx)
 
     def reset_cache(self) -> None:

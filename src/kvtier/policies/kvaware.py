@@ -100,8 +100,9 @@ class KVAwarePolicy(CachePolicy):
     ) -> None:
         super().__init__(capacity)
         capacity = self.capacity  # validated, and a plain int
-        if not 0.0 < window < 1.0:
-            raise ValueError(f"window={window} is invalid; expected 0 < window < 1")
+        # A str raised "'<' not supported" naming neither the setting nor the range.
+        if not isinstance(window, (int, float)) or not 0.0 < window < 1.0:
+            raise ValueError(f"window={window!r} is invalid; expected a number, 0 < window < 1")
         sketch_width = checked_int("sketch_width", sketch_width)
         model_size = checked_int("model_size", model_size)
         if mode not in _MODE_NAMES:
@@ -322,17 +323,48 @@ class KVAwarePolicy(CachePolicy):
                 win.move_to_end(key, last=False)
 
     def touch(self, keys: Iterable[OffloadKey], ctx: ReqContext | None) -> None:
-        win, pinned = self._win, self._pinned
-        for key in reversed(list(keys)):
+        win, credit, pinned = self._win, self._credit, self._pinned
+        keys = list(keys)
+        seen = self._seen
+        # Keys this call counted already, when it has no request to tell repeats by.
+        once: set[OffloadKey] | None = None
+        if ctx is None and len(keys) > 1 and len(set(keys)) != len(keys):
+            # A key repeated in one call is one use, as a request's repeats are (`_counted`)
+            # and as S3-FIFO counts it.
+            once = call_once = set()
+            estimate_key = self._sketch.estimate_key
+
+            def seen(key: OffloadKey, ctx: ReqContext | None) -> int:
+                if key in call_once:
+                    return estimate_key(key)
+                call_once.add(key)
+                return self._seen(key, ctx)
+
+        for key in reversed(keys):
             if key in win:
                 win.move_to_end(key)
-                self._seen(key, ctx)
-            elif self._unplace(key):
-                self._place(key, self._seen(key, ctx), self._is_tail(key, ctx))
+                seen(key, ctx)
+            elif key in credit:
+                if ctx is not None:
+                    counted = self._counted.get(ctx.req_id)
+                    repeat = counted is not None and key in counted
+                else:
+                    repeat = once is not None and key in once
+                # Counted before it leaves its bucket: should the count raise (a context it
+                # cannot read), the key is still held, not lost to the policy for good.
+                count = seen(key, ctx)
+                if repeat:
+                    # A use counted already only moves: placed again, its credit would follow
+                    # the mode of now, which a later key of the first report may have switched.
+                    self._buckets[credit[key]].move_to_end(key)
+                else:
+                    tail = self._is_tail(key, ctx)
+                    self._unplace(key)
+                    self._place(key, count, tail)
             elif key not in pinned:
                 # A use the tier did not serve (an engine's device prefix cache hit): counted
                 # all the same, or a block kept hot on the device would leave it looking new.
-                self._seen(key, ctx)
+                seen(key, ctx)
 
     def pin(self, keys: Iterable[OffloadKey]) -> None:
         win = self._win
@@ -344,13 +376,18 @@ class KVAwarePolicy(CachePolicy):
                 self._pinned[key] = _MAIN
 
     def unpin(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
+        pinned = self._pinned
         for key in reversed(keys):
-            where = self._pinned.pop(key, None)
+            where = pinned.get(key)
             if where is None:
                 continue
+            # Counted while still pinned: should the count raise, the key stays pinned here
+            # (the manager pins again what this call returned) instead of being lost.
             count = self._seen(key, ctx)
+            tail = where == _MAIN and self._is_tail(key, ctx)
+            del pinned[key]
             if where == _MAIN:
-                self._place(key, count, self._is_tail(key, ctx))
+                self._place(key, count, tail)
             else:
                 self._win[key] = where == _WINDOW_TAIL
 

@@ -32,8 +32,11 @@ class S3FIFOPolicy(CachePolicy):
     def __init__(self, capacity: int, small_ratio: float = 0.1, promote_freq: int = 2) -> None:
         super().__init__(capacity)
         capacity = self.capacity  # validated, and a plain int
-        if not 0.0 < small_ratio < 1.0:
-            raise ValueError(f"small_ratio={small_ratio} is invalid; expected 0 < ratio < 1")
+        # A str raised "'<' not supported" naming neither the setting nor the range.
+        if not isinstance(small_ratio, (int, float)) or not 0.0 < small_ratio < 1.0:
+            raise ValueError(
+                f"small_ratio={small_ratio!r} is invalid; expected a number, 0 < ratio < 1"
+            )
         self._small_target = max(1, int(capacity * small_ratio))
         self._ghost_cap = max(1, capacity - self._small_target)
         # Frequencies stop at _MAX_FREQ: a threshold above it would promote nothing, one
