@@ -89,6 +89,7 @@ class Job:
     queued: dict[int, TransferResult] = field(default_factory=dict)  # not yet delivered
     lost: set[int] = field(default_factory=set)  # reports never delivered
     bytes: int = 0  # reported by workers that succeeded
+    seconds: float = 0.0  # their copy time
 
     @property
     def load(self) -> bool:
@@ -131,7 +132,7 @@ class Req:
 class Fuzz:
     """One seeded engine, its simulated workers, and the model that checks the scheduler."""
 
-    def __init__(self, seed: int, stats: Counter[str]) -> None:
+    def __init__(self, seed: int, stats: Counter[str], proof: int = 0) -> None:
         rng = self.rng = random.Random(seed)
         self.stats = stats
         self.groups = rng.choice([(0,), (0,), (0, 1), (3, 1)])
@@ -147,6 +148,7 @@ class Fuzz:
             enable_events=True,
         )
         self.prompt_only = rng.random() < 0.3
+        self.proof = proof
         self.s = OffloadingScheduler(
             self.m,
             tokens_per_block=TPB,
@@ -154,6 +156,7 @@ class Fuzz:
             groups=self.groups,
             num_workers=self.W,
             offload_prompt_only=self.prompt_only,
+            proof_chunks=self.proof,
         )
         self.p_fail = rng.choice([0.0, 0.05, 0.2])
         self.p_lost = rng.choice([0.0, 0.0, 0.0, 0.0, 0.03])
@@ -182,6 +185,8 @@ class Fuzz:
         self.expect_wait: set[int] = set()
         self.expect_done = FinishedRequests()
         self.bytes = {JobKind.LOAD: 0, JobKind.STORE: 0}
+        self.seconds = {JobKind.LOAD: 0.0, JobKind.STORE: 0.0}
+        self.failed = {JobKind.LOAD: 0, JobKind.STORE: 0}  # jobs; a load gone at alloc: G
         self.next_rid = 0
         self.prefixes = [chain(f"p{i}", rng.randint(2, 8), []) for i in range(3)]
 
@@ -235,18 +240,26 @@ class Fuzz:
         if r.load_failed:
             return 0
         first = hit // self.tpc
-        last = min(len(r.hashes) // self.bpc, (r.num_prompt - 1) // self.tpc)
+        num_chunks = len(r.hashes) // self.bpc
+        last = min(num_chunks, (r.num_prompt - 1) // self.tpc)
         pending = self.pending_keys()
+        # With proof chunks, a chunk is offered only if the next `proof` chunks hit too; they
+        # are looked up (and may answer "ask again") only if some chunk could be loaded.
+        stop = min(last + self.proof, num_chunks) if first < last else 0
         end = first
-        for c in range(first, last):
-            for gi in range(self.G):
-                k = self.key(r, c, gi)
-                if k in self.announced:
-                    continue
-                if k in pending:
-                    return None
-                return max(0, end * self.tpc - hit)
+        for c in range(first, stop):
+            keys = [self.key(r, c, gi) for gi in range(self.G)]
+            missing = next((k for k in keys if k not in self.announced), None)
+            if missing is not None:
+                if missing in pending:
+                    return None  # the first group that does not hit is still being written
+                break
             end = c + 1
+        if self.proof:
+            proven = max(first, min(end - self.proof, last))
+            if proven < min(end, last):
+                self.stats["offer cut by proof"] += 1
+            end = proven
         return max(0, end * self.tpc - hit)
 
     def sync_events(
@@ -304,6 +317,14 @@ class Fuzz:
             self.bytes[JobKind.LOAD],
             self.bytes[JobKind.STORE],
         )
+        assert (s.load_seconds, s.store_seconds) == (
+            self.seconds[JobKind.LOAD],
+            self.seconds[JobKind.STORE],
+        )
+        assert (s.load_jobs_failed, s.store_jobs_failed) == (
+            self.failed[JobKind.LOAD],
+            self.failed[JobKind.STORE],
+        )
 
     # -- hazards: what runs concurrently on a worker -----------------------------------------
 
@@ -360,7 +381,10 @@ class Fuzz:
             self.stats["lost report"] += 1
         else:
             nbytes = 10 * len(blocks) + w if ok else rng.choice([0, 3])
-            j.queued[w] = TransferResult(j.spec.job_id, ok, nbytes)
+            # Exact binary fractions, so that the sums do not depend on the order of additions;
+            # a failed copy's time counts nowhere.
+            seconds = nbytes / 4 if ok else 0.5
+            j.queued[w] = TransferResult(j.spec.job_id, ok, nbytes, seconds)
 
     def run_workers(self, p_exec: float) -> None:
         for j in list(self.jobs.values()):
@@ -395,6 +419,10 @@ class Fuzz:
                     s.num_requests(),
                     s.bytes_loaded,
                     s.bytes_stored,
+                    s.load_seconds,
+                    s.store_seconds,
+                    s.load_jobs_failed,
+                    s.store_jobs_failed,
                 )
                 batch = [*results, *bad]
                 rng.shuffle(batch)
@@ -406,6 +434,10 @@ class Fuzz:
                     s.num_requests(),
                     s.bytes_loaded,
                     s.bytes_stored,
+                    s.load_seconds,
+                    s.store_seconds,
+                    s.load_jobs_failed,
+                    s.store_jobs_failed,
                 )
                 assert after == before, "a refused batch changed the scheduler"
                 self.sync_events()
@@ -421,6 +453,7 @@ class Fuzz:
             j.fenced.add(w)
             if r.success:
                 j.bytes += r.bytes
+                j.seconds += r.seconds
             if not self.done(j):
                 continue
             self.forget(j)
@@ -470,6 +503,9 @@ class Fuzz:
         self.stats[f"{kind} {'ok' if success else 'failed'}"] += 1
         if success:
             self.bytes[j.spec.kind] += j.bytes
+            self.seconds[j.spec.kind] += j.seconds
+        else:
+            self.failed[j.spec.kind] += 1
         if j.generation != self.generation:
             self.stats["job done after reset"] += 1
         r = self.reqs[j.spec.req_id]
@@ -630,6 +666,7 @@ class Fuzz:
             for blocks in r.blocks:
                 self.expect_done.failed_load_blocks.update(blocks[first_block:end_block])
             self.stats["offer gone at alloc"] += 1
+            self.failed[JobKind.LOAD] += self.G  # one per group, as the counter's doc says
             return
         assert len(new) == self.G
         self.batches += 1
@@ -785,6 +822,10 @@ class Fuzz:
             cap = progress_of[r.rid]
             if self.prompt_only:
                 cap = min(cap, r.num_prompt)
+            if self.proof and cap > r.num_prompt:
+                # Decoding: a drafter's last `proof` computed chunks are not final yet.
+                cap -= self.proof * self.tpc
+                self.stats["decoding store with proof chunks"] += 1
             blocks = t.device_blocks.tolist()
             assert len(blocks) == len(t.slots) * self.bpc
             keys = []
@@ -979,11 +1020,11 @@ def test_a_report_of_a_job_not_yet_sent_is_refused() -> None:
     assert m.get_stats().pinned == 0
 
 
-def run_seed(seed: int, stats: Counter[str]) -> None:
+def run_seed(seed: int, stats: Counter[str], proof: int = 0) -> None:
     try:
-        Fuzz(seed, stats).run()
+        Fuzz(seed, stats, proof).run()
     except BaseException as e:  # pytest.raises fails with a BaseException
-        e.add_note(f"seed={seed}")
+        e.add_note(f"seed={seed} proof={proof}")
         raise
 
 
@@ -1014,3 +1055,26 @@ def test_random_engines_never_serve_bad_kv_nor_leak(batch: int) -> None:
         "preempted before its load was sent",
     ):
         assert stats[situation] > 0, f"no {situation!r} in seeds of batch {batch}: {stats}"
+
+
+def test_random_engines_with_proof_chunks() -> None:
+    """The same engines with EAGLE/MTP proof chunks (`proof_chunks` 1 or 2): offers stop that
+    many chunks before the end of the hit run, a pending proof chunk answers "ask again" only
+    where a chunk could be loaded, and a decoding request's last computed chunks wait."""
+    stats: Counter[str] = Counter()
+    for seed in range(2 * SEEDS_PER_BATCH):
+        run_seed(seed, stats, 1 + seed % 2)
+    for situation in (
+        "load ok",
+        "load failed",
+        "store ok",
+        "device hit",
+        "preempted with a load in flight",
+        "offer gone at alloc",
+        "load from mid chunk",
+        "load of several groups",
+        "lost reports failed",
+        "offer cut by proof",
+        "decoding store with proof chunks",
+    ):
+        assert stats[situation] > 0, f"no {situation!r} with proof chunks: {stats}"

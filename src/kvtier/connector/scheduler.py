@@ -14,6 +14,7 @@ correct live here:
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,6 +86,23 @@ def _token_count(req_id: str, name: str, value: object) -> int:
         raise ValueError(f"request {req_id!r}: {e}") from None
 
 
+def _group_ids(groups: object) -> tuple[int, ...]:
+    """`groups` as a tuple of distinct KV-cache group ids, or a ValueError naming it."""
+    why = "expected a non-empty sequence of distinct KV-cache group ids"
+    if isinstance(groups, (Sequence, np.ndarray)) and not isinstance(groups, (str, bytes)):
+        ids: list[int] = []
+        try:
+            for g in groups:
+                _make_key(b"", g)  # refuses what an offload key cannot hold, naming its range
+                ids.append(operator.index(g))
+        except (TypeError, ValueError) as e:
+            why += f" ({e})"
+        else:
+            if ids and len(set(ids)) == len(ids):
+                return tuple(ids)
+    raise ValueError(f"groups={groups!r} is invalid; {why}")
+
+
 class OffloadingScheduler:
     """Plans transfers between an engine's device blocks and one offloading manager.
 
@@ -117,15 +135,19 @@ class OffloadingScheduler:
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 expected = "a positive integer" if least else "an integer >= 0"
                 raise ValueError(f"{name}={value!r} is invalid; expected {expected}")
-        if not groups or len(set(groups)) != len(groups):
-            raise ValueError(f"groups={list(groups)!r} is invalid; expected distinct group ids")
+        # Checked here, not at the first lookup, where a bad id would raise mid-request.
+        group_ids = _group_ids(groups)
+        if not isinstance(offload_prompt_only, (bool, np.bool_)):
+            raise ValueError(
+                f"offload_prompt_only={offload_prompt_only!r} is invalid; expected a bool"
+            )
         self.manager = manager
         self.tokens_per_block = tokens_per_block
         self.blocks_per_chunk = blocks_per_chunk
         self.tokens_per_chunk = tokens_per_block * blocks_per_chunk
-        self.groups = tuple(groups)
+        self.groups = group_ids
         self.num_workers = num_workers
-        self.offload_prompt_only = offload_prompt_only
+        self.offload_prompt_only = bool(offload_prompt_only)
         self.proof_chunks = proof_chunks
         self._requests: dict[str, _Request] = {}
         self._jobs: dict[int, _Job] = {}
@@ -231,17 +253,21 @@ class OffloadingScheduler:
         first_chunk = num_computed_tokens // tpc
         req.reused_chunks = max(req.reused_chunks, min(first_chunk, self._num_chunks(req)))
         if not req.touched_device_hits and first_chunk > 0:
-            # The device prefix hit is a use of those chunks too: keep the policy informed.
+            # The device prefix hit is a use of those chunks too: keep the policy informed, in
+            # every group (a chunk hits only if every group still holds it).
             req.touched_device_hits = True
-            self.manager.touch(
-                self._chunk_keys(req, 0, min(first_chunk, self._num_chunks(req))), req.ctx
-            )
+            hit_chunks = min(first_chunk, self._num_chunks(req))
+            for g in range(len(self.groups)):
+                self.manager.touch(self._chunk_keys(req, 0, hit_chunks, g), req.ctx)
         # At least one prompt token must be computed by the engine to produce logits.
         last_chunk = min(self._num_chunks(req), (req.num_prompt_tokens - 1) // tpc)
         end_chunk = first_chunk
         lookup = self.manager.lookup
         proof = self.proof_chunks
-        for c in range(first_chunk, min(last_chunk + proof, self._num_chunks(req))):
+        # Proof chunks are looked up only for a chunk that could be loaded: with none, a
+        # pending proof chunk would answer "ask again" for a load of nothing.
+        stop = min(last_chunk + proof, self._num_chunks(req)) if first_chunk < last_chunk else 0
+        for c in range(first_chunk, stop):
             for g in range(len(self.groups)):
                 result = lookup(self._key(req, g, c), req.ctx)
                 if result is LookupResult.HIT:
@@ -338,10 +364,12 @@ class OffloadingScheduler:
         tpc = self.tokens_per_chunk
         due: dict[str, tuple[_Request, Sequence[Sequence[int]], int]] = {}
         for p in progress:
+            # Checked before anything is planned: a bad count (a float would raise mid-plan)
+            # must leave no slot reserved for the entries before it.
+            computed = _token_count(p.req_id, "num_computed_tokens", p.num_computed_tokens)
             req = self._requests.get(p.req_id)
             if req is None or req.finished or req.jobs or p.req_id in due:
                 continue  # one load or one set of stores in flight per request
-            computed = p.num_computed_tokens
             if self.offload_prompt_only:
                 computed = min(computed, req.num_prompt_tokens)
             end_chunk = computed // tpc

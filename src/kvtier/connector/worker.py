@@ -113,13 +113,19 @@ class OffloadingWorker:
             else:
                 self.transfer.submit_store(job.job_id, job.device_blocks, job.slots, job.group)
         except Exception:
-            # Reported first: an interrupt during the logging must not lose the report.
-            self._refused.append(TransferResult(job.job_id, False))
+            # A backend may raise after it queued the job (`holds` says so, per the protocol):
+            # it reports the job then, and a refusal too would be a second report, which the
+            # scheduler half refuses along with the rest of that batch. Reported first: an
+            # interrupt during the logging must not lose the report.
+            queued = self._holds(job.job_id)
+            if not queued:
+                self._refused.append(TransferResult(job.job_id, False))
             logger.exception(
-                "kvtier: the transfer worker refused %s job %d of request %s; reported failed",
+                "kvtier: the transfer worker raised submitting %s job %d of request %s; %s",
                 job.kind.value,
                 job.job_id,
                 job.req_id,
+                "it was queued all the same" if queued else "reported failed",
             )
         except BaseException:
             # An interrupt (Ctrl-C in a notebook, whose user goes on) propagates, but first the
@@ -129,3 +135,12 @@ class OffloadingWorker:
             if not self.transfer.holds(job.job_id):
                 self._refused.append(TransferResult(job.job_id, False))
             raise
+
+    def _holds(self, job_id: int) -> bool:
+        """`transfer.holds(job_id)` after a submit raised; a backend that cannot answer is taken
+        to have queued nothing (the refusal is then its one report)."""
+        try:
+            return self.transfer.holds(job_id)
+        except Exception:
+            logger.exception("kvtier: holds(%d) raised after a failed submit", job_id)
+            return False
