@@ -86,3 +86,125 @@ def test_simulate_policy_module_runs_as_a_spec(
     assert rows["lru"]["block_hit_ratio"] == pytest.approx(2 / 6)
     assert rows["mypolicies:Fifo"]["block_hit_ratio"] == pytest.approx(1 / 6)
     monkeypatch.delitem(sys.modules, "mypolicies", raising=False)
+
+
+def test_configuration_toml_example_is_the_yaml_example(clean_env: Path) -> None:
+    """The TOML block says it is "the same in TOML": each key it sets loads as the YAML's."""
+    doc = ROOT / "docs" / "configuration.md"
+    (clean_env / "kvtier.yaml").write_text(_blocks(doc, "yaml")[0])
+    (toml,) = _blocks(doc, "toml")
+    (clean_env / "kvtier.toml").write_text(toml)
+    from_yaml = KVTierConfig.load("kvtier.yaml", env={}).to_dict()
+    from_toml = KVTierConfig.load("kvtier.toml", env={}).to_dict()
+    keys = {line.split("=")[0].strip() for line in toml.splitlines() if "=" in line}
+    assert keys and {k: from_toml[k] for k in keys} == {k: from_yaml[k] for k in keys}
+    assert (from_yaml["cpu_bytes"], from_yaml["chunk_tokens"]) == (64 * 2**30, 256)
+
+
+def test_configuration_override_example_overrides_the_file(clean_env: Path) -> None:
+    """`export KVTIER_CONFIG=...` then `KVTIER_X=... python serve.py`: the variables win."""
+    doc = ROOT / "docs" / "configuration.md"
+    (clean_env / "kvtier.yaml").write_text(_blocks(doc, "yaml")[0])
+    (override,) = _blocks(doc, "bash")
+    env: dict[str, str] = {}
+    for word in override.split():
+        name, eq, value = word.removeprefix("export ").partition("=")
+        if eq and name.startswith("KVTIER_"):
+            env[name] = value
+    assert env.pop("KVTIER_CONFIG") == "/etc/kvtier/kvtier.yaml"
+    cfg = KVTierConfig.load(env={**env, "KVTIER_CONFIG": str(clean_env / "kvtier.yaml")})
+    assert (cfg.cache_policy, cfg.store_threshold) == ("lru", 0)  # from the variables
+    assert (cfg.cpu_bytes, cfg.chunk_tokens) == (64 * 2**30, 256)  # from the file
+
+
+def test_readme_commands_are_the_scripts_they_name() -> None:
+    commands = [block.strip() for block in _blocks(ROOT / "README.md", "bash")]
+    assert commands == ["bash scripts/demo.sh", "bash scripts/test.sh"]
+    demo = (ROOT / "scripts" / "demo.sh").read_text()
+    assert 'kvtier demo "$@"' in demo  # "Extra arguments go to `kvtier demo`"
+    test = (ROOT / "scripts" / "test.sh").read_text()
+    # "runs ruff, mypy and pytest (extra arguments go to pytest)"
+    assert "ruff check" in test and "\nmypy" in test and 'pytest -q "$@"' in test
+
+
+def test_readme_vllm_transfer_config_builds_a_config() -> None:
+    import ast
+    import importlib.util
+
+    readme = (ROOT / "README.md").read_text()
+    match = re.search(r"--kv-transfer-config '(\{.*?\})'", readme, flags=re.DOTALL)
+    assert match is not None
+    transfer = json.loads(match.group(1))
+    cfg = KVTierConfig.from_vllm_extra_config(transfer["kv_connector_extra_config"])
+    assert cfg.cpu_bytes == 64 * 2**30
+    # The module and class it names exist (without importing vLLM, which takes seconds).
+    spec = importlib.util.find_spec(transfer["kv_connector_module_path"])
+    assert spec is not None and spec.origin is not None
+    tree = ast.parse(Path(spec.origin).read_text())
+    exported = {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert transfer["kv_connector"] in exported
+
+
+def test_configuration_table_matches_the_code() -> None:
+    """Each row's default, env var and vLLM alias are the code's, and every field has a row."""
+    import dataclasses
+
+    import yaml
+
+    from kvtier.config import _VLLM_ALIASES
+
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    rows = [
+        [cell.strip() for cell in line.strip().strip("|").split("|")]
+        for line in text.splitlines()
+        if line.startswith("| `")
+    ]
+    fields = {f.name: f.default for f in dataclasses.fields(KVTierConfig)}
+    aliases = {name: alias for alias, name in _VLLM_ALIASES.items()}
+    documented = []
+    for key, _type, default, env, alias, _meaning in rows:
+        name = key.strip("`")
+        documented.append(name)
+        assert yaml.safe_load(default.strip("`")) == fields[name], name
+        assert env == f"`KVTIER_{name.upper()}`", name
+        assert alias.strip("`") == aliases.get(name, ""), name
+    assert documented == list(fields)
+
+
+def test_every_kvtier_variable_the_docs_name_is_read_or_left_alone() -> None:
+    """A variable the docs tell users to set must not make `load()` fail as an unknown key."""
+    names = set()
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        names |= set(re.findall(r"\bKVTIER_[A-Z0-9_]*[A-Z0-9]", doc.read_text()))
+    names -= {"KVTIER_STORE_TRESHOLD", "KVTIER_CONFIG"}  # the typo example; the file's name
+    assert "KVTIER_WITH_VLLM" in (ROOT / "scripts" / "setup.sh").read_text()
+    for name in sorted(names | {"KVTIER_WITH_VLLM", "KVTIER_VENV"}):
+        try:
+            KVTierConfig.load(env={name: "1"})
+        except ConfigError as e:
+            assert "unknown key" not in str(e), name
+
+
+def test_readme_scheduler_side_needs_only_the_base_dependencies() -> None:
+    """README: the scheduler-side modules need numpy, msgspec, pyyaml and rich, not torch."""
+    import subprocess
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    match = re.search(r"The scheduler side \(([^)]*)\) needs only", readme)
+    assert match is not None
+    modules = re.findall(r"`(\w+)`", match.group(1))
+    assert modules == ["base", "hashing", "config", "policies", "admission", "cpu", "sim"]
+    code = (
+        "import sys\n"
+        + "".join(f"import kvtier.{m}\n" for m in modules)
+        + "import kvtier.sim.command, kvtier.sim.runner, kvtier.cli\n"
+        + "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "[]\n"

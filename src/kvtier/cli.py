@@ -7,12 +7,18 @@ its arguments and a function that runs it. Adding one (e.g. `kvtier demo`) is on
 from __future__ import annotations
 
 import argparse
+import errno
+import io
 import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvtier import __version__
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,9 +104,7 @@ COMMANDS: list[Command] = [
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `kvtier` command, with every subcommand in `COMMANDS`."""
-    parser = argparse.ArgumentParser(
-        prog="kvtier", description="KV-cache offloading for LLM inference: tools."
-    )
+    parser = _Parser(prog="kvtier", description="KV-cache offloading for LLM inference: tools.")
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for cmd in COMMANDS:
@@ -123,18 +127,73 @@ def _stop_writing_stdout() -> None:
         os.close(devnull)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `kvtier` console script; returns the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+class _ClosedStdout(io.TextIOBase):
+    """Stands in for `sys.stdout` when Python started with file descriptor 1 closed: Python
+    then sets `sys.stdout = None`, and `print()` drops every line without a word (`kvtier
+    policies >&-` printed nothing and exited 0). Writing here raises instead."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        raise OSError(errno.EBADF, "standard output is closed; expected somewhere to write")
+
+
+class _Parser(argparse.ArgumentParser):
+    """An `ArgumentParser` whose --help and --version output fails loudly."""
+
+    def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
+        # argparse ignores OSError while writing, so `kvtier --help >/dev/full` exited 0 with
+        # no help written. Errors go to stderr as before; stdout failures reach main().
+        if message and file is sys.stdout and file is not None:
+            file.write(message)
+        else:
+            super()._print_message(message, file)
+
+
+def _flush_stdout(command: str) -> int:
+    """Flush stdout now, while a failure can still be reported: 0, or the exit status after
+    saying why (at exit Python would print a traceback, or nothing)."""
     try:
-        status: int = args._run(args)
-    except BrokenPipeError:
+        sys.stdout.flush()
+    except OSError as e:
+        return _write_failed(command, e)
+    return 0
+
+
+def _write_failed(command: str, e: OSError) -> int:
+    _stop_writing_stdout()
+    if isinstance(e, BrokenPipeError):
         # The reader of our output went away (`kvtier simulate T --csv - | head`): nothing is
         # wrong with the arguments, and there is no one left to tell. End as rich does when
         # this happens while it prints a table.
-        _stop_writing_stdout()
         return 1
+    print(f"{command}: error: cannot write to standard output: {e}", file=sys.stderr)
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `kvtier` console script; returns the exit status."""
+    if sys.stdout is None:
+        sys.stdout = _ClosedStdout()
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except OSError as e:  # writing --help or --version
+        return _write_failed("kvtier", e)
+    except SystemExit as e:
+        # --help and --version exit 0 with their output maybe still in stdout's buffer.
+        failed = _flush_stdout("kvtier") if e.code == 0 else 0
+        if failed:
+            return failed
+        raise
+    try:
+        status: int = args._run(args)
+        failed = _flush_stdout(f"kvtier {args.command}")
+        if failed:
+            return failed
+    except BrokenPipeError as e:
+        return _write_failed(f"kvtier {args.command}", e)
     except (ValueError, TypeError, OSError) as e:
         print(f"kvtier {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -31,10 +31,18 @@ ENV_PREFIX: Final = "KVTIER_"
 """Environment variables starting with this prefix configure kvtier; unknown ones are errors."""
 
 _ENV_CONFIG_FILE: Final = "KVTIER_CONFIG"
-# Variables with the prefix that are not settings: the config file's name, and the switches of
-# the transfer backends' compiled library (docs/configuration.md; kvtier.transfer.native).
+# Variables with the prefix that are not settings: the config file's name, the switches of
+# the transfer backends' compiled library (docs/configuration.md; kvtier.transfer.native), and
+# scripts/setup.sh's (`export KVTIER_WITH_VLLM=0` made every later `load()` fail).
 _ENV_NOT_SETTINGS: Final = frozenset(
-    {_ENV_CONFIG_FILE, "KVTIER_NATIVE_COPY", "KVTIER_PORTABLE_COPY", "KVTIER_CACHE_DIR"}
+    {
+        _ENV_CONFIG_FILE,
+        "KVTIER_NATIVE_COPY",
+        "KVTIER_PORTABLE_COPY",
+        "KVTIER_CACHE_DIR",
+        "KVTIER_VENV",
+        "KVTIER_WITH_VLLM",
+    }
 )
 _VLLM_SOURCE: Final = "vLLM kv_connector_extra_config"
 _DIRECT_SOURCE: Final = "KVTierConfig()"
@@ -55,6 +63,10 @@ class _Invalid(Exception):
         self.expected = expected
 
 
+class _TooLarge(_Invalid):
+    """A value of the right kind beyond `_MAX_INT`; `_optional` keeps its message as is."""
+
+
 _SIZE_UNITS: Final = {
     "b": 1,
     "kb": 10**3,
@@ -66,8 +78,12 @@ _SIZE_UNITS: Final = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_SIZE_RE: Final = re.compile(r"(\d+(?:\.\d+)?)\s*([a-z]*)")
-_INT_RE: Final = re.compile(r"\+?\d+(?:_\d+)*")
+# [0-9], not \d: \d also matches other scripts' digits ("١٢"), which int() and Fraction() read.
+_SIZE_RE: Final = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([a-z]*)")
+_INT_RE: Final = re.compile(r"\+?[0-9]+(?:_[0-9]+)*")
+# Counts and sizes end up as int64 (numpy/torch sizes, slot indices): a larger value would pass
+# here and fail later with OverflowError ("cannot fit 'int' into an index-sized integer").
+_MAX_INT: Final = 2**63 - 1
 _NONE_WORDS: Final = frozenset({"none", "null"})
 _TRUE_WORDS: Final = frozenset({"1", "true", "yes", "on"})
 _FALSE_WORDS: Final = frozenset({"0", "false", "no", "off"})
@@ -95,7 +111,13 @@ def parse_size(value: str | int | np.integer[Any]) -> int:
             "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '64GiB' or '512MB'"
         )
     number, unit = match.groups()
-    size = Fraction(number) * _SIZE_UNITS[unit or "b"]
+    try:
+        size = Fraction(number) * _SIZE_UNITS[unit or "b"]
+    except ValueError:  # more digits than int() reads (sys.get_int_max_str_digits())
+        raise ValueError(
+            f"size {value[:20]!r}... has {len(number)} digits, too many for a byte size; "
+            "expected e.g. '64GiB' or '512MB'"
+        ) from None
     if size.denominator != 1:
         raise ValueError(f"size {value!r} is not a whole number of bytes ({float(size)})")
     return int(size)
@@ -108,15 +130,18 @@ def _parse_int(raw: object, minimum: int, expected: str) -> int:
         try:
             value = int(raw.strip())
         except ValueError:  # more digits than int() reads (sys.get_int_max_str_digits())
+            raise _TooLarge(f"{expected} up to 2**63-1") from None
+    else:
+        try:
+            # Any integer scalar (numpy's too, as a plain int); not a bool, a float or an array.
+            value = checked_int("value", raw, minimum)
+        except ValueError:
             raise _Invalid(expected) from None
-        if value < minimum:
-            raise _Invalid(expected)
-        return value
-    try:
-        # Any integer scalar (numpy's too, as a plain int); not a bool, a float or an array.
-        return checked_int("value", raw, minimum)
-    except ValueError:
-        raise _Invalid(expected) from None
+    if value < minimum:
+        raise _Invalid(expected)
+    if value > _MAX_INT:
+        raise _TooLarge(f"{expected} up to 2**63-1")
+    return value
 
 
 def _int_parser(minimum: int) -> Callable[[object], int]:
@@ -127,7 +152,10 @@ def _int_parser(minimum: int) -> Callable[[object], int]:
 def _parse_coalesce_depth(raw: object) -> int:
     # cudaengine.c's KVT_DEPTH_MAX; not imported, so that the config never loads torch.
     expected = "an integer from 0 (off) to 8"
-    value = _parse_int(raw, 0, expected)
+    try:
+        value = _parse_int(raw, 0, expected)
+    except _TooLarge:
+        raise _Invalid(expected) from None
     if value > 8:
         raise _Invalid(expected)
     return value
@@ -160,6 +188,8 @@ def _optional(parse: Callable[[object], Any], expected: str) -> Callable[[object
             return None
         try:
             return parse(raw)
+        except _TooLarge:
+            raise
         except _Invalid:
             raise _Invalid(f"{expected}, or null") from None
 
@@ -176,6 +206,8 @@ def _parse_cpu_bytes(raw: object) -> int:
         raise _Invalid(expected) from None
     if value < 1:
         raise _Invalid(expected)
+    if value > _MAX_INT:
+        raise _TooLarge(f"{expected}, up to 2**63-1 bytes (8EiB)")
     return value
 
 
@@ -324,6 +356,8 @@ class KVTierConfig:
         `KVTIER_CONFIG` variable of `env` is read, if any. `env=None` ignores the environment.
         """
         layers: list[tuple[dict[str, Any], str]] = []
+        if env is not None:
+            _check_mapping(env, "env")
         if file is None and env is not None and env.get(_ENV_CONFIG_FILE):
             file = env[_ENV_CONFIG_FILE]
         if file is not None:
@@ -331,13 +365,13 @@ class KVTierConfig:
         if env is not None:
             layers.append(_env_layer(env))
         if overrides is not None:
-            layers.append((dict(overrides), "overrides"))
+            layers.append((dict(_check_mapping(overrides, "overrides")), "overrides"))
         return cls._build(layers)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> KVTierConfig:
         """Build a config from defaults < `d` (kvtier field names only)."""
-        return cls._build([(dict(d), "dict")])
+        return cls._build([(dict(_check_mapping(d, "from_dict()")), "dict")])
 
     @classmethod
     def from_vllm_extra_config(cls, extra: Mapping[str, Any]) -> KVTierConfig:
@@ -347,6 +381,7 @@ class KVTierConfig:
         `block_size`) and kvtier's field names are both accepted; vLLM's `spec_name` and
         `spec_module_path` (which pick the spec class) are ignored; any other key is an error.
         """
+        _check_mapping(extra, _VLLM_SOURCE)
         mapped: dict[str, Any] = {}
         labels: dict[str, str] = {}
         module_path = None
@@ -417,6 +452,17 @@ class KVTierConfig:
                 "expected them to agree (set only one of them)"
             )
         return blocks
+
+
+def _check_mapping(layer: object, source: str) -> Mapping[Any, Any]:
+    # A JSON string or None where a dict belongs (e.g. an unparsed kv_connector_extra_config)
+    # would otherwise end in AttributeError: 'str' object has no attribute 'items'.
+    if not isinstance(layer, Mapping):
+        raise ConfigError(
+            f"{source} is {layer!r:.80} of type {type(layer).__name__}; "
+            "expected a mapping of setting names to values (a dict)"
+        )
+    return layer
 
 
 def _parse_value(parse: Callable[[object], Any], raw: object, label: str, source: str) -> Any:

@@ -11,8 +11,8 @@ is never used: it changes with `PYTHONHASHSEED`.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
-from typing import Final, TypeAlias
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Final, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -90,8 +90,9 @@ def encode_extra_keys(keys: ExtraKeys | None) -> bytes:
             # bytes(), not iteration: bytearray(b"ab") is one bytes key, never the ints 97, 98.
             parts.append(_len_prefixed(_TAG_BYTES, bytes(key)))
         else:
-            # Decimal text gives every int, however large or negative, one encoding.
-            parts.append(_len_prefixed(_TAG_INT, _decimal(key)))
+            # Decimal text gives every int, however large or negative, one encoding. int() first:
+            # str() of an int subclass may be its own (`class E(int, Enum)` gives "E.A").
+            parts.append(_len_prefixed(_TAG_INT, _decimal(int(key))))
     return b"".join(parts)
 
 
@@ -122,14 +123,44 @@ def _as_token_array(token_ids: Sequence[int] | npt.NDArray[np.integer]) -> npt.N
         raise ValueError(f"token_ids has shape {arr.shape}; expected a 1-D sequence")
     if arr.size == 0:
         return np.empty(0, dtype=_TOKEN_DTYPE)
-    if not np.issubdtype(arr.dtype, np.integer):
-        # object dtype: ints beyond int64, or mixed types.
-        raise TypeError(f"token_ids has dtype {arr.dtype}; expected integer token ids 0..2**32-1")
+    is_array = isinstance(token_ids, np.ndarray) or hasattr(token_ids, "__array__")
+    if not is_array and arr.dtype.kind in "iu":
+        # asarray turns [True, 2] into int64 [1, 2]: a flag would hash as token 1. One pass over
+        # the element types in C, far cheaper than the conversion itself.
+        types = set(map(type, token_ids))
+        if bool in types or np.bool_ in types:
+            _refuse_token(token_ids, arr.dtype)
+    elif not np.issubdtype(arr.dtype, np.integer):
+        if not is_array:
+            # float64 or object from a list: a float or str among the ids, an int beyond
+            # uint64, or ints numpy cannot hold in one dtype ([np.uint64(1), np.int64(2)]).
+            _refuse_token(token_ids, arr.dtype)
+            arr = np.array([int(t) for t in token_ids], dtype=_TOKEN_DTYPE)
+        else:
+            raise TypeError(
+                f"token_ids has dtype {arr.dtype}; expected integer token ids 0..2**32-1"
+            )
     lo, hi = int(arr.min()), int(arr.max())
     if lo < 0 or hi > _MAX_TOKEN:
         bad = lo if lo < 0 else hi
         raise ValueError(f"token id {bad} is out of range; expected 0..{_MAX_TOKEN}")
     return arr.astype(_TOKEN_DTYPE, copy=False)
+
+
+def _refuse_token(token_ids: Iterable[object], dtype: np.dtype[Any]) -> None:
+    """Raise `TypeError` naming the first element of `token_ids` that is not a token id in
+    0..2**32-1 (a bool, a float, a str, an int out of range); return if there is none."""
+    for i, tok in enumerate(token_ids):
+        if isinstance(tok, (bool, np.bool_)) or not isinstance(tok, (int, np.integer)):
+            why = f"a {type(tok).__name__}"
+        elif not 0 <= tok <= _MAX_TOKEN:
+            why = "out of range"
+        else:
+            continue
+        raise TypeError(
+            f"token_ids[{i}]={tok!r} is {why} (token_ids as an array has dtype {dtype}); "
+            f"expected integer token ids 0..{_MAX_TOKEN}"
+        )
 
 
 class BlockHasher:
@@ -138,7 +169,10 @@ class BlockHasher:
     `algorithm` is `"sha256"` (32-byte hashes, the default) or `"xxh3_128"` (16-byte hashes,
     faster; needs `pip install kvtier[xxhash]`). `namespace` (e.g. the model name and
     revision; a `str` is UTF-8 encoded) seeds the root hash, so hashers with different
-    namespaces never produce the same hash. Token ids must lie in 0..2**32-1.
+    namespaces never produce the same hash. Token ids must be ints (numpy and torch integer
+    arrays included; bools and floats are refused) in 0..2**32-1. The hasher does not know the
+    model's vocabulary: an id past it but below 2**32 hashes like any other, and is left to
+    the engine's embedding lookup to refuse.
     """
 
     __slots__ = ("_digest", "algorithm", "block_size", "digest_size", "namespace", "root_hash")
