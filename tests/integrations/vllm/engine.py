@@ -192,6 +192,15 @@ class Engine:
         self.scheduler.add_request(request)
         return request
 
+    def kvtier_worker(self) -> Any:
+        """kvtier's worker half: the worker connector's own, or that of the KVTierConnector
+        inside a MultiConnector."""
+        w = self.worker
+        for c in [w, *getattr(w, "sub_connectors", ())]:
+            if getattr(c, "worker_side", None) is not None:
+                return c.worker_side
+        raise AssertionError("no KVTierConnector on the worker side")
+
     def step(self, settle: bool = True) -> Any:
         """One engine step: schedule, run the worker side, feed the output back.
 
@@ -201,7 +210,7 @@ class Engine:
         """
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-        earlier = list(self.worker.worker_side._jobs) if self.worker is not None else []
+        earlier = list(self.kvtier_worker()._jobs) if self.worker is not None else []
         so = self.scheduler.schedule()
         kv_out = KVConnectorOutput()
         if self.worker is not None:
@@ -213,7 +222,7 @@ class Engine:
         if self.worker is not None:
             w.wait_for_save()
             if settle and earlier:
-                w.worker_side.transfer.wait(earlier)
+                self.kvtier_worker().transfer.wait(earlier)
             res = w.get_transfer_results(so.finished_req_ids)
             kv_out.finished_sending = res.finished_sending
             kv_out.finished_recving = res.finished_recving

@@ -10,6 +10,7 @@ the worker role kvtier's transfer engine (worker_side). docs/vllm.md is the user
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -249,3 +250,18 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         """Empty kvtier's host tier (transfers in flight finish harmlessly)."""
         self._scheduler().reset_cache()
         return True
+
+
+def _register() -> None:
+    """Put KVTierConnector in vLLM's connector registry. A `MultiConnector` front end rebuilds
+    each child's stats by class name (`get_connector_class_by_name`), which finds only
+    registered connectors; it imports this module first, through the child's
+    `kv_connector_module_path`, when it builds its Prometheus metrics."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    name = KVTierConnector.__name__
+    with contextlib.suppress(ValueError):  # "already registered": imported before
+        KVConnectorFactory.register_connector(name, __name__, name)
+
+
+_register()

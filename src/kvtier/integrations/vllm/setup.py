@@ -26,11 +26,29 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
 
-def _group_page_bytes(group: KVCacheGroupSpec) -> int:
+def _layer_pages(kv_cache_config: KVCacheConfig) -> dict[str, int]:
+    """Each layer's page bytes as its `KVCacheTensor` places it: the smaller of its strides
+    (layer-outer: `block_stride`; block-outer: `layer_stride`), or `block_stride` alone."""
+    pages: dict[str, int] = {}
+    for t in kv_cache_config.kv_cache_tensors:
+        stride = min(t.layer_stride, t.block_stride) if t.layer_stride > 0 else t.block_stride
+        for name in t.layers:
+            pages[name] = int(stride)
+    return pages
+
+
+def _group_page_bytes(group: KVCacheGroupSpec, layer_pages: dict[str, int]) -> int:
     """Bytes of one device block across the group's layers (vLLM's own page accounting)."""
     spec = group.kv_cache_spec
     if isinstance(spec, UniformTypeKVCacheSpecs):
         return int(spec.page_size_bytes)
+    pages = [layer_pages.get(name) for name in group.layer_names]
+    if len(set(pages)) > 1 and None not in pages:
+        # The scheduler's copy of a group whose layers differ in page size (a worker's
+        # UniformTypeKVCacheSpecs): vLLM keeps one layer's spec for it
+        # (generate_scheduler_kv_cache_config), so that spec times the layer count would
+        # size the host tier for other pages than the workers hold. The tensors still tell.
+        return sum(p for p in pages if p is not None)
     return int(spec.page_size_bytes) * len(group.layer_names)
 
 
@@ -153,7 +171,8 @@ def resolve_setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Vl
                 f"such as {(blocks + 1) * tokens_per_block}; or set blocks_per_chunk instead"
             )
     blocks_per_chunk = config.resolve_blocks_per_chunk(tokens_per_block)
-    page_bytes = tuple(_group_page_bytes(g) for g in groups)
+    layer_pages = _layer_pages(kv_cache_config)
+    page_bytes = tuple(_group_page_bytes(g, layer_pages) for g in groups)
     slot_bytes = blocks_per_chunk * max(page_bytes)
     if config.num_slots is not None:
         num_slots = config.num_slots

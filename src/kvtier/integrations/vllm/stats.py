@@ -28,7 +28,10 @@ from kvtier.base import ManagerStats
 # Counter name -> Prometheus help text. Every value is a count (or seconds) since the last
 # interval; the front end sums intervals and workers.
 COUNTERS: dict[str, str] = {
-    "loaded_tokens": "Prompt tokens kvtier offered from its host tier and vLLM loaded",
+    "loaded_tokens": (
+        "Prompt tokens kvtier offered from its host tier and vLLM planned to load instead of "
+        "computing, including loads that then failed"
+    ),
     "loaded_bytes": "Bytes copied host to device by successful load jobs, summed over workers",
     "stored_bytes": "Bytes copied device to host by successful store jobs, summed over workers",
     "load_seconds": "Copy time of successful load jobs, summed over workers",
