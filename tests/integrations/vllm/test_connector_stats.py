@@ -7,9 +7,12 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install 'kvtier[vllm]')", allow_module_level=True)
@@ -28,20 +31,14 @@ from test_vllm import (
 __all__ = ["vllm_loaded"]  # the module-scoped fixture, shared with test_vllm
 
 
-def test_counters_reach_vllms_log_line_and_prometheus(vllm_loaded: None) -> None:
+def through_vllm_loggers(config: Any, payloads: list[Any]) -> tuple[CollectorRegistry, list[str]]:
+    """Feed stats payloads to vLLM's own Prometheus exporter (a private registry) and log
+    line; the registry and the lines logged."""
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorLogging,
         KVConnectorProm,
     )
-
-    engine = make_engine("KVTierConnector", EXTRA)
-    side = kvtier_side(engine)
-    store_a_then_forget_on_device(engine)
-    engine.add("b", [*PROMPT, 5])
-    engine.run_until(["b"])
-    payloads = [s.kv_connector_stats for s in engine.stats if s.kv_connector_stats]
-    assert len(payloads) >= 2  # one interval per step that moved a counter
 
     registry = CollectorRegistry()
 
@@ -50,7 +47,6 @@ def test_counters_reach_vllms_log_line_and_prometheus(vllm_loaded: None) -> None
         _counter_cls = staticmethod(lambda **kw: Counter(registry=registry, **kw))  # type: ignore[assignment]
         _histogram_cls = staticmethod(lambda **kw: Histogram(registry=registry, **kw))  # type: ignore[assignment]
 
-    config = engine.scheduler.vllm_config
     prom = Prom(config, ["model_name", "engine"], {0: ["tiny", "0"]})
     logging = KVConnectorLogging(config.kv_transfer_config)
     for data in payloads:
@@ -58,6 +54,19 @@ def test_counters_reach_vllms_log_line_and_prometheus(vllm_loaded: None) -> None
         logging.observe(data)
     lines: list[str] = []
     logging.log(lambda fmt, *args: lines.append(fmt % args))  # type: ignore[no-untyped-call]
+    return registry, lines
+
+
+def test_counters_reach_vllms_log_line_and_prometheus(vllm_loaded: None) -> None:
+    engine = make_engine("KVTierConnector", EXTRA)
+    side = kvtier_side(engine)
+    store_a_then_forget_on_device(engine)
+    engine.add("b", [*PROMPT, 5])
+    engine.run_until(["b"])
+    payloads = [s.kv_connector_stats for s in engine.stats if s.kv_connector_stats]
+    assert len(payloads) >= 2  # one interval per step that moved a counter
+
+    registry, lines = through_vllm_loggers(engine.scheduler.vllm_config, payloads)
 
     # Everything the tier did over the run, from its own counters.
     block_bytes = sum(t[0].numel() * t.element_size() for t in engine.kv_caches.values())

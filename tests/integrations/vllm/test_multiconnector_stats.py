@@ -22,6 +22,7 @@ if importlib.util.find_spec("vllm") is None:
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine import make_engine
+from test_connector_stats import through_vllm_loggers
 from test_vllm import EXTRA, MODULE, PROMPT, store_a_then_forget_on_device, vllm_loaded
 
 __all__ = ["vllm_loaded"]  # the module-scoped fixture, shared with test_vllm
@@ -41,12 +42,6 @@ MULTI_EXTRA: dict[str, Any] = {
 
 
 def test_counters_through_a_multiconnector_reach_vllms_loggers(vllm_loaded: None) -> None:
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-        KVConnectorLogging,
-        KVConnectorProm,
-    )
-
     engine = make_engine("MultiConnector", MULTI_EXTRA, module_path=None)
     store_a_then_forget_on_device(engine)
     engine.add("b", [*PROMPT, 5])
@@ -56,21 +51,7 @@ def test_counters_through_a_multiconnector_reach_vllms_loggers(vllm_loaded: None
     payloads = [p for p in payloads if p]
     assert payloads and all(set(p) == {"KVTierConnector"} for p in payloads)
 
-    registry = CollectorRegistry()
-
-    class Prom(KVConnectorProm):
-        _gauge_cls = staticmethod(lambda **kw: Gauge(registry=registry, **kw))  # type: ignore[assignment]
-        _counter_cls = staticmethod(lambda **kw: Counter(registry=registry, **kw))  # type: ignore[assignment]
-        _histogram_cls = staticmethod(lambda **kw: Histogram(registry=registry, **kw))  # type: ignore[assignment]
-
-    config = engine.scheduler.vllm_config
-    prom = Prom(config, ["model_name", "engine"], {0: ["tiny", "0"]})
-    logging = KVConnectorLogging(config.kv_transfer_config)
-    for data in payloads:
-        prom.observe(data)
-        logging.observe(data)
-    lines: list[str] = []
-    logging.log(lambda fmt, *args: lines.append(fmt % args))  # type: ignore[no-untyped-call]
+    registry, lines = through_vllm_loggers(engine.scheduler.vllm_config, payloads)
 
     side = engine.scheduler.connector.sub_connectors[0].scheduler_side
     labels = {"model_name": "tiny", "engine": "0"}
