@@ -93,3 +93,10 @@ class LibWith:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.real, name)
+
+
+def random_ids(n: int, seed: int, vocab: int) -> Any:
+    """`n` seeded random token ids below `vocab`, as a 1-D int64 tensor."""
+    import torch
+
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))

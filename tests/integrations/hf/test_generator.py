@@ -8,11 +8,14 @@ Byte-exactness of loads is checked in test_e2e.py.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
 import numpy as np
 import pytest
+
+from helpers import random_ids
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -31,8 +34,7 @@ def model() -> Any:
     return make_demo_model("qwen2", seed=2)[0]
 
 
-def _ids(n: int, seed: int) -> Any:
-    return torch.randint(0, 2048, (n,), generator=torch.Generator().manual_seed(seed))
+_ids = functools.partial(random_ids, vocab=2048)
 
 
 def _assert_matches_recompute(model: Any, prompt: Any, result: GenerationResult) -> None:

@@ -8,12 +8,13 @@ held, and the same prompt runs again with the same tokens as recompute.
 
 from __future__ import annotations
 
+import functools
 import signal
 from typing import Any
 
 import pytest
 
-from helpers import assert_generator_clean
+from helpers import assert_generator_clean, random_ids
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -33,8 +34,7 @@ def model() -> Any:
     return make_demo_model("llama", seed=4, **SMALL)[0]
 
 
-def _ids(n: int, seed: int) -> Any:
-    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed))
+_ids = functools.partial(random_ids, vocab=512)
 
 
 def _assert_matches_recompute(model: Any, gen: KVTierGenerator, prompt: Any) -> int:

@@ -22,7 +22,7 @@ import operator
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -36,7 +36,12 @@ from kvtier.connector import OffloadingScheduler, OffloadingWorker, StepMetadata
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.hashing import BlockHasher
 from kvtier.integrations.hf.paged_cache import PagedKVBuffer
-from kvtier.integrations.hf.prefix import generate_greedy, input_vocab_size
+from kvtier.integrations.hf.prefix import (
+    generate_greedy,
+    input_vocab_size,
+    learned_position_rows,
+    rope_switch_length,
+)
 from kvtier.transfer import FaultInjector, HostPool, make_transfer_worker
 
 __all__ = ["GenerationResult", "GeneratorStats", "KVTierGenerator"]
@@ -114,6 +119,12 @@ def _prompt_ids(prompt: Sequence[int] | torch.Tensor) -> torch.Tensor:
         raise _unconvertible(prompt) from None
     if isinstance(prompt, (list, tuple)) and any(isinstance(t, bool) for t in prompt):
         raise _unconvertible(prompt)  # torch reads [5, True] as the ids 5, 1
+    if ids.ndim == 0:
+        # generate([5, 7]) would otherwise run each id as a one-token prompt.
+        raise ValueError(
+            f"prompt is the single token id {prompt!r:.40}; expected one prompt's token ids, "
+            "a list or a 1-D or (1, seq_len) tensor"
+        )
     if ids.numel() == 0:
         raise ValueError("prompt is empty; expected at least one token id")
     if ids.ndim > 2 or (ids.ndim == 2 and ids.shape[0] != 1):
@@ -150,6 +161,25 @@ def _non_causal_attention(model: Any) -> str | None:
     for name, module in root.named_modules():
         if getattr(module, "is_causal", None) is False:
             return f"{name or type(root).__name__} ({type(module).__name__})"
+    return None
+
+
+def _active_dropout(model: Any) -> str | None:
+    """The first module that drops activations at random as the model runs now, if any.
+
+    A model built from a config (not `from_pretrained`) is in training mode, and GPT-2's
+    dropout (0.1) is then active: its KV would be noise, stored for every later prompt with
+    the same prefix to load."""
+    if not getattr(model, "training", False):
+        return None
+    for name, module in model.named_modules():
+        if not module.training:
+            continue
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            return f"{name} ({type(module).__name__}, p={module.p})"
+        rate = getattr(module, "attention_dropout", None)  # sdpa's dropout_p in training
+        if isinstance(rate, float) and rate > 0:
+            return f"{name} (attention_dropout={rate})"
     return None
 
 
@@ -288,6 +318,8 @@ class KVTierGenerator:
         self._req_ids = itertools.count()
         self._closed = False
         self._vocab_size = input_vocab_size(model)
+        self._learned_positions = learned_position_rows(model)
+        self._rope_switch = rope_switch_length(model)
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -296,29 +328,7 @@ class KVTierGenerator:
     ) -> GenerationResult:
         """Generate for one prompt: load its cached prefix, prefill the rest, store new blocks."""
         start = time.perf_counter()
-        if self._closed:
-            # Its transfer worker is gone: every load and store would fail, one logged error
-            # each, and the generator would quietly recompute everything.
-            raise RuntimeError("this KVTierGenerator is closed; create a new one to generate")
-        ids = _prompt_ids(prompt)
-        vocab = self._vocab_size
-        if vocab is not None and (int(ids.max()) >= vocab or int(ids.min()) < 0):
-            # The embedding lookup would fail inside the model: on CUDA a device-side assert
-            # that leaves the context unusable, on the CPU an IndexError naming neither.
-            pos = int(torch.nonzero((ids >= vocab) | (ids < 0))[0, 0])
-            raise IndexError(
-                f"token id {int(ids[pos])} at position {pos} is not in the model's vocabulary "
-                f"(index out of range of its {vocab}-row input embedding); expected "
-                f"0..{vocab - 1}"
-            )
-        max_new_tokens = checked_int("max_new_tokens", max_new_tokens)
-        # The cache ends up holding the prompt and every new token but the last.
-        need = -(-(ids.numel() + max_new_tokens - 1) // self.block_size)
-        if need > self.max_blocks:
-            raise ValueError(
-                f"prompt of {ids.numel()} tokens + {max_new_tokens} new needs {need} blocks; "
-                f"the page buffer holds {self.max_blocks}"
-            )
+        ids, max_new_tokens, need = self._checked(prompt, max_new_tokens)
         # Ctrl-C is held back outside the model's forward passes: see _HeldInterrupts.
         with _HeldInterrupts() as held:
             req_id = f"hf-{next(self._req_ids)}"
@@ -392,9 +402,25 @@ class KVTierGenerator:
         return GenerationResult(out.tokens[0], out.logits[0], hit, out.prefill_tokens, ttft)
 
     def generate(
-        self, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int
+        self, prompts: Iterable[Sequence[int] | torch.Tensor], max_new_tokens: int
     ) -> list[GenerationResult]:
-        """`generate_one` for each prompt in order (a later prompt may reuse an earlier one's)."""
+        """`generate_one` for each prompt in order (a later prompt may reuse an earlier one's).
+
+        Every prompt is checked before the first runs, so a bad one changes nothing; a flat
+        list of ids is refused (each id would otherwise run as a one-token prompt)."""
+        if isinstance(prompts, torch.Tensor) and prompts.ndim < 2:
+            raise ValueError(
+                f"prompts is a tensor of shape {tuple(prompts.shape)}; expected a list of "
+                "prompts or a (batch, seq_len) tensor (for one prompt call generate_one)"
+            )
+        prompts = list(prompts)  # checked, then run: an iterator would be used up
+        for i, p in enumerate(prompts):
+            try:
+                self._checked(p, max_new_tokens)
+            except (TypeError, ValueError, IndexError) as e:
+                if type(e) not in (TypeError, ValueError, IndexError):
+                    raise  # a subclass may take other arguments: keep it as it is
+                raise type(e)(f"prompts[{i}]: {e}") from None
         return [self.generate_one(p, max_new_tokens) for p in prompts]
 
     def flush(self) -> None:
@@ -419,6 +445,62 @@ class KVTierGenerator:
         self.close()
 
     # -- plumbing -----------------------------------------------------------------------------
+
+    def _checked(
+        self, prompt: Sequence[int] | torch.Tensor, max_new_tokens: int
+    ) -> tuple[torch.Tensor, int, int]:
+        """The prompt's ids, `max_new_tokens` and the blocks the request needs, or the error a
+        prompt the generator cannot run gets before any work."""
+        if self._closed:
+            # Its transfer worker is gone: every load and store would fail, one logged error
+            # each, and the generator would quietly recompute everything.
+            raise RuntimeError("this KVTierGenerator is closed; create a new one to generate")
+        ids = _prompt_ids(prompt)
+        dropout = _active_dropout(self.model)
+        if dropout is not None:
+            raise ValueError(
+                f"the model is in training mode and {dropout} drops activations at random: "
+                "its KV would not be reproducible, and kvtier would store it for later prompts; "
+                "expected model.eval()"
+            )
+        vocab = self._vocab_size
+        if vocab is not None and (int(ids.max()) >= vocab or int(ids.min()) < 0):
+            # The embedding lookup would fail inside the model: on CUDA a device-side assert
+            # that leaves the context unusable, on the CPU an IndexError naming neither.
+            pos = int(torch.nonzero((ids >= vocab) | (ids < 0))[0, 0])
+            raise IndexError(
+                f"token id {int(ids[pos])} at position {pos} is not in the model's vocabulary "
+                f"(index out of range of its {vocab}-row input embedding); expected "
+                f"0..{vocab - 1}"
+            )
+        max_new_tokens = checked_int("max_new_tokens", max_new_tokens)
+        # The cache ends up holding the prompt and every new token but the last, whose
+        # positions are the highest the model runs.
+        length = ids.numel() + max_new_tokens - 1
+        need = -(-length // self.block_size)
+        if need > self.max_blocks:
+            raise ValueError(
+                f"prompt of {ids.numel()} tokens + {max_new_tokens} new needs {need} blocks; "
+                f"the page buffer holds {self.max_blocks}"
+            )
+        if self._learned_positions is not None and length > self._learned_positions[1]:
+            name, rows = self._learned_positions
+            raise ValueError(
+                f"prompt of {ids.numel()} tokens + {max_new_tokens} new runs positions up to "
+                f"{length - 1}, but the model's position embedding {name} has {rows}; expected "
+                f"prompt + max_new_tokens - 1 <= {rows} (max_position_embeddings)"
+            )
+        if self._rope_switch is not None and length > self._rope_switch[1]:
+            rope_type, limit = self._rope_switch
+            # Past it the model recomputes every K at other frequencies: KV loaded from a
+            # shorter prompt would not be what recompute gives (and vice versa).
+            raise ValueError(
+                f"prompt of {ids.numel()} tokens + {max_new_tokens} new runs positions up to "
+                f"{length - 1}, past the {limit} at which the model's {rope_type!r} RoPE "
+                "changes its frequencies, so its KV would depend on more than its prefix; "
+                f"expected prompt + max_new_tokens - 1 <= {limit}"
+            )
+        return ids, max_new_tokens, need
 
     _last_failed_loads: frozenset[str] = frozenset()
 

@@ -14,6 +14,7 @@ ragged prompts run one batch per prompt; `kvtier.integrations.hf.generator` does
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,13 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLa
 
 from kvtier.base import checked_int
 
-__all__ = ["GreedyOutput", "generate_greedy", "prefill"]
+__all__ = [
+    "GreedyOutput",
+    "generate_greedy",
+    "learned_position_rows",
+    "prefill",
+    "rope_switch_length",
+]
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,81 @@ def input_vocab_size(model: Any) -> int | None:
         return None
     rows = getattr(embeddings, "num_embeddings", None)
     return rows if isinstance(rows, int) else None
+
+
+def learned_position_rows(model: Any) -> tuple[str, int] | None:
+    """The model's learned absolute position embedding (GPT-2's `wpe`, OPT's
+    `embed_positions`) and how many positions it has rows for, if it has one.
+
+    A position past its rows fails inside the model as a bare "index out of range" (on CUDA a
+    device-side assert that leaves the context unusable). Rotary and ALiBi models have none."""
+    inputs = None
+    with contextlib.suppress(AttributeError, NotImplementedError):
+        inputs = model.get_input_embeddings()
+    # The decoder only: a multimodal model's vision tower has patch position embeddings.
+    root = model
+    with contextlib.suppress(AttributeError, NotImplementedError, TypeError):
+        decoder = model.get_decoder()
+        if isinstance(decoder, torch.nn.Module):
+            root = decoder
+    for name, module in root.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        if (
+            isinstance(module, torch.nn.Embedding)
+            and module is not inputs
+            and (last == "wpe" or "pos" in last)
+        ):
+            offset = getattr(module, "offset", 0)  # OPT and BioGPT skip their first 2 rows
+            return name, module.num_embeddings - (offset if isinstance(offset, int) else 0)
+    return None
+
+
+def rope_switch_length(model: Any) -> tuple[str, int] | None:
+    """A RoPE type whose frequencies change with the sequence length, and the longest
+    sequence (highest position + 1) that still runs at the original frequencies.
+
+    transformers' "dynamic" RoPE rescales once a forward pass reaches a position past
+    `max_position_embeddings` (and keeps that scale, model state, until a shorter pass), and
+    "longrope" switches to its long factors past `original_max_position_embeddings`. Either
+    way a token's K depends on the longest position of the pass that computed it, not only on
+    its prefix: KV stored from a short prompt is not what a long prompt's prefill computes."""
+    found: tuple[str, int] | None = None
+    for module in model.modules():
+        rope_type = getattr(module, "rope_type", None)
+        # One type per layer type (Gemma 3's sliding and full layers) or one for all.
+        per_layer = rope_type if isinstance(rope_type, dict) else {None: rope_type}
+        config = getattr(module, "config", None) or getattr(model, "config", None)
+        params = getattr(config, "rope_parameters", None)
+        for layer_type, kind in per_layer.items():
+            if kind == "dynamic":
+                # Rescales past the length it was built for (its `original_max_seq_len`).
+                limit = getattr(module, "original_max_seq_len", None)
+                if not isinstance(limit, int):
+                    limit = getattr(config, "max_position_embeddings", None)
+            elif kind == "longrope":
+                # Switches factors past `original_max_position_embeddings` (not past
+                # `max_position_embeddings`: longer prompts stay on the long factors).
+                p = params.get(layer_type) if layer_type is not None and params else params
+                limit = p.get("original_max_position_embeddings") if isinstance(p, dict) else None
+            else:
+                continue
+            if isinstance(limit, int) and (found is None or limit < found[1]):
+                found = (kind, limit)
+    return found
+
+
+def _check_positions(model: Any, seq_len: int, max_new_tokens: int) -> None:
+    """Refuse, before the model runs, positions past a learned position embedding's rows."""
+    learned = learned_position_rows(model)
+    # The last new token is never fed back: positions 0..seq_len + max_new_tokens - 2 run.
+    needed = seq_len + max_new_tokens - 1
+    if learned is not None and needed > learned[1]:
+        name, rows = learned
+        raise ValueError(
+            f"a prompt of {seq_len} tokens + {max_new_tokens} new runs positions up to "
+            f"{needed - 1}, but the model's position embedding {name} has {rows} positions; "
+            f"expected prompt + max_new_tokens - 1 <= {rows} (max_position_embeddings)"
+        )
 
 
 def _check_cache_fits(model: Any, cache: Cache, batch: int) -> None:
@@ -153,6 +235,7 @@ def prefill(
     (the recompute path).
     """
     _check_ids(model, input_ids)
+    _check_positions(model, input_ids.shape[1], 1)
     if cache is None:
         cache = DynamicCache(config=model.config)
     else:
@@ -185,6 +268,8 @@ def generate_greedy(
     `max_new_tokens`). See `prefill` for what `cache` must hold.
     """
     max_new_tokens = checked_int("max_new_tokens", max_new_tokens)
+    _check_ids(model, input_ids)
+    _check_positions(model, input_ids.shape[1], max_new_tokens)
     logits, cache, ran = prefill(model, input_ids, cache)
     if logits.device.type == "cuda":
         # Kernels run asynchronously: without this wait the time would be when the prefill
