@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import pytest
 
-from kvtier.base import OffloadKey, make_offload_key
+from kvtier.base import OffloadKey, ReqContext, TransferResult, make_offload_key
 
 
 def key(i: int, group: int = 0) -> OffloadKey:
@@ -100,3 +100,71 @@ def random_ids(n: int, seed: int, vocab: int) -> Any:
     import torch
 
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+class FakeTransfer:
+    """A transfer backend for the worker half's tests: `submit_store` and `submit_load` call
+    `_submit(job_id)`, which a test subclass defines; results are what it puts in `done`."""
+
+    def __init__(self) -> None:
+        self.done: list[TransferResult] = []
+
+    def _submit(self, job_id: int) -> None:
+        raise NotImplementedError
+
+    def submit_store(self, job_id: int, device_blocks: Any, slots: Any, group: int = 0) -> None:
+        self._submit(job_id)
+
+    def submit_load(
+        self, job_id: int, slots: Any, device_blocks: Any, group: int = 0, skip_blocks: int = 0
+    ) -> None:
+        self._submit(job_id)
+
+    def get_finished(self) -> list[TransferResult]:
+        done, self.done = self.done, []
+        return done
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        pass
+
+    def holds(self, job_id: int) -> bool:
+        return any(r.job_id == job_id for r in self.done)
+
+
+def run_reports(name: str, ops: list[tuple[str, list[int], int]], repeat: bool) -> list[object]:
+    """Drive a policy as the manager does; with `repeat`, each use is reported again by the
+    same request right after (the connector's second report). Returns what it evicted."""
+    from kvtier.policies import make_policy
+
+    policy = make_policy(name, 6)
+    held: set[object] = set()
+    out: list[object] = []
+    for op, ids, r in ops:
+        keys = [key(i) for i in ids]
+        ctx = ReqContext(f"r{r}")
+        if op == "store":
+            new = [k for k in dict.fromkeys(keys) if k not in held]
+            need = len(held) + len(new) - 6
+            victims = policy.evict(need, keys) if need > 0 else []
+            out.append(victims)
+            if victims is None:
+                continue
+            held.difference_update(victims)
+            policy.insert(new, ctx)
+            held.update(new)
+        elif op == "touch":
+            policy.touch(keys, ctx)
+            if repeat:
+                policy.touch(keys, ctx)
+        elif op == "load":
+            loaded = [k for k in dict.fromkeys(keys) if k in held]
+            policy.pin(loaded)
+            policy.unpin(loaded, ctx)
+            if repeat:
+                policy.touch(loaded, ctx)
+        else:
+            victims = policy.evict(min(len(ids), len(held)), ())
+            out.append(victims)
+            held.difference_update(victims or ())
+    out.append(policy.evict(len(held), ()))
+    return out

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
-import numpy.typing as npt
 import pytest
 
 from engine_sim import TOKENS_PER_BLOCK, Engine, Request, block_hashes
+from helpers import FakeTransfer
 from kvtier.base import LookupResult, ReqContext, TransferResult, make_offload_key
 from kvtier.connector import OffloadingScheduler, OffloadingWorker, StepProgress, TransferJob
 from kvtier.cpu import CPUOffloadingManager
@@ -265,48 +265,19 @@ def test_short_block_table_for_a_load_keeps_the_offer() -> None:
 # -- the worker half: a submission the transfer worker refuses -------------------------------
 
 
-class _RefusingBackend:
+class _RefusingBackend(FakeTransfer):
     """A transfer backend that refuses chosen job ids and finishes the others at once."""
 
     def __init__(self, refuse: set[int]) -> None:
+        super().__init__()
         self.refuse = refuse
         self.submitted: list[int] = []
-        self._done: list[TransferResult] = []
 
     def _submit(self, job_id: int) -> None:
         if job_id in self.refuse:
             raise RuntimeError(f"could not queue job {job_id} (out of memory)")
         self.submitted.append(job_id)
-        self._done.append(TransferResult(job_id, True))
-
-    def submit_store(
-        self,
-        job_id: int,
-        device_blocks: npt.NDArray[np.int64],
-        slots: npt.NDArray[np.int64],
-        group: int = 0,
-    ) -> None:
-        self._submit(job_id)
-
-    def submit_load(
-        self,
-        job_id: int,
-        slots: npt.NDArray[np.int64],
-        device_blocks: npt.NDArray[np.int64],
-        group: int = 0,
-        skip_blocks: int = 0,
-    ) -> None:
-        self._submit(job_id)
-
-    def get_finished(self) -> list[TransferResult]:
-        done, self._done = self._done, []
-        return done
-
-    def wait(self, job_ids: Iterable[int]) -> None:
-        pass
-
-    def holds(self, job_id: int) -> bool:
-        return any(r.job_id == job_id for r in self._done)
+        self.done.append(TransferResult(job_id, True))
 
 
 def test_refused_submission_is_a_failed_transfer_and_the_rest_still_run() -> None:

@@ -5,13 +5,13 @@ once."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection
 
 import numpy as np
-import numpy.typing as npt
 import pytest
 
 from engine_sim import block_hashes
+from helpers import FakeTransfer
 from kvtier.base import OffloadKey, ReqContext, TransferResult, get_offload_group_idx
 from kvtier.connector import OffloadingScheduler, OffloadingWorker, StepProgress
 from kvtier.cpu import CPUOffloadingManager
@@ -78,47 +78,24 @@ def test_a_pending_proof_chunk_does_not_hold_a_request_with_nothing_to_load() ->
     assert s.get_num_new_matched_tokens("c", TPB) is None
 
 
-class RaisesAfterQueueing:
+class RaisesAfterQueueing(FakeTransfer):
     """A transfer backend whose submit raises after it queued the job (an exception from a
     logging handler, say), as the `TransferBackend.holds` protocol allows."""
 
     def __init__(self, raise_after_queueing: bool) -> None:
+        super().__init__()
         self.raise_after_queueing = raise_after_queueing
         self.queued: list[int] = []
-        self.done: list[TransferResult] = []
 
-    def _queue(self, job_id: int) -> None:
+    def _submit(self, job_id: int) -> None:
         if self.raise_after_queueing:
             self.queued.append(job_id)
         raise RuntimeError(f"submit of job {job_id} went wrong")
 
-    def submit_store(
-        self,
-        job_id: int,
-        device_blocks: npt.NDArray[np.int64],
-        slots: npt.NDArray[np.int64],
-        group: int = 0,
-    ) -> None:
-        self._queue(job_id)
-
-    def submit_load(
-        self,
-        job_id: int,
-        slots: npt.NDArray[np.int64],
-        device_blocks: npt.NDArray[np.int64],
-        group: int = 0,
-        skip_blocks: int = 0,
-    ) -> None:
-        self._queue(job_id)
-
     def get_finished(self) -> list[TransferResult]:
         self.done += [TransferResult(j, True) for j in self.queued]
         self.queued = []
-        done, self.done = self.done, []
-        return done
-
-    def wait(self, job_ids: Iterable[int]) -> None:
-        pass
+        return super().get_finished()
 
     def holds(self, job_id: int) -> bool:
         return job_id in self.queued

@@ -1,4 +1,4 @@
-"""A key repeated in one `touch` without a request context is one use (review 4)."""
+"""A key repeated in one `touch` without a request context is one use ."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from helpers import run_reports
 from kvtier.base import OffloadKey, ReqContext, make_offload_key
 from kvtier.policies import KVAwarePolicy, S3FIFOPolicy
 
@@ -92,35 +93,6 @@ def test_kvaware_repeat_after_a_mode_switch_changes_nothing(ctx: ReqContext | No
     assert run(repeat=True) == run(repeat=False)
 
 
-def _drive(ops: list[tuple[str, list[int], int]], repeat: bool) -> list[object]:
-    """kvaware driven as the manager drives it; with `repeat`, every use is reported twice
-    by its request (the connector's second report). What it evicts, in order."""
-    policy = KVAwarePolicy(6)
-    held: set[OffloadKey] = set()
-    out: list[object] = []
-    for op, ids, r in ops:
-        ks = [key(i) for i in ids]
-        ctx = ReqContext(f"r{r}")
-        if op == "store":
-            new = [k for k in dict.fromkeys(ks) if k not in held]
-            need = len(held) + len(new) - 6
-            victims = policy.evict(need, ks) if need > 0 else []
-            out.append(victims)
-            if victims is not None:
-                held.difference_update(victims)
-                policy.insert(new, ctx)
-                held.update(new)
-        elif op == "touch":
-            for _ in range(2 if repeat else 1):
-                policy.touch(ks, ctx)
-        else:
-            victims = policy.evict(min(len(ids), len(held)), ())
-            out.append(victims)
-            held.difference_update(victims or ())
-    out.append(policy.evict(len(held), ()))
-    return out
-
-
 @pytest.mark.parametrize("seed", range(0, 600, 100))
 def test_kvaware_repeated_reports_never_change_evictions(seed: int) -> None:
     # A narrower fix (place a repeat again unless the mode had switched since its first
@@ -135,4 +107,4 @@ def test_kvaware_repeated_reports_never_change_evictions(seed: int) -> None:
             )
             for _ in range(rng.randint(1, 60))
         ]
-        assert _drive(ops, repeat=True) == _drive(ops, repeat=False), s
+        assert run_reports("kvaware", ops, True) == run_reports("kvaware", ops, False), s

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import key
+from helpers import key, run_reports
 from kvtier.base import ReqContext
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.policies import (
@@ -179,43 +179,6 @@ OPS = st.lists(
     ),
     max_size=60,
 )
-
-
-def run_reports(name: str, ops: list[tuple[str, list[int], int]], repeat: bool) -> list[object]:
-    """Drive a policy as the manager does; with `repeat`, each use is reported again by the
-    same request right after (the connector's second report). Returns what it evicted."""
-    policy = make_policy(name, 6)
-    held: set[object] = set()
-    out: list[object] = []
-    for op, ids, r in ops:
-        keys = [key(i) for i in ids]
-        ctx = ReqContext(f"r{r}")
-        if op == "store":
-            new = [k for k in dict.fromkeys(keys) if k not in held]
-            need = len(held) + len(new) - 6
-            victims = policy.evict(need, keys) if need > 0 else []
-            out.append(victims)
-            if victims is None:
-                continue
-            held.difference_update(victims)
-            policy.insert(new, ctx)
-            held.update(new)
-        elif op == "touch":
-            policy.touch(keys, ctx)
-            if repeat:
-                policy.touch(keys, ctx)
-        elif op == "load":
-            loaded = [k for k in dict.fromkeys(keys) if k in held]
-            policy.pin(loaded)
-            policy.unpin(loaded, ctx)
-            if repeat:
-                policy.touch(loaded, ctx)
-        else:
-            victims = policy.evict(min(len(ids), len(held)), ())
-            out.append(victims)
-            held.difference_update(victims or ())
-    out.append(policy.evict(len(held), ()))
-    return out
 
 
 @pytest.mark.parametrize("name", sorted(registered_policies()))
