@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
 
 from kvtier.sim.runner import ReplayOptions, run_named
 from kvtier.sim.trace import Trace
+
+_REL_TOL: Final = 1e-12
+"""A ratio this close to the target (relative) reaches it: `0.95 * 20/53` rounds above `19/53`,
+while a ratio truly below 95% of the infinite cache's falls short by far more."""
+
+
+def reaches(ratio: float, target: float) -> bool:
+    """Whether `ratio` reaches `target`, allowing for the rounding of a float target."""
+    return ratio >= target - _REL_TOL * abs(target)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +45,9 @@ def advise(
     """
     if resolution < 1:
         raise ValueError(f"resolution={resolution} is invalid; expected >= 1 block")
+    if policy == "infinite":
+        # It ignores the capacity (a slot per block), so any search would answer 1 block.
+        raise ValueError("policy='infinite' is the target, not a policy to size")
     unique = max(1, trace.num_unique_blocks)
     replays = 0
     seen: dict[int, float] = {}
@@ -46,12 +59,16 @@ def advise(
             seen[capacity] = run_named(trace, policy, capacity, opts).block_hit_ratio
         return seen[capacity]
 
-    if ratio(unique) < target:
+    if target <= 0:
+        # Every capacity reaches it (a trace without reuse); bisecting would stop anywhere
+        # within `resolution` of 0 rather than at the smallest tier.
+        return Advice(policy, target, 1, 1 / unique, ratio(1), replays)
+    if not reaches(ratio(unique), target):
         return Advice(policy, target, None, None, seen[unique], replays)
     lo, hi = 0, unique  # ratio(lo) < target (0 blocks hit nothing) and ratio(hi) >= target
     while hi - lo > resolution:
         mid = (lo + hi) // 2
-        if ratio(max(1, mid)) >= target:
+        if reaches(ratio(max(1, mid)), target):
             hi = max(1, mid)
         else:
             lo = mid
