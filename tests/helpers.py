@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -168,3 +169,19 @@ def run_reports(name: str, ops: list[tuple[str, list[int], int]], repeat: bool) 
             held.difference_update(victims or ())
     out.append(policy.evict(len(held), ()))
     return out
+
+
+def build_fake_libcuda(cc: str, out_dir: Path, source: Path, harnesses: Path) -> None:
+    """Compile the stand-in CUDA driver (`source`: tests/transfer/c/fake_cuda.c, or a wrapper
+    that includes it from `harnesses`) as `out_dir/libcuda.so.1`, for a child process run with
+    `LD_LIBRARY_PATH=out_dir`."""
+    import subprocess
+
+    import kvtier.transfer
+
+    include = Path(kvtier.transfer.__file__).parent
+    build = [cc, "-O2", "-Wall", "-Werror", "-pthread", f"-I{include}", f"-I{harnesses}",
+             "-fPIC", "-shared", "-Wl,-soname,libcuda.so.1", "-o",
+             str(out_dir / "libcuda.so.1"), str(source)]  # fmt: skip
+    out = subprocess.run(build, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import kvtier.transfer
-from helpers import interrupt_once
+from helpers import build_fake_libcuda, interrupt_once
 from kvtier.transfer import HostPool, KVCacheRegistration, native
 from kvtier.transfer.cuda_worker import CUDATransferWorker
 from kvtier.transfer.testing import make_layout
@@ -32,12 +31,7 @@ def test_an_interrupted_cuda_submit_keeps_the_engines_count(tmp_path: Path, dept
     if native.library() is None or native.submit_extension() is None:
         pytest.skip("the library or the submit extension does not build here")
     assert CC is not None
-    include = Path(kvtier.transfer.__file__).parent
-    build = [CC, "-O2", "-Wall", "-Werror", "-pthread", f"-I{include}", "-fPIC", "-shared",
-             "-Wl,-soname,libcuda.so.1", "-o", str(tmp_path / "libcuda.so.1"),
-             str(HARNESSES / "fake_cuda.c")]  # fmt: skip
-    out = subprocess.run(build, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
+    build_fake_libcuda(CC, tmp_path, HARNESSES / "fake_cuda.c", HARNESSES)
     # helpers.py, shared with the tests, is one folder up from the harness.
     path = os.pathsep.join(filter(None, [str(HARNESSES.parents[1]), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "LD_LIBRARY_PATH": str(tmp_path), "PYTHONPATH": path}

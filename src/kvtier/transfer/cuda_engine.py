@@ -55,10 +55,15 @@ def _raw_stream(device_index: int) -> int:
     return int(torch.cuda.current_stream(device_index).cuda_stream)
 
 
-def _close(lib: ctypes.CDLL, handle: int, keep: object) -> None:
+def _close(lib: ctypes.CDLL, handle: int, keep: object, drained: list[EngineResult]) -> None:
     # Copies may still be running when a worker is dropped without shutdown(): wait for them
     # before the tables they read (in `keep`) are freed.
     lib.kvt_cuda_sync(handle)
+    # At interpreter exit this runs while the worker lives, and a later exit handler may still
+    # collect its results: keep them, for `poll`, rather than free them with the engine.
+    buf = (EngineResult * _POLL)()
+    while k := lib.kvt_cuda_poll(handle, buf, _POLL):
+        drained += [EngineResult(r.job_id, r.ok, r.lane, r.seconds) for r in buf[:k]]
     lib.kvt_cuda_free(handle)
     del keep
 
@@ -132,7 +137,11 @@ class CUDAEngine:
             self.tables[g] = (made[0], made[1])
         torch.cuda.synchronize(device)  # the tables' uploads, before any kernel reads them
         self._poll_buffer = (EngineResult * _POLL)()
-        self._finalizer = weakref.finalize(self, _close, lib, handle, (self.tables, streams))
+        self._drained: list[EngineResult] = []
+        """Results left when the engine was freed (at interpreter exit), for `poll`."""
+        self._finalizer = weakref.finalize(
+            self, _close, lib, handle, (self.tables, streams), self._drained
+        )
         if coalesce_depth and lib.kvt_cuda_coalesce(handle, coalesce_depth):
             self._finalizer()
             raise RuntimeError("could not start the CUDA copy engine's launch threads")
@@ -141,6 +150,12 @@ class CUDAEngine:
         threads; each job is launched by its submitter)."""
         self.submit_fn: int = ctypes.cast(lib.kvt_cuda_submit_ext, ctypes.c_void_p).value or 0
         """The address of the submit call in the shape the extension calls."""
+
+    @property
+    def alive(self) -> bool:
+        """False once the engine is freed (at interpreter exit, by its finalizer): every other
+        call but `poll`, `wait` and `sync` would then touch freed memory."""
+        return self._finalizer.alive
 
     def compute_stream(self) -> int:
         """The handle of the caller's current stream, which a job waits for."""
@@ -190,6 +205,9 @@ class CUDAEngine:
 
     def poll(self) -> list[tuple[int, bool, float]]:
         """Finished jobs as (job_id, ok, seconds), each lane in submission order."""
+        if not self._finalizer.alive:  # freed at exit: what `_close` collected, once
+            rest, self._drained[:] = self._drained[:], []
+            return [(r.job_id, bool(r.ok), float(r.seconds)) for r in rest]
         out = []
         while True:
             k = self._lib.kvt_cuda_poll(self.handle, self._poll_buffer, _POLL)
@@ -200,7 +218,8 @@ class CUDAEngine:
     def wait(self, lane: int, seq: int) -> None:
         """Block until `lane`'s job `seq` (counted from 1) is launched and its copies have
         finished; at once if it has been polled (releases the GIL; needs no lock)."""
-        self._lib.kvt_cuda_wait(self.handle, lane, seq)
+        if self._finalizer.alive:  # freed at exit (`_close` synced it): every job finished
+            self._lib.kvt_cuda_wait(self.handle, lane, seq)
 
     def sync(self) -> None:
         """Block until every queued copy has finished."""

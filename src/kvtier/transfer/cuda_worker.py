@@ -249,6 +249,13 @@ class CUDATransferWorker(TransferWorker):
         self._events: list[torch.cuda.Event] = []
         self._by_id: dict[int, _Record] = {}
 
+    def _check_job_id(self, job_id: int) -> None:
+        # The engine is freed at interpreter exit (its finalizer), possibly before a later exit
+        # handler submits: refuse as after shutdown() rather than hand C a freed engine.
+        if self._engine is not None and not self._engine.alive:
+            raise RuntimeError("the transfer worker is shut down (its engine was freed at exit)")
+        super()._check_job_id(job_id)
+
     def _plans_ids(self) -> bool:
         # The fault injector runs in Python before a job's copies: planned jobs only.
         return self._engine is not None and self._fault_injector is None

@@ -39,6 +39,7 @@ typedef void *CUcontext, *CUmodule, *CUfunction, *CUstream, *CUevent;
 #define KVT_THREADS 256    /* gather.cu */
 #define KVT_CHUNK_MAX 32768 /* bytes of a row's segment per thread block, at most */
 #define KVT_CHUNK_MIN 4096  /* one pass of a block's threads at 16 bytes each */
+#define KVT_GRID_Z_MAX 65535u /* a launch's grid z: segments per launch, at most */
 #define KVT_LANES 3        /* stores, loads, urgent loads */
 #define KVT_DEPTH_MAX 8    /* batches a coalescing lane may keep queued on the GPU */
 #define KVT_BATCH_ROWS 3840 /* rows a coalesced batch takes, at most (eight launches) */
@@ -336,6 +337,9 @@ int kvt_cuda_add_table(kvt_cuda *c, const kvtier_segment *segs, size_t nseg, uin
 }
 
 
+static CUresult launch_segments(kvt_cuda *c, kvt_lane *l, const kvt_table *t,
+                                const int64_t *dst, const int64_t *src, size_t n);
+
 /* The piece of a row's segment per thread block: the largest (up to KVT_CHUNK_MAX) that still
  * gives blocks_wanted blocks, so that a job of a few rows spreads over the SMs (each block's
  * reads of host memory wait on PCIe, and one SM alone moves a fraction of the link's rate). */
@@ -349,6 +353,22 @@ static unsigned chunk_for(const kvt_cuda *c, const kvt_table *t, size_t rows) {
 
 static CUresult launch_rows(kvt_cuda *c, kvt_lane *l, const kvt_table *t, const int64_t *dst,
                             const int64_t *src, size_t n) {
+    /* A grid's z (the segment) is at most 65,535: a group of more segments (a generic layout
+     * with many dims before the block's) goes out in launches of that many, each reading its
+     * part of the table. One launch of them all was refused, failing every job. */
+    for (size_t z = 0; z < t->nseg; z += KVT_GRID_Z_MAX) {
+        kvt_table part = *t;
+        part.nseg = t->nseg - z < KVT_GRID_Z_MAX ? t->nseg - z : KVT_GRID_Z_MAX;
+        part.dev_segs = t->dev_segs + z * sizeof(kvtier_segment);
+        CUresult r = launch_segments(c, l, &part, dst, src, n);
+        if (r != CUDA_SUCCESS)
+            return r;
+    }
+    return CUDA_SUCCESS;
+}
+
+static CUresult launch_segments(kvt_cuda *c, kvt_lane *l, const kvt_table *t,
+                                const int64_t *dst, const int64_t *src, size_t n) {
     for (size_t a = 0; a < n; a += KVT_MAX_ROWS) {
         size_t k = n - a < KVT_MAX_ROWS ? n - a : KVT_MAX_ROWS;
         unsigned chunk = chunk_for(c, t, k);
@@ -541,6 +561,11 @@ static void launch_next(kvt_cuda *c, kvt_lane *l, int entered) {
     }
     kvt_record *first = at_seq(l, l->jobs[0].seq), *last = at_seq(l, l->jobs[k - 1].seq);
     CUevent start = first->start, end = last->end;
+    /* It may borrow `prev`: marked now, not once launched, so that a submit meanwhile (a
+     * poll may take the previous batch and make this job the oldest) grows the ring rather
+     * than reuse the slot before it, whose end event would be this batch's start. Reused, its
+     * event was recorded again by a later job and the batch's time came out wrong. */
+    first->borrowed = prev != NULL;
     pthread_mutex_unlock(&c->mu);
     int borrow = 0;
     if (entered) {
@@ -680,8 +705,8 @@ static int submit(kvt_cuda *c, int lane, uint64_t compute, int64_t id, int fail,
     /* Grow the ring when it is full, or when the next slot is the one whose end event the
      * oldest job borrowed as its start. Every slot moves, in order (from the one before the
      * oldest job where there is one), so that no event is lost or parted from its borrower.
-     * (A job not yet launched has not borrowed: it borrows only from a batch still in the
-     * ring, which is older than it, so it is not the oldest.) */
+     * (A job borrows only from a batch still in the ring when it is taken for launch; it
+     * is marked then, since that batch may be polled before the launch is done.) */
     if (l->len == l->cap || (l->len + 1 == l->cap && l->r[l->head].borrowed)) {
         size_t cap = l->cap ? 2 * l->cap : 64;
         kvt_record *nr = calloc(cap, sizeof *nr);
