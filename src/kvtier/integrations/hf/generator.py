@@ -37,6 +37,7 @@ from kvtier.cpu import CPUOffloadingManager
 from kvtier.hashing import BlockHasher
 from kvtier.integrations.hf.paged_cache import PagedKVBuffer
 from kvtier.integrations.hf.prefix import (
+    check_positions,
     generate_greedy,
     input_vocab_size,
     learned_position_rows,
@@ -483,13 +484,7 @@ class KVTierGenerator:
                 f"prompt of {ids.numel()} tokens + {max_new_tokens} new needs {need} blocks; "
                 f"the page buffer holds {self.max_blocks}"
             )
-        if self._learned_positions is not None and length > self._learned_positions[1]:
-            name, rows = self._learned_positions
-            raise ValueError(
-                f"prompt of {ids.numel()} tokens + {max_new_tokens} new runs positions up to "
-                f"{length - 1}, but the model's position embedding {name} has {rows}; expected "
-                f"prompt + max_new_tokens - 1 <= {rows} (max_position_embeddings)"
-            )
+        check_positions(self._learned_positions, ids.numel(), max_new_tokens)
         if self._rope_switch is not None and length > self._rope_switch[1]:
             rope_type, limit = self._rope_switch
             # Past it the model recomputes every K at other frequencies: KV loaded from a

@@ -26,6 +26,7 @@ from kvtier.base import checked_int
 
 __all__ = [
     "GreedyOutput",
+    "check_positions",
     "generate_greedy",
     "learned_position_rows",
     "prefill",
@@ -150,9 +151,9 @@ def rope_switch_length(model: Any) -> tuple[str, int] | None:
     return found
 
 
-def _check_positions(model: Any, seq_len: int, max_new_tokens: int) -> None:
-    """Refuse, before the model runs, positions past a learned position embedding's rows."""
-    learned = learned_position_rows(model)
+def check_positions(learned: tuple[str, int] | None, seq_len: int, max_new_tokens: int) -> None:
+    """Refuse, before the model runs, positions past a learned position embedding's rows
+    (`learned`: what `learned_position_rows` found)."""
     # The last new token is never fed back: positions 0..seq_len + max_new_tokens - 2 run.
     needed = seq_len + max_new_tokens - 1
     if learned is not None and needed > learned[1]:
@@ -235,7 +236,7 @@ def prefill(
     (the recompute path).
     """
     _check_ids(model, input_ids)
-    _check_positions(model, input_ids.shape[1], 1)
+    check_positions(learned_position_rows(model), input_ids.shape[1], 1)
     if cache is None:
         cache = DynamicCache(config=model.config)
     else:
@@ -269,7 +270,7 @@ def generate_greedy(
     """
     max_new_tokens = checked_int("max_new_tokens", max_new_tokens)
     _check_ids(model, input_ids)
-    _check_positions(model, input_ids.shape[1], max_new_tokens)
+    check_positions(learned_position_rows(model), input_ids.shape[1], max_new_tokens)
     logits, cache, ran = prefill(model, input_ids, cache)
     if logits.device.type == "cuda":
         # Kernels run asynchronously: without this wait the time would be when the prefill
