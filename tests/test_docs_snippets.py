@@ -208,3 +208,33 @@ def test_readme_scheduler_side_needs_only_the_base_dependencies() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "[]\n"
+
+
+def test_simulate_from_python_snippet_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The "From Python" snippet as written, on the first 200 requests of the trace it names
+    (the whole trace takes seconds); then the streaming replay the text after it describes."""
+    from kvtier.sim import iter_trace, make_manager, read_trace, replay_engine, replay_flat
+
+    doc = ROOT / "docs" / "simulate.md"
+    (_, code) = _blocks(doc, "python")
+    path = "data/traces/mooncake_conversation/conversation_trace.jsonl"
+    assert f'read_trace("{path}")' in code
+    with (ROOT / path).open() as f:
+        head = [next(f) for _ in range(200)]
+    (tmp_path / path).parent.mkdir(parents=True)
+    (tmp_path / path).write_text("".join(head))
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, str(doc), "exec"), {})
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert [row[0] for row in rows] == ["lru", "opt", "infinite"]
+    lru, opt, infinite = (float(row[1]) for row in rows)
+    assert 0 < lru <= opt <= infinite  # block hit ratios, each bounded by the next
+
+    # "`replay_flat(iter_trace(path), manager)` reads one line at a time": the same result.
+    trace = read_trace(path)
+    streamed = replay_flat(iter_trace(path), make_manager("lru", 100))
+    assert streamed.block_hit_ratio == replay_flat(trace, make_manager("lru", 100)).block_hit_ratio
+    engine = replay_engine(trace, make_manager("lru", 100), device_blocks=20)
+    assert 0 <= engine.block_hit_ratio <= infinite
