@@ -86,6 +86,12 @@ class KVTierWorkerSide:
         # KV-cache groups with layers on this worker, and results of jobs of the others.
         self._groups_here: frozenset[int] = frozenset()
         self._done_here: list[TransferResult] = []
+        # The step metadata whose loads, and whose stores, were submitted last: the same
+        # metadata handed over again submits nothing twice. `_unsaved` is the metadata a step
+        # started with and whose `wait_for_save` has not come yet.
+        self._loaded: KVTierConnectorMetadata | None = None
+        self._saved: KVTierConnectorMetadata | None = None
+        self._unsaved: KVTierConnectorMetadata | None = None
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Register every offloaded layer's tensor and allocate the host pool."""
@@ -184,19 +190,36 @@ class KVTierWorkerSide:
 
     # -- step --------------------------------------------------------------------------------
 
+    def _begin(self, meta: KVTierConnectorMetadata) -> None:
+        """Start the step of `meta`; first submit the stores of an earlier step whose
+        `wait_for_save` never came.
+
+        vLLM 0.33 with speculative decoding defers `wait_for_save` until after the drafter,
+        in `sample_tokens`, which returns early on every pipeline stage but the last: there
+        it is never called. That step's stores (their KV was written by the forward pass
+        before this step's) would never run nor be reported, and its held requests never
+        reach `finished_sending`, so vLLM would keep their blocks forever."""
+        self.fit_pool(meta.num_slots)
+        unsaved = self._unsaved
+        if unsaved is not None and unsaved is not meta:
+            logger.debug("kvtier: wait_for_save of the previous step never came; saving now")
+            self.wait_for_save(unsaved)
+        self._unsaved = meta
+
     def handle_preemptions(self, meta: KVTierConnectorMetadata) -> None:
         """Wait for transfers that read blocks vLLM is about to reuse."""
-        self.fit_pool(meta.num_slots)
+        self._begin(meta)
         if meta.step.wait_for:
             self._check().transfer.wait(meta.step.wait_for)
 
     def start_load_kv(self, meta: KVTierConnectorMetadata) -> None:
         """Submit the step's loads (they fill blocks of requests not computed this step)."""
-        self.fit_pool(meta.num_slots)
+        self._begin(meta)
         step = meta.step
-        if not step.loads:
+        if not step.loads or meta is self._loaded:
             return
         worker = self._check()
+        self._loaded = meta
         for job in step.loads:
             self._track(job.job_id, job.req_id, True, job.device_blocks.tolist())
         loads = self._jobs_here(step.loads)
@@ -207,6 +230,11 @@ class KVTierWorkerSide:
     def wait_for_save(self, meta: KVTierConnectorMetadata) -> None:
         """Submit the step's stores, after the forward pass that produced their KV."""
         self.fit_pool(meta.num_slots)
+        if self._unsaved is meta:
+            self._unsaved = None
+        if meta is self._saved:
+            return
+        self._saved = meta
         step = meta.step
         self._held.update(meta.held)
         if not step.stores:
