@@ -11,7 +11,7 @@ import pytest
 from kvtier.base import OffloadKey, make_offload_key
 from kvtier.cli import main
 from kvtier.sim.advise import advise
-from kvtier.sim.runner import ReplayOptions, run_one
+from kvtier.sim.runner import ReplayOptions, map_trace, run_one
 from kvtier.sim.trace import Request, Trace
 
 
@@ -123,3 +123,12 @@ def test_the_infinite_cache_is_not_sized() -> None:
     trace = _single_blocks([0, 1, 0, 1])
     with pytest.raises(ValueError, match="infinite"):
         advise(trace, "infinite", 0.4, ReplayOptions(), resolution=1)
+
+
+def test_advise_over_jobs_equals_one_job() -> None:
+    rng = random.Random(3)
+    trace = _random(rng.randint(0, 100))
+    opts = ReplayOptions()
+    args = [(p, 0.3, opts, 1) for p in ("lru", "arc", "opt")]
+    serial = [advise(trace, *a) for a in args]
+    assert map_trace(trace, advise, args, jobs=2) == serial

@@ -154,6 +154,21 @@ def token_value(tokens: list[int], position: int, layer: int) -> float:
     return float(h + layer * 7)
 
 
+def worker_output(w: Any, finished_req_ids: set[str]) -> Any:
+    """What a worker-side connector hands back after a step, as vLLM's model runner collects
+    it (`_get_kv_connector_output`): transfer results, load errors and worker metadata."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    res = w.get_transfer_results(finished_req_ids)
+    return KVConnectorOutput(
+        finished_sending=res.finished_sending,
+        finished_recving=res.finished_recving,
+        failed_recving=res.failed_recving,
+        invalid_block_ids=w.get_block_ids_with_load_errors(),
+        kv_connector_worker_meta=w.build_connector_worker_meta(),
+    )
+
+
 def make_request(req_id: str, prompt: list[int], max_tokens: int, **kwargs: Any) -> Any:
     """A vLLM `Request` sampling `max_tokens` tokens (EOS ignored), hashed as the engine does."""
     from vllm.sampling_params import SamplingParams
@@ -223,12 +238,7 @@ class Engine:
             w.wait_for_save()
             if settle and earlier:
                 self.kvtier_worker().transfer.wait(earlier)
-            res = w.get_transfer_results(so.finished_req_ids)
-            kv_out.finished_sending = res.finished_sending
-            kv_out.finished_recving = res.finished_recving
-            kv_out.failed_recving = res.failed_recving
-            kv_out.invalid_block_ids = w.get_block_ids_with_load_errors()
-            kv_out.kv_connector_worker_meta = w.build_connector_worker_meta()
+            kv_out = worker_output(w, so.finished_req_ids)
             w.clear_connector_metadata()
         req_ids = list(so.num_scheduled_tokens)
         sampled = []

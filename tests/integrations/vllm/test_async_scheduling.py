@@ -28,6 +28,7 @@ from engine import (
     make_request,
     make_vllm_config,
     token_value,
+    worker_output,
 )
 
 SAMPLED = 7
@@ -82,7 +83,7 @@ class AsyncEngine:
         return known + [SAMPLED] * max(0, n - len(known))
 
     def _execute(self, so: Any) -> Any:
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import ModelRunnerOutput
 
         w, sched = self.worker, self.scheduler
         w.bind_connector_metadata(so.kv_connector_metadata)
@@ -105,14 +106,7 @@ class AsyncEngine:
             sampled.append([] if req.is_prefill_chunk else [SAMPLED])
         w.wait_for_save()
         w.worker_side.transfer.wait(list(w.worker_side._jobs))
-        res = w.get_transfer_results(so.finished_req_ids)
-        kv = KVConnectorOutput(
-            finished_sending=res.finished_sending,
-            finished_recving=res.finished_recving,
-            failed_recving=res.failed_recving,
-        )
-        kv.invalid_block_ids = w.get_block_ids_with_load_errors()
-        kv.kv_connector_worker_meta = w.build_connector_worker_meta()
+        kv = worker_output(w, so.finished_req_ids)
         w.clear_connector_metadata()
         return ModelRunnerOutput(
             req_ids=req_ids,

@@ -20,7 +20,7 @@ if importlib.util.find_spec("vllm") is None:
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import engine as stand_in
-from engine import BLOCK_SIZE, make_request, make_vllm_config, token_value
+from engine import BLOCK_SIZE, make_request, make_vllm_config, token_value, worker_output
 from test_vllm import MODULE, vllm_loaded
 
 __all__ = ["vllm_loaded"]  # the module-scoped fixture, shared with test_vllm
@@ -58,7 +58,7 @@ class PipelineEngine:
         return request
 
     def step(self) -> Any:
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import ModelRunnerOutput
 
         so = self.scheduler.schedule()
         req_ids = list(so.num_scheduled_tokens)
@@ -72,14 +72,7 @@ class PipelineEngine:
             w.wait_for_save()
             if earlier:
                 w.worker_side.transfer.wait(earlier)
-            res = w.get_transfer_results(so.finished_req_ids)
-            kv_out = KVConnectorOutput(
-                finished_sending=res.finished_sending,
-                finished_recving=res.finished_recving,
-                failed_recving=res.failed_recving,
-                invalid_block_ids=w.get_block_ids_with_load_errors(),
-                kv_connector_worker_meta=w.build_connector_worker_meta(),
-            )
+            kv_out = worker_output(w, so.finished_req_ids)
             w.clear_connector_metadata()
             sampled = []
             for r in req_ids:

@@ -16,7 +16,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install 'kvtier[vllm]')", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine import BLOCK_SIZE, Engine, make_engine
+from engine import BLOCK_SIZE, Engine, make_engine, worker_output
 from test_pipeline_stages import PROMPT_A, make_pipeline, stage_kv_cache_config
 from test_vllm import (
     EXTRA,
@@ -35,7 +35,7 @@ def _step(engine: Engine, *, repeat: int = 1, save: bool = True, settle: bool = 
     connector calls of the step that many times with the same metadata; `save=False` leaves
     out `wait_for_save` and `clear_connector_metadata`, as vLLM's non-last pipeline stage
     does with speculative decoding."""
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.outputs import ModelRunnerOutput
 
     w = engine.worker
     side = engine.kvtier_worker()
@@ -52,14 +52,7 @@ def _step(engine: Engine, *, repeat: int = 1, save: bool = True, settle: bool = 
             w.wait_for_save()
     if settle and earlier:
         side.transfer.wait(earlier)
-    res = w.get_transfer_results(so.finished_req_ids)
-    kv_out = KVConnectorOutput(
-        finished_sending=res.finished_sending,
-        finished_recving=res.finished_recving,
-        failed_recving=res.failed_recving,
-        invalid_block_ids=w.get_block_ids_with_load_errors(),
-        kv_connector_worker_meta=w.build_connector_worker_meta(),
-    )
+    kv_out = worker_output(w, so.finished_req_ids)
     if save:
         w.clear_connector_metadata()
     req_ids = list(so.num_scheduled_tokens)
