@@ -210,7 +210,8 @@ def test_bad_namespace_type() -> None:
     [
         ([1, -1], ValueError, "token id -1 is out of range"),
         ([1, 2**32], ValueError, f"token id {2**32} is out of range"),
-        ([1, 2**70], TypeError, "dtype object"),
+        ([1, 2**70], ValueError, r"token_ids\[1\]=\d+ is out of range.*dtype object"),
+        ([1, -(2**70)], ValueError, r"token_ids\[1\]=-\d+ is out of range"),
         ([1.0, 2.0], TypeError, "dtype float64"),
         (["1", "2"], TypeError, "dtype <U1"),
         ([[1, 2]], ValueError, r"shape \(1, 2\)"),

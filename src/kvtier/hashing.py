@@ -148,16 +148,18 @@ def _as_token_array(token_ids: Sequence[int] | npt.NDArray[np.integer]) -> npt.N
 
 
 def _refuse_token(token_ids: Iterable[object], dtype: np.dtype[Any]) -> None:
-    """Raise `TypeError` naming the first element of `token_ids` that is not a token id in
-    0..2**32-1 (a bool, a float, a str, an int out of range); return if there is none."""
+    """Raise naming the first element of `token_ids` that is not a token id in 0..2**32-1:
+    `TypeError` for a bool, a float or a str, `ValueError` for an int out of range (as for
+    ids that fit an int64); return if there is none."""
     for i, tok in enumerate(token_ids):
+        error: type[Exception]
         if isinstance(tok, (bool, np.bool_)) or not isinstance(tok, (int, np.integer)):
-            why = f"a {type(tok).__name__}"
+            error, why = TypeError, f"a {type(tok).__name__}"
         elif not 0 <= tok <= _MAX_TOKEN:
-            why = "out of range"
+            error, why = ValueError, "out of range"
         else:
             continue
-        raise TypeError(
+        raise error(
             f"token_ids[{i}]={tok!r} is {why} (token_ids as an array has dtype {dtype}); "
             f"expected integer token ids 0..{_MAX_TOKEN}"
         )
