@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from bisect import bisect_left, insort
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -212,6 +213,88 @@ def _merge(segments: list[Segment]) -> list[Segment]:
     return merged
 
 
+def _first_ending_after(items: list[tuple[int, int, int]], x: int) -> int:
+    """Index of the first of `items`, sorted disjoint `(start, end, _)` intervals, that ends
+    after `x`."""
+    i = bisect_left(items, (x,))
+    return i - 1 if i and items[i - 1][1] > x else i
+
+
+class _OverlapIndex:
+    """The segments of one group accepted so far, each `num_blocks` rows tall, indexed to test
+    a new segment against all of them by `Segment.overlaps`' rule: O(log n) steps amortized,
+    and list inserts, which for a tensor's parts (in address order) are appends.
+
+    Accepted segments never overlap, so their extents (first to last byte) fall into disjoint
+    *spans*: one segment's extent, or the union of extents of segments that interleave with
+    one stride S (`S >= width`, the rule's special case). A segment that meets a span of
+    another kind overlaps one of its segments. Interleaved segments are tested by their bytes,
+    which the rule then is exact for: a segment is a rectangle of periods × residues of its
+    address divided by S (a row that wraps past S adds a second one, a period later), all
+    `num_blocks` periods tall. Rectangles starting in one band of `num_blocks` periods are
+    disjoint in residue, so a new one meets only its band's and the two next to it.
+    """
+
+    __slots__ = ("_bands", "_num_blocks", "_origins", "_places", "_spans")
+
+    def __init__(self, num_blocks: int) -> None:
+        self._num_blocks = num_blocks
+        self._places: set[tuple[int, int, int]] = set()
+        # Spans, sorted: (start, end, stride of its interleaved segments, or 0 for a segment
+        # that does not interleave).
+        self._spans: list[tuple[int, int, int]] = []
+        # stride -> the address its periods count from: the first such segment's, so that a
+        # tensor's parts, added in address order, are appended to their bands, not inserted.
+        self._origins: dict[int, int] = {}
+        # (stride, band) -> rectangles, sorted: (residue start, residue end, first period).
+        self._bands: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+
+    def aliases(self, seg: Segment) -> bool:
+        """Whether an added segment names exactly the bytes of `seg` (`Segment.same_place`)."""
+        return (seg.address, seg.width, seg.stride) in self._places
+
+    def add(self, seg: Segment) -> bool:
+        """Add `seg` and return True; or return False, adding nothing, if it overlaps an added
+        segment."""
+        start, width, stride = seg.address, seg.width, seg.stride
+        end = start + (seg.num_blocks - 1) * stride + width
+        tag = stride if stride >= width else 0
+        spans = self._spans
+        lo, hi = _first_ending_after(spans, start), bisect_left(spans, (end,))
+        if lo < hi and (not tag or any(span[2] != tag for span in spans[lo:hi])):
+            return False
+        rects: list[tuple[int, int, int]] = []
+        if tag:
+            period, residue = divmod(start - self._origins.setdefault(stride, start), stride)
+            rects.append((period, residue, min(residue + width, stride)))
+            if residue + width > stride:
+                rects.append((period + 1, 0, residue + width - stride))
+            if any(self._meets(stride, *rect) for rect in rects):
+                return False
+        if lo < hi:  # the interleaved spans it meets become one
+            start, end = min(start, spans[lo][0]), max(end, spans[hi - 1][1])
+        spans[lo:hi] = [(start, end, tag)]
+        for period, r_start, r_end in rects:
+            band = self._bands.setdefault((stride, period // self._num_blocks), [])
+            insort(band, (r_start, r_end, period))
+        self._places.add((seg.address, width, stride))
+        return True
+
+    def _meets(self, stride: int, period: int, r_start: int, r_end: int) -> bool:
+        """Whether an added rectangle of `stride` shares bytes with this one."""
+        n = self._num_blocks
+        for band in range(period // n - 1, period // n + 2):
+            rects = self._bands.get((stride, band), [])
+            i = _first_ending_after(rects, r_start)
+            # Two bands' disjoint rectangles overlap in residue in O(n) pairs; a pair apart in
+            # periods is passed here once, by the later one of it.
+            while i < len(rects) and rects[i][0] < r_end:
+                if abs(rects[i][2] - period) < n:
+                    return True
+                i += 1
+        return False
+
+
 class KVCacheRegistration:
     """An engine's KV cache as kvtier sees it: per KV-cache group, the byte segments of a block.
 
@@ -233,14 +316,20 @@ class KVCacheRegistration:
         counts = {kv.num_blocks for kv in tensors}
         if len(counts) != 1:
             raise ValueError(f"KV tensors disagree on num_blocks: {sorted(counts)}")
+        num_blocks = next(iter(counts))
         by_group: dict[int, list[Segment]] = {}
+        indexes: dict[int, _OverlapIndex] = {}
         for kv in tensors:
             group_segments = by_group.setdefault(kv.group, [])
+            if kv.group not in indexes:
+                indexes[kv.group] = _OverlapIndex(num_blocks)
+            index = indexes[kv.group]
             for seg in kv.segments():
-                if any(seg.same_place(old) for old in group_segments):
+                if index.aliases(seg):
                     continue
-                clash = next((old for old in group_segments if seg.overlaps(old)), None)
-                if clash is not None:
+                if not index.add(seg):
+                    # Once, on the way out: name the first added segment it overlaps, as ever.
+                    clash = next(old for old in group_segments if seg.overlaps(old))
                     raise ValueError(
                         f"{kv!r} partially overlaps another tensor of group {kv.group} "
                         f"(bytes at {seg.address:#x} vs {clash.address:#x}); aliases must be exact"

@@ -1,0 +1,75 @@
+"""Registration speed: `KVCacheRegistration` of one tensor whose block dimension comes after a
+large one, so that it splits into PARTS segments, one per index of that dimension. The parts
+lie one after the other ("contiguous", a `(parts, blocks, width)` buffer) or interleave with
+one stride ("interleaved", a block-major `(blocks, parts, width)` buffer viewed so). The
+overlap check compared every part with every earlier one, O(n²); it is O(n log n) now.
+
+    python benchmarks/registration_speed.py [--parts 4096,65536] [--repeats 3] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from _cli import int_list, positive_int, progress, require_writable
+from kvtier.transfer import KVCacheRegistration, KVTensor
+
+ARRANGEMENTS = ("contiguous", "interleaved")
+NUM_BLOCKS, WIDTH = 4, 16  # a part's rows: 4 blocks of 16 bytes
+
+
+def kv_tensor(parts: int, arrangement: str) -> KVTensor:
+    """The tensor of `parts` parts as `arrangement` lays them out, blocks on dimension 1."""
+    if arrangement == "contiguous":
+        t = torch.zeros(parts, NUM_BLOCKS, WIDTH, dtype=torch.uint8)
+    else:
+        t = torch.zeros(NUM_BLOCKS, parts, WIDTH, dtype=torch.uint8).transpose(0, 1)
+    return KVTensor(t, 1)
+
+
+def seconds(kv: KVTensor, repeats: int) -> list[float]:
+    """Wall time of each of `repeats` registrations of `kv`, checked to count every byte."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        reg = KVCacheRegistration([kv])
+        times.append(time.perf_counter() - t0)
+        assert reg.page_bytes() == kv.tensor.shape[0] * WIDTH, "a part was dropped"
+    return times
+
+
+def main() -> None:
+    """Run the benchmark; print a table and optionally write JSON."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--parts", type=int_list(1), default=[1024, 4096, 16384, 65536])
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    require_writable(p, args.json)
+
+    results: list[tuple[int, str, list[float]]] = []
+    for parts in args.parts:
+        for arrangement in ARRANGEMENTS:
+            progress(f"{parts} parts, {arrangement} ...")
+            results.append(
+                (parts, arrangement, seconds(kv_tensor(parts, arrangement), args.repeats))
+            )
+    print(f"{'parts':>7} {'arrangement':<12} {'median s':>9} {'µs/part':>8}")
+    for parts, arrangement, times in results:
+        median = statistics.median(times)
+        print(f"{parts:>7} {arrangement:<12} {median:>9.3f} {median / parts * 1e6:>8.1f}")
+    if args.json is not None:
+        rows = [{"parts": parts, "arrangement": arrangement, "seconds": times,
+                 "median_seconds": statistics.median(times)}
+                for parts, arrangement, times in results]  # fmt: skip
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
