@@ -45,7 +45,9 @@ class _JobQueue:
         # wakes waiters only if one waits for it (waking them per job costs GIL hand-offs).
         self.cv = threading.Condition(lock)
         self.done_cv = threading.Condition(lock)
-        self.wanted: set[int] = set()
+        # Per waiting call, the ids it waits for: one call's cleanup (an interrupt's too)
+        # leaves another's ids, the same ones included, in place.
+        self.waiting: dict[object, set[int]] = {}
         self.queue: deque[Job] = deque()
         self.urgent: deque[Job] = deque()
         self.in_flight: set[int] = set()
@@ -100,7 +102,7 @@ def _serve(ref: weakref.ReferenceType[CPUTransferWorker], jobs: _JobQueue) -> No
         with jobs.cv:
             jobs.results.append(TransferResult(job.job_id, ok, job.nbytes if ok else 0, seconds))
             jobs.in_flight.discard(job.job_id)
-            if job.job_id in jobs.wanted:
+            if jobs.waiting and any(job.job_id in ids for ids in jobs.waiting.values()):
                 jobs.done_cv.notify_all()
 
 
@@ -182,11 +184,15 @@ class CPUTransferWorker(TransferWorker):
         if threading.current_thread() is self._thread:
             raise RuntimeError("wait() called from the transfer thread would deadlock")
         jobs = self._jobs
+        token = object()
         with self._lock:
             ids &= jobs.in_flight
-            jobs.wanted |= ids
-            jobs.done_cv.wait_for(lambda: jobs.in_flight.isdisjoint(ids))
-            jobs.wanted -= ids
+            try:
+                jobs.waiting[token] = ids  # one step: an interrupt comes before it or after
+                jobs.done_cv.wait_for(lambda: jobs.in_flight.isdisjoint(ids))
+            finally:
+                # On Ctrl-C too, or each of these ids' jobs would wake every waiter when done.
+                jobs.waiting.pop(token, None)
 
     def shutdown(self) -> None:
         """Let the running job finish, stop the thread, then report queued jobs failed (after
