@@ -215,11 +215,13 @@ class CUDAEngine:
             if k < _POLL:
                 return out
 
-    def wait(self, lane: int, seq: int) -> None:
+    def wait(self, lane: int, seq: int) -> int:
         """Block until `lane`'s job `seq` (counted from 1) is launched and its copies have
-        finished; at once if it has been polled (releases the GIL; needs no lock)."""
-        if self._finalizer.alive:  # freed at exit (`_close` synced it): every job finished
-            self._lib.kvt_cuda_wait(self.handle, lane, seq)
+        finished; at once if it has been polled (releases the GIL; needs no lock). Returns 0,
+        or the CUresult of a wait that failed: the job may then still be copying."""
+        if not self._finalizer.alive:  # freed at exit (`_close` synced it): every job finished
+            return 0
+        return int(self._lib.kvt_cuda_wait(self.handle, lane, seq))
 
     def sync(self) -> None:
         """Block until every queued copy has finished."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtier.base import TransferResult
+from kvtier.base import TransferResult, checked_int
 from kvtier.transfer import cuda_dma
 from kvtier.transfer.copier import BlockCopier
 from kvtier.transfer.cuda_dma import DmaCopier
@@ -133,6 +133,14 @@ def _not_queued(job_id: int, rc: int) -> RuntimeError:
     )
 
 
+def _wait_failed(lanes: list[str]) -> RuntimeError:
+    """The error for a `wait` the CUDA driver failed (`lanes`: each lane's jobs and CUresult)."""
+    return RuntimeError(
+        "waiting for CUDA transfer jobs failed: " + "; ".join(lanes) + ". They are still in "
+        "flight; get_finished reports each once (failed where its copies failed)"
+    )
+
+
 def _lane(direction: Direction, urgent: bool) -> int:
     """The compiled engine's lane (an index into `LANES`) of a job."""
     if direction is Direction.STORE:
@@ -149,22 +157,33 @@ class _Live:
     nbytes: int
 
 
-def check_cuda_options(copy_mode: object, compiled: object, coalesce_depth: object) -> None:
+def check_cuda_options(copy_mode: object, compiled: object, coalesce_depth: object) -> int:
     """ValueError for a `copy_mode`, `compiled` or `coalesce_depth` the CUDA worker cannot
-    take (the factory checks them on every backend, so a CPU-only run sees them too)."""
+    take (the factory checks them on every backend, so a CPU-only run sees them too). Returns
+    `coalesce_depth` as an int: numpy's integers and 0-d integer tensors count, a bool not."""
     if copy_mode not in COPY_MODES:
         raise ValueError(f"copy_mode={copy_mode!r} is unknown; expected one of {COPY_MODES}")
     if compiled is not None and compiled is not True and compiled is not False:
         raise ValueError(f"compiled={compiled!r} must be None, True or False")
-    if (
-        isinstance(coalesce_depth, bool)
-        or not isinstance(coalesce_depth, int)
-        or not 0 <= coalesce_depth <= MAX_COALESCE_DEPTH
-    ):
+    try:
+        depth = checked_int("coalesce_depth", coalesce_depth, 0)
+    except ValueError:
+        depth = -1
+    if not 0 <= depth <= MAX_COALESCE_DEPTH:
         raise ValueError(
             f"coalesce_depth={coalesce_depth!r} is not valid; expected an int from 0 (off) to "
             f"{MAX_COALESCE_DEPTH}"
         )
+    return depth
+
+
+def _stage_bytes(value: object) -> int:
+    """`stage_bytes` as an int, checked as the factory checks it, and numpy's integers and 0-d
+    integer tensors taken as the rest of the transfer API takes them (never a bool)."""
+    try:
+        return checked_int("stage_bytes", value, 1)
+    except ValueError:
+        raise ValueError(f"stage_bytes={value!r} must be a positive int") from None
 
 
 class CUDATransferWorker(TransferWorker):
@@ -191,7 +210,8 @@ class CUDATransferWorker(TransferWorker):
         compiled: bool | None = None,
         coalesce_depth: int = 0,
     ) -> None:
-        check_cuda_options(copy_mode, compiled, coalesce_depth)
+        coalesce_depth = check_cuda_options(copy_mode, compiled, coalesce_depth)
+        stage_bytes = _stage_bytes(stage_bytes)
         if coalesce_depth and compiled is False:
             raise ValueError("coalesce_depth needs the compiled path (compiled=False turns it off)")
         device = registration.device
@@ -498,16 +518,23 @@ class CUDATransferWorker(TransferWorker):
         job_ids = job_ids_of(job_ids)
         if self._engine is not None:
             last = [0] * len(LANES)
+            waited: list[list[int]] = [[] for _ in LANES]
             with self._lock:
                 for j in job_ids:
                     live = self._live.get(j)
-                    if live is not None and live.seq > last[live.lane]:
-                        last[live.lane] = live.seq
+                    if live is not None:
+                        waited[live.lane].append(j)
+                        last[live.lane] = max(last[live.lane], live.seq)
             # A lane finishes in order: its last job covers the others. Outside the lock, so
             # that submits and polls go on meanwhile.
+            failed = []
             for lane, seq in enumerate(last):
-                if seq:
-                    self._engine.wait(lane, seq)
+                if seq and (rc := self._engine.wait(lane, seq)):
+                    failed.append(f"{LANES[lane]} jobs {waited[lane]} (CUresult {rc})")
+            if failed:
+                # Returning would tell the caller that copies which may still run are done
+                # (a store's blocks or a load's slots then reused under them).
+                raise _wait_failed(failed)
             return
         with self._lock:
             events = [self._by_id[j].end for j in job_ids if j in self._by_id]

@@ -814,20 +814,22 @@ uint64_t kvt_cuda_accepted(kvt_cuda *c, int lane) {
 }
 
 /* Move up to `max` finished jobs into `out`, each lane's in submission order. A job whose
- * event reports an error (a failed copy poisons the context) is reported failed. A batch's
- * GPU time is shared among its jobs by their bytes. */
+ * event reports an error (a failed copy poisons the context) is reported failed. So is every
+ * launched job when the engine's context cannot be made current: its event cannot be asked,
+ * and a poll that returned nothing then left those jobs unreported for good (as a launch
+ * thread that cannot enter fails its jobs unlaunched). A batch's GPU time is shared among its
+ * jobs by their bytes. */
 size_t kvt_cuda_poll(kvt_cuda *c, kvt_result *out, size_t max) {
     size_t k = 0;
     CUcontext prev;
-    if (enter(c, &prev) != CUDA_SUCCESS)
-        return 0;
+    CUresult entry = enter(c, &prev);
     pthread_mutex_lock(&c->mu);
     for (int i = 0; i < KVT_LANES; i++) {
         kvt_lane *l = &c->lanes[i];
         while (l->launched && k < max) {
             kvt_record *rec = &l->r[l->head];
             CUevent end = at_seq(l, rec->last)->end;
-            CUresult r = c->cu.event_query(end);
+            CUresult r = entry == CUDA_SUCCESS ? c->cu.event_query(end) : entry;
             if (r == CUDA_ERROR_NOT_READY)
                 break;
             if (rec->first == l->first_seq) { /* the batch's first job: time the batch */
@@ -850,7 +852,8 @@ size_t kvt_cuda_poll(kvt_cuda *c, kvt_result *out, size_t max) {
         }
     }
     pthread_mutex_unlock(&c->mu);
-    leave(c, prev);
+    if (entry == CUDA_SUCCESS)
+        leave(c, prev);
     return k;
 }
 
