@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtier.base import checked_int
 from kvtier.transfer.cpu_worker import CPUTransferWorker
 from kvtier.transfer.host_pool import HostPool
 from kvtier.transfer.native import library
@@ -68,9 +69,12 @@ def make_transfer_worker(
 
 def _check_options(kwargs: dict[str, Any]) -> None:
     """Check the values of options that some backends drop unread."""
-    stage = kwargs.get("stage_bytes", 1)
-    if isinstance(stage, bool) or not isinstance(stage, int) or stage <= 0:
-        raise ValueError(f"stage_bytes={stage!r} must be a positive int")
+    if "stage_bytes" in kwargs:
+        stage = kwargs["stage_bytes"]
+        try:  # numpy's integers and 0-d tensors too, as elsewhere in the transfer API
+            kwargs["stage_bytes"] = checked_int("stage_bytes", stage, 1)
+        except ValueError:
+            raise ValueError(f"stage_bytes={stage!r} must be a positive int") from None
     injector = kwargs.get("fault_injector")
     if injector is not None and not callable(injector):
         raise ValueError(f"fault_injector={injector!r} must be a callable or None")

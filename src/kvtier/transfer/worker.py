@@ -20,7 +20,7 @@ import threading
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from typing import NamedTuple, Self
+from typing import Any, NamedTuple, Self, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -29,6 +29,8 @@ from kvtier.base import TransferResult, checked_int
 from kvtier.transfer.host_pool import HostPool
 from kvtier.transfer.plan import Direction, IdsLike, Job, JobPlanner
 from kvtier.transfer.registration import KVCacheRegistration
+
+_T = TypeVar("_T")
 
 FaultInjector = Callable[[int, str], object]
 """Test hook called as `f(job_id, "store" | "load")` just before a job's copies; raising fails
@@ -48,9 +50,18 @@ class SubmitCall(NamedTuple):
     urgent: bool
 
 
+def on_host(values: _T) -> _T:
+    """`values`, or a host copy of it where it is a tensor in device memory: numpy cannot read
+    one (torch's TypeError said to call `.cpu()`), and as `wait`'s ids it was copied one id,
+    and one device sync, at a time."""
+    if getattr(values, "is_cpu", True):  # anything but a torch tensor off the CPU
+        return values
+    return cast(_T, cast(Any, values).cpu())
+
+
 def _int_ids(values: IdsLike) -> npt.NDArray[np.integer] | None:
     """`values` as a 1-D integer array, or None where the planner must judge it."""
-    arr = np.asarray(values)
+    arr = np.asarray(on_host(values))
     if arr.ndim != 1:
         return None
     if arr.dtype.kind not in "iu":
@@ -77,7 +88,7 @@ def as_int(name: str, value: object) -> int:
 def job_ids_of(job_ids: Iterable[object]) -> list[int]:
     """`wait`'s ids as ints, numpy's and torch's too: a tensor hashes by identity, so as it is
     it would match no job and `wait` would return before the job ran."""
-    return [j if type(j) is int else as_int("job id", j) for j in job_ids]
+    return [j if type(j) is int else as_int("job id", j) for j in on_host(job_ids)]
 
 
 class IdStaging:
@@ -161,7 +172,7 @@ class TransferWorker(ABC):
             return
         with self._lock:
             self._check_job_id(job_id)
-            job = self._planner.store(job_id, device_blocks, slots, group)
+            job = self._planner.store(job_id, on_host(device_blocks), on_host(slots), group)
             self._queue(job)
 
     def submit_load(
@@ -193,7 +204,9 @@ class TransferWorker(ABC):
             return
         with self._lock:
             self._check_job_id(job_id)
-            job = self._planner.load(job_id, slots, device_blocks, group, skip_blocks, urgent)
+            job = self._planner.load(
+                job_id, on_host(slots), on_host(device_blocks), group, skip_blocks, urgent
+            )
             self._queue(job)
 
     def get_finished(self) -> list[TransferResult]:
@@ -281,10 +294,11 @@ class TransferWorker(ABC):
     def _plan_and_submit(self, c: SubmitCall) -> None:
         """Plan a call in Python and submit it (called with the lock held): the path of calls
         that compiled planning refused or cannot take, whose errors the planner explains."""
+        dev, slots = on_host(c.device_blocks), on_host(c.slots)
         if c.direction is Direction.STORE:
-            job = self._planner.store(c.job_id, c.device_blocks, c.slots, c.group)
+            job = self._planner.store(c.job_id, dev, slots, c.group)
         else:
-            job = self._planner.load(c.job_id, c.slots, c.device_blocks, c.group, c.skip, c.urgent)
+            job = self._planner.load(c.job_id, slots, dev, c.group, c.skip, c.urgent)
         self._queue(job)
 
     def _as_group(self, group: object) -> int:
