@@ -171,6 +171,56 @@ def run_reports(name: str, ops: list[tuple[str, list[int], int]], repeat: bool) 
     return out
 
 
+HARNESSES = Path(__file__).parent / "transfer" / "c"
+"""The C harnesses, the stand-in CUDA driver (fake_cuda.c) and worker_check.py among them."""
+
+
+def run_over_fake_cuda(
+    tmp_path: Path,
+    child: str,
+    *args: str,
+    wrapper: str | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    needs_extension: bool = True,
+) -> str:
+    """Run `child`, a Python script's text, with `args` in a process whose `libcuda.so.1` is the
+    stand-in driver (or `wrapper`, C source that includes fake_cuda.c), with the harnesses and
+    this folder on its path (`from worker_check import fake_cuda_worker`). It must exit 0 in
+    `timeout` seconds; returns its stdout. Skips where no C compiler, or kvtier's library (and
+    its submit extension, if `needs_extension`), builds here."""
+    import os
+    import shutil
+    import subprocess
+
+    from kvtier.transfer import native
+
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("needs a C compiler")
+    if native.library() is None or (needs_extension and native.submit_extension() is None):
+        pytest.skip("the library or the submit extension does not build here")
+    source = HARNESSES / "fake_cuda.c"
+    if wrapper is not None:
+        source = tmp_path / "wrapper.c"
+        source.write_text(wrapper)
+    build_fake_libcuda(cc, tmp_path, source, HARNESSES)
+    script = tmp_path / "child.py"
+    script.write_text(child)
+    path = [str(HARNESSES), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+    full_env = {**os.environ, **(env or {}), "LD_LIBRARY_PATH": str(tmp_path),
+                "PYTHONPATH": os.pathsep.join(filter(None, path))}  # fmt: skip
+    try:
+        run = subprocess.run(
+            [sys.executable, str(script), *args],
+            capture_output=True, text=True, timeout=timeout, env=full_env,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"the child ran past {timeout} s: {exc.stdout!r}") from exc
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout
+
+
 def build_fake_libcuda(cc: str, out_dir: Path, source: Path, harnesses: Path) -> None:
     """Compile the stand-in CUDA driver (`source`: tests/transfer/c/fake_cuda.c, or a wrapper
     that includes it from `harnesses`) as `out_dir/libcuda.so.1`, for a child process run with

@@ -9,19 +9,9 @@ the borrowed event again, and the borrower's `seconds` came out negative."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
-
-from helpers import build_fake_libcuda
-from kvtier.transfer import native
-
-HARNESSES = Path(__file__).with_name("c")
-CC = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+from helpers import run_over_fake_cuda
 
 WRAPPER = r"""
 #define cuStreamWaitEvent fake_stream_wait_event
@@ -134,18 +124,6 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(CC is None, reason="needs a C compiler")
 def test_a_borrowed_start_event_is_not_reused_while_its_batch_launches(tmp_path: Path) -> None:
-    if native.library() is None:
-        pytest.skip("the library does not build here")
-    assert CC is not None
-    wrapper = tmp_path / "gate.c"
-    wrapper.write_text(WRAPPER)
-    build_fake_libcuda(CC, tmp_path, wrapper, HARNESSES)
-    script = tmp_path / "child.py"
-    script.write_text(CHILD)
-    env = {**os.environ, "LD_LIBRARY_PATH": str(tmp_path)}
-    run = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env
-    )
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+    out = run_over_fake_cuda(tmp_path, CHILD, wrapper=WRAPPER, needs_extension=False)
+    assert out.strip() == "ok"

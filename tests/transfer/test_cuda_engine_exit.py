@@ -8,19 +8,11 @@ MALLOC_PERTURB_ fills freed memory, so that use crashes or hangs instead of pass
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import build_fake_libcuda
-from kvtier.transfer import native
-
-HARNESSES = Path(__file__).with_name("c")
-CC = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+from helpers import run_over_fake_cuda
 
 CHILD = r"""
 import atexit, sys, weakref
@@ -47,21 +39,10 @@ def later_exit_handler() -> None:
 
 atexit.register(later_exit_handler)
 
-sys.path.insert(0, sys.argv[2])
-import torch
-from worker_check import stand_in_for_the_gpu
-from kvtier.transfer import HostPool, KVCacheRegistration
-from kvtier.transfer.cuda_worker import CUDATransferWorker
-from kvtier.transfer.testing import make_layout
+from worker_check import fake_cuda_worker
 
-kvs = make_layout("flash", torch.float16, "cpu", seed=5)
-reg = KVCacheRegistration(kvs)
-pool = HostPool(reg, 2, num_slots=12, pin=False)
-reg.device = torch.device("cuda", 0)
-pool.pinned = True
-stand_in_for_the_gpu(pool)
-w = CUDATransferWorker(reg, pool, copy_mode="kernel", compiled=True,
-                       coalesce_depth=int(sys.argv[1]))
+w, _ = fake_cuda_worker(2, 12, coalesce_depth=int(sys.argv[1]))
+reg = w.registration
 w.submit_store(1, [0, 1, 2, 3], [0, 1])
 w.submit_store(2, [4, 5], [2])
 w.submit_load(3, [0], [30, 31], urgent=True)
@@ -70,27 +51,15 @@ print("page", reg.page_bytes(0), flush=True)
 """
 
 
-@pytest.mark.skipif(CC is None, reason="needs a C compiler")
 @pytest.mark.parametrize("depth", [0, 2])
 def test_results_survive_the_engine_freed_at_exit_and_submits_are_refused(
     tmp_path: Path, depth: int
 ) -> None:
-    if native.library() is None or native.submit_extension() is None:
-        pytest.skip("the library or the submit extension does not build here")
-    assert CC is not None
-    build_fake_libcuda(CC, tmp_path, HARNESSES / "fake_cuda.c", HARNESSES)
-    script = tmp_path / "child.py"
-    script.write_text(CHILD)
-    env = {**os.environ, "LD_LIBRARY_PATH": str(tmp_path), "MALLOC_PERTURB_": "165"}
-    try:
-        run = subprocess.run(
-            [sys.executable, str(script), str(depth), str(HARNESSES)],
-            capture_output=True, text=True, timeout=120, env=env,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired as exc:  # a wait on a freed engine may never return
-        raise AssertionError("the exit handler hung on the freed engine") from exc
-    assert run.returncode == 0, run.stdout + run.stderr
-    lines = run.stdout.split("\n")
+    # A wait on a freed engine may never return: the run's timeout says so.
+    out = run_over_fake_cuda(
+        tmp_path, CHILD, str(depth), env={"MALLOC_PERTURB_": "165"}, timeout=120
+    )
+    lines = out.split("\n")
     page = int(next(ln for ln in lines if ln.startswith("page ")).split()[1])
     want = [(1, True, 4 * page), (2, True, 2 * page), (3, True, 2 * page)]
-    assert f"late True {want} [] True" in lines, run.stdout + run.stderr
+    assert f"late True {want} [] True" in lines, out

@@ -8,19 +8,11 @@ of the group failed."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import build_fake_libcuda
-from kvtier.transfer import native
-
-HARNESSES = Path(__file__).with_name("c")
-CC = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+from helpers import run_over_fake_cuda
 
 WRAPPER = r"""
 #define cuLaunchKernel fake_launch_any_grid
@@ -39,21 +31,14 @@ CUresult cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigne
 CHILD = r"""
 import sys
 
-sys.path.insert(0, sys.argv[2])
 import torch
 from worker_check import stand_in_for_the_gpu
 from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor
 from kvtier.transfer.cuda_worker import CUDATransferWorker
-from kvtier.transfer.registration import _merge
 
 torch.manual_seed(0)
 big = torch.randn(2, 32769, 4, 16, dtype=torch.float16)  # blocks on dim 2: 65,538 parts
-# Registered through a slice of it (the overlap check is quadratic in segments), then given
-# the whole tensor's segments: what the registration would hold.
-reg = KVCacheRegistration([KVTensor(big[:, :1], 2)])
-kv = KVTensor(big, 2)
-reg.tensors = (kv,)
-reg._segments = {0: tuple(_merge(kv.segments()))}
+reg = KVCacheRegistration([KVTensor(big, 2)])
 assert len(reg.segments(0)) == 65538
 pool = HostPool(reg, 1, num_slots=2, pin=False)
 reg.device = torch.device("cuda", 0)
@@ -76,20 +61,6 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(CC is None, reason="needs a C compiler")
 @pytest.mark.parametrize("depth", [0, 2])
 def test_a_group_of_more_segments_than_a_grid_holds_is_copied(tmp_path: Path, depth: int) -> None:
-    if native.library() is None or native.submit_extension() is None:
-        pytest.skip("the library or the submit extension does not build here")
-    assert CC is not None
-    wrapper = tmp_path / "grid_limits.c"
-    wrapper.write_text(WRAPPER)
-    build_fake_libcuda(CC, tmp_path, wrapper, HARNESSES)
-    script = tmp_path / "child.py"
-    script.write_text(CHILD)
-    env = {**os.environ, "LD_LIBRARY_PATH": str(tmp_path)}
-    run = subprocess.run(
-        [sys.executable, str(script), str(depth), str(HARNESSES)],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+    assert run_over_fake_cuda(tmp_path, CHILD, str(depth), wrapper=WRAPPER).strip() == "ok"

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.transfer import HostPool, KVCacheRegistration, cuda_engine, cuda_worker, nvrtc
+from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor, cuda_engine, cuda_worker, nvrtc
 from kvtier.transfer.cuda_worker import CUDATransferWorker
 from kvtier.transfer.testing import assert_block_equals, make_layout, snapshot
 
@@ -86,20 +86,30 @@ def stand_in_for_the_gpu(pool: HostPool) -> None:
     nvrtc.cubin = lambda capability: b"image"
 
 
-def main(depth: int) -> None:
-    kvs = make_layout("flash", torch.float16, "cpu", seed=5)
+def fake_cuda_worker(
+    pages: int = 1, num_slots: int = 8, seed: int = 5, **options: Any
+) -> tuple[CUDATransferWorker, list[KVTensor]]:
+    """A compiled-path `CUDATransferWorker` (kernel copies, `options` added) over the stand-in
+    driver, for a flash layout's tensors made on the CPU, returned too."""
+    kvs = make_layout("flash", torch.float16, "cpu", seed=seed)
     reg = KVCacheRegistration(kvs)
-    pool = HostPool(reg, 2, num_slots=12, pin=False)
+    pool = HostPool(reg, pages, num_slots=num_slots, pin=False)
     reg.device = torch.device("cuda", 0)  # as the worker will see it
     pool.pinned = True
     stand_in_for_the_gpu(pool)
+    worker = CUDATransferWorker(reg, pool, **{"copy_mode": "kernel", "compiled": True, **options})
+    return worker, kvs
+
+
+def main(depth: int) -> None:
+    w, kvs = fake_cuda_worker(2, 12, coalesce_depth=depth)
+    reg, pool = w.registration, w.pool
     before = snapshot(kvs)
 
     def fail_seven(job_id: int, direction: str) -> None:
         if job_id == 7:
             raise RuntimeError("injected")
 
-    w = CUDATransferWorker(reg, pool, copy_mode="kernel", compiled=True, coalesce_depth=depth)
     assert w.copy_path == "compiled" and w.coalesce_depth == depth
     assert w._ext_submit is not None, "the submit extension did not build"
 
