@@ -81,3 +81,8 @@ class _Job:
     bytes: int = 0  # moved by the workers that reported success so far
     seconds: float = 0.0  # their copy time, summed
     reporters: set[int] = field(default_factory=set)  # workers that named themselves
+    # Set once the manager has the job's outcome and the counters count it. The job stays in
+    # flight until its request's bookkeeping is done too, so that an interrupt part-way leaves
+    # it to `fail_unreported`, which finishes it without applying anything twice.
+    applied: bool = False
+    attempted: bool = False  # the manager was asked to complete it (an interrupt may follow)

@@ -463,7 +463,11 @@ class OffloadingScheduler:
         reporting a job twice is refused instead of counting as another worker's report
         (without it only more reports than workers can be told apart). A report of a job not
         in flight (not yet sent in a `StepMetadata`, or already completed), or reported too
-        often, raises before any report is applied."""
+        often, raises before any report is applied.
+
+        A job leaves the jobs in flight only once all its effects are applied: should an
+        interrupt (or a manager call that raises) stop this part-way, `fail_unreported`
+        finishes the jobs whose reports were all in and fails the reports not yet applied."""
         self._check_worker(worker)
         results = list(results)
         seen: dict[int, int] = {}
@@ -482,41 +486,40 @@ class OffloadingScheduler:
             seen[r.job_id] = n
         for r in results:
             job = self._jobs[r.job_id]
-            job.reports_left -= 1
-            if worker is not None:
-                job.reporters.add(worker)
+            # No call until the report is counted (`reporters.add` is the last step), so an
+            # interrupt cannot land part-way through it.
             job.success = job.success and r.success
             if r.success:
                 job.bytes += r.bytes
                 job.seconds += r.seconds
+            job.reports_left -= 1
+            if worker is not None:
+                job.reporters.add(worker)
             if job.reports_left == 0:
-                # Counted once the job is done: a job that failed on one worker is not a
-                # successful job, whatever the other workers moved.
-                if job.success:
-                    if job.spec.kind is JobKind.LOAD:
-                        self.bytes_loaded += job.bytes
-                        self.load_seconds += job.seconds
-                    else:
-                        self.bytes_stored += job.bytes
-                        self.store_seconds += job.seconds
-                self._complete(self._jobs.pop(r.job_id))
+                self._complete(job)
 
     def fail_unreported(self, worker: int | None = None) -> list[int]:
         """Count every report still missing from `worker` (every worker if None) as a failure,
         and return the ids of the jobs that completed.
 
         For reports that will never come: the worker died or was replaced, or its results were
-        lost between its `get_finished` and `on_worker_results` (an interrupt). Without this,
-        such jobs hold their pins, host slots and request forever. Call it only once no copy of
-        those jobs can still run on that worker (its process is gone, or its transfer worker
-        waited for them and its results were applied): a store's slots become reusable at
-        once. Jobs not yet sent in a `StepMetadata` are left alone; a later report of a job
-        failed here is refused as not in flight. With several workers, naming one needs the
+        lost between its `get_finished` and `on_worker_results`, or inside the latter (an
+        interrupt). Without this, such jobs hold their pins, host slots and request forever.
+        Jobs whose reports were all in but whose completion was stopped part-way (an interrupt
+        in `on_worker_results`) are finished too, with their reported outcome. Call it only
+        once no copy of those jobs can still run on that worker (its process is gone, or its
+        transfer worker waited for them and its results were applied): a store's slots become
+        reusable at once. Jobs not yet sent in a `StepMetadata` are left alone; a later report
+        of a job failed here is refused as not in flight. With several workers, naming one needs the
         reports so far to have named theirs (`on_worker_results(..., worker=i)`)."""
         self._check_worker(worker)
         owed: list[tuple[_Job, int]] = []
         for job in self._jobs.values():
             if not job.sent:
+                continue
+            if job.reports_left == 0:
+                # Every report is in; an interrupt stopped its completion part-way.
+                owed.append((job, 0))
                 continue
             if worker is None:
                 owed.append((job, job.reports_left))
@@ -531,13 +534,14 @@ class OffloadingScheduler:
                 owed.append((job, 1))
         done: list[int] = []
         for job, n in owed:
-            job.reports_left -= n
-            job.success = False
-            if worker is not None:
-                job.reporters.add(worker)
+            if n:
+                job.success = False
+                job.reports_left -= n
+                if worker is not None:
+                    job.reporters.add(worker)
             if job.reports_left == 0:
                 done.append(job.spec.job_id)
-                self._complete(self._jobs.pop(job.spec.job_id))
+                self._complete(job)
         return done
 
     def take_finished(self) -> FinishedRequests:
@@ -549,7 +553,9 @@ class OffloadingScheduler:
         """Empty the tier. Jobs in flight complete later without touching the new contents;
         their slots are reused only after the last of them is done."""
         self._generation += 1
-        self._jobs_before_reset = len(self._jobs)
+        # A job the manager already completed (an interrupt stopped the rest of its
+        # completion) uses no slot any more.
+        self._jobs_before_reset = sum(not job.applied for job in self._jobs.values())
         self.manager.reset_cache()
         for req in self._requests.values():
             req.next_store_chunk = 0
@@ -557,45 +563,82 @@ class OffloadingScheduler:
             self.manager.on_reset_flushed()
 
     def _complete(self, job: _Job) -> None:
+        """Apply a job whose reports are all in, then drop it from the jobs in flight.
+
+        Resumable: an interrupt part-way (or a manager call that raises, which changes nothing)
+        leaves the job in flight, and calling this again applies only what is left."""
         spec = job.spec
-        if job.generation == self._generation:
-            if spec.kind is JobKind.LOAD:
-                self.manager.complete_load(job.keys, self._ctx(spec.req_id))
-            else:
-                self.manager.complete_store(job.keys, self._ctx(spec.req_id), job.success)
-        else:
-            self._jobs_before_reset -= 1
-            if self._jobs_before_reset == 0:
-                self.manager.on_reset_flushed()
-        if not job.success:
-            if spec.kind is JobKind.LOAD:
-                self.load_jobs_failed += 1
-            else:
-                self.store_jobs_failed += 1
-            logger.warning(
-                "kvtier: %s job %d of request %s failed",
-                spec.kind.value,
-                spec.job_id,
-                spec.req_id,
-            )
-        req = self._requests.get(spec.req_id)
-        if req is None:
-            return
-        req.jobs.discard(spec.job_id)
-        if spec.kind is JobKind.LOAD:
+        if not job.applied:
+            old = job.generation != self._generation
+            if not old:
+                # An interrupt just as the manager call returned, before `applied` is set,
+                # makes it run again: the manager then refuses the keys (no longer pinned or
+                # pending), which on a second attempt means the first one was applied.
+                again, job.attempted = job.attempted, True
+                try:
+                    if spec.kind is JobKind.LOAD:
+                        self.manager.complete_load(job.keys, self._ctx(spec.req_id))
+                    else:
+                        self.manager.complete_store(job.keys, self._ctx(spec.req_id), job.success)
+                except ValueError as e:
+                    if not again:
+                        raise
+                    logger.warning(
+                        "kvtier: %s job %d of request %s taken as applied: %s",
+                        spec.kind.value,
+                        spec.job_id,
+                        spec.req_id,
+                        e,
+                    )
+            elif self._jobs_before_reset == 1:
+                self.manager.on_reset_flushed()  # before the count: a raise leaves it due
+            # No call from here to the counters' end, so no interrupt lands part-way.
+            job.applied = True
+            if old:
+                self._jobs_before_reset -= 1
+            # Counted once the job is done: a job that failed on one worker is not a
+            # successful job, whatever the other workers moved.
             if not job.success:
-                req.load_failed = True
-                self._finished.failed_load_blocks.update(spec.device_blocks.tolist())
-            # A load is one job per KV-cache group: the request is received only when the
-            # last of them ended, or the engine would read blocks another group still writes.
-            # While a load is in flight the request has no other jobs (one set at a time).
-            if not req.jobs:
-                self._finished.recving.add(spec.req_id)
-                if req.load_failed:
-                    self._finished.failed_loads.add(spec.req_id)
-        if req.finished and not req.jobs:
-            self._finished.sending.add(spec.req_id)
-            del self._requests[spec.req_id]
+                if spec.kind is JobKind.LOAD:
+                    self.load_jobs_failed += 1
+                else:
+                    self.store_jobs_failed += 1
+            elif spec.kind is JobKind.LOAD:
+                self.bytes_loaded += job.bytes
+                self.load_seconds += job.seconds
+            else:
+                self.bytes_stored += job.bytes
+                self.store_seconds += job.seconds
+            if not job.success:
+                logger.warning(
+                    "kvtier: %s job %d of request %s failed",
+                    spec.kind.value,
+                    spec.job_id,
+                    spec.req_id,
+                )
+        req = self._requests.get(spec.req_id)
+        if req is not None:
+            # The job leaves `req.jobs` last: until then the request has a job in flight, so
+            # no new job of it starts before this one's effects are all applied. Every step
+            # below may run twice (after an interrupt): sets only grow.
+            last = req.jobs <= {spec.job_id}
+            if spec.kind is JobKind.LOAD:
+                if not job.success:
+                    req.load_failed = True
+                    self._finished.failed_load_blocks.update(spec.device_blocks.tolist())
+                # A load is one job per KV-cache group: the request is received only when the
+                # last of them ended, or the engine would read blocks another group still
+                # writes. While a load is in flight the request has no other jobs.
+                if last:
+                    self._finished.recving.add(spec.req_id)
+                    if req.load_failed:
+                        self._finished.failed_loads.add(spec.req_id)
+            if last and req.finished:
+                self._finished.sending.add(spec.req_id)
+                del self._requests[spec.req_id]
+            else:
+                req.jobs.discard(spec.job_id)
+        del self._jobs[spec.job_id]
 
     # -- helpers ------------------------------------------------------------------------------
 
