@@ -62,6 +62,10 @@ class OffloadingWorker:
         # the duplicate id, and that refusal, reported as a failure, would release the pins
         # and slots of the copy that is still running.
         self._submitted: set[int] = set()
+        # Jobs whose submit raised, to be reported failed by the next get_finished unless the
+        # transfer worker queued them all the same (it reports those). Decided there, not in
+        # the exception handler, where a second interrupt could lose the report.
+        self._unsettled: set[int] = set()
 
     def start_step(self, meta: StepMetadata) -> None:
         """Wait for `meta.wait_for`, then submit the step's loads."""
@@ -82,6 +86,8 @@ class OffloadingWorker:
 
     def get_finished(self) -> list[TransferResult]:
         """Jobs finished since the last call, for the scheduler half's `on_worker_results`."""
+        if self._unsettled:
+            self._settle()  # before the transfer's results: `holds` is False once returned
         finished = self.transfer.get_finished()
         if self._refused:
             finished = self._refused + finished
@@ -115,30 +121,39 @@ class OffloadingWorker:
         except Exception:
             # A backend may raise after it queued the job (`holds` says so, per the protocol):
             # it reports the job then, and a refusal too would be a second report, which the
-            # scheduler half refuses along with the rest of that batch. Reported first: an
-            # interrupt during the logging must not lose the report.
-            queued = self._holds(job.job_id)
-            if not queued:
-                self._refused.append(TransferResult(job.job_id, False))
+            # scheduler half refuses along with the rest of that batch. The next get_finished
+            # decides (`_settle`); noted first, so that an interrupt during the logging cannot
+            # lose the report.
+            self._unsettled.add(job.job_id)
             logger.exception(
-                "kvtier: the transfer worker raised submitting %s job %d of request %s; %s",
+                "kvtier: the transfer worker raised submitting %s job %d of request %s; "
+                "reported failed unless it was queued all the same",
                 job.kind.value,
                 job.job_id,
                 job.req_id,
-                "it was queued all the same" if queued else "reported failed",
             )
         except BaseException:
-            # An interrupt (Ctrl-C in a notebook, whose user goes on) propagates, but first the
-            # job must be reported exactly once: by the transfer worker if it was queued (the
-            # interrupt may come as the submit returns), else here, failed, as a refusal is.
-            # It stays marked submitted until then, so that metadata fed again skips it.
-            if not self.transfer.holds(job.job_id):
-                self._refused.append(TransferResult(job.job_id, False))
+            # An interrupt (Ctrl-C in a notebook, whose user goes on) propagates; the job is
+            # reported exactly once all the same: by the transfer worker if it was queued (the
+            # interrupt may come as the submit returns), else by the next get_finished, failed,
+            # as a refusal is. Only noted here: the handler's first call, so no second
+            # interrupt can land before it (asking `holds` here could be interrupted). It
+            # stays marked submitted until reported, so that metadata fed again skips it.
+            self._unsettled.add(job.job_id)
             raise
 
+    def _settle(self) -> None:
+        """Report failed each job whose submit raised and that the transfer worker did not
+        queue. Safe to run again after an interrupt part-way: a job is refused at most once."""
+        refused = {r.job_id for r in self._refused}
+        for job_id in sorted(self._unsettled):
+            if job_id not in refused and not self._holds(job_id):
+                self._refused.append(TransferResult(job_id, False))
+            self._unsettled.discard(job_id)
+
     def _holds(self, job_id: int) -> bool:
-        """`transfer.holds(job_id)` after a submit raised; a backend that cannot answer is taken
-        to have queued nothing (the refusal is then its one report)."""
+        """`transfer.holds(job_id)` for a job whose submit raised; a backend that cannot answer
+        is taken to have queued nothing (the refusal is then its one report)."""
         try:
             return self.transfer.holds(job_id)
         except Exception:
