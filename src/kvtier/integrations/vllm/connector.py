@@ -11,6 +11,7 @@ the worker role kvtier's transfer engine (worker_side). docs/vllm.md is the user
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+logger = logging.getLogger(__name__)
+
 
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """Offloads vLLM's KV cache to kvtier's host tier and loads it back on prefix hits.
@@ -65,6 +68,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         setup = resolve_setup(vllm_config, kv_cache_config)
         self.scheduler_side: KVTierSchedulerSide | None = None
         self.worker_side: KVTierWorkerSide | None = None
+        # A failed load was dropped from get_finished's answer: its blocks must be reported.
+        self._failures_by_block = False
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = KVTierSchedulerSide(setup)
         else:
@@ -138,15 +143,34 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker().get_transfer_results()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """`(finished_sending, finished_recving)`, as get_transfer_results without failures."""
+        """`(finished_sending, finished_recving)`, for callers that know no `failed_recving`
+        (vLLM 0.33 itself calls get_transfer_results).
+
+        A failed load is in `finished_recving` (vLLM must stop waiting for it) and its blocks
+        in the next `get_block_ids_with_load_errors`, the one report of the failure such a
+        caller reads: for hybrid models too, which vLLM 0.33's scheduler refuses loudly rather
+        than compute on blocks that were never loaded."""
         results = self.get_transfer_results(finished_req_ids)
+        if results.failed_recving:
+            self._failures_by_block = True
         return results.finished_sending or None, results.finished_recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks that failed loads left invalid (single-group models; hybrid models get the
-        request in `failed_recving`, since vLLM cannot map block ids across groups)."""
+        """Blocks that failed loads left invalid: for single-group models, and for hybrid
+        models when `get_finished` dropped the failed requests; otherwise hybrid models get
+        only the request in `failed_recving`, since vLLM cannot map block ids across groups."""
         errors = self._worker().take_load_errors()
-        return errors if len(self._kv_cache_config.kv_cache_groups) == 1 else set()
+        if len(self._kv_cache_config.kv_cache_groups) == 1:
+            return errors
+        if self._failures_by_block:
+            self._failures_by_block = False
+            logger.warning(
+                "kvtier: failed loads reported through get_finished, which has no "
+                "failed_recving: reporting their %d blocks of a hybrid model as load errors",
+                len(errors),
+            )
+            return errors
+        return set()
 
     def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
         """This worker's finished jobs, for the scheduler side."""

@@ -15,12 +15,16 @@ from kvtier.connector.metadata import StepMetadata
 @dataclass
 class KVTierConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> workers: the step's jobs, the finished requests whose blocks vLLM holds
-    until the workers report their stores done (`finished_sending`), and the host tier's slot
-    count as the scheduler sized it (0: not given), which every worker's pool must hold."""
+    until the workers report their stores done (`finished_sending`), the host tier's slot
+    count as the scheduler sized it (0: not given), which every worker's pool must hold, and
+    the loads that failed on the scheduler side before any job ran (request id -> device
+    blocks they left without valid KV), which every worker reports as failed loads: vLLM
+    hears of a load's end only from its workers."""
 
     step: StepMetadata
     held: list[str] = field(default_factory=list)
     num_slots: int = 0
+    failed_loads: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

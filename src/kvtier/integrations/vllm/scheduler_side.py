@@ -92,6 +92,9 @@ class KVTierSchedulerSide:
         # Requests whose load failed: vLLM recomputes them, so kvtier must not offer the same
         # chunks again (that would fail the same way, forever).
         self._load_failed: set[str] = set()
+        # Loads failed at allocation, for the next step's workers to report (request id ->
+        # the device blocks the load would have filled).
+        self._failed_at_alloc: dict[str, list[int]] = {}
         # Preemptions (vLLM's `Request.num_preemptions`) already handed to the scheduler, for
         # requests preempted at least once.
         self._preemptions: dict[str, int] = {}
@@ -161,10 +164,17 @@ class KVTierSchedulerSide:
         if num_external_tokens == 0:
             self.scheduler.update_state_after_alloc(request.request_id, (), 0)
             return
-        self.scheduler.update_state_after_alloc(
-            request.request_id, blocks.get_block_ids(), num_external_tokens
-        )
+        req_id = request.request_id
+        self.scheduler.update_state_after_alloc(req_id, blocks.get_block_ids(), num_external_tokens)
         self._loaded_tokens += num_external_tokens
+        # The chunks offered may be gone by now: vLLM 0.33 defers this call past the offer's
+        # step when it defers async loads (HiSparse with overlapping batches), and that step's
+        # stores may evict them or a reset drop them. The scheduler then fails the load at
+        # once, with no job: only the workers can tell vLLM, in the next step's metadata.
+        finished = self.scheduler.take_finished()
+        if req_id in finished.failed_loads:
+            self._failed_at_alloc[req_id] = sorted(finished.failed_load_blocks)
+            self._load_failed.add(req_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierConnectorMetadata:
         """Turn one scheduler step into kvtier's step metadata."""
@@ -196,7 +206,8 @@ class KVTierSchedulerSide:
             self._loads[job.job_id] = [job.req_id, self.setup.num_workers]
             self._loading[job.req_id] = self._loading.get(job.req_id, 0) + 1
         held, self._held = self._held, []
-        return KVTierConnectorMetadata(step, held)
+        failed, self._failed_at_alloc = self._failed_at_alloc, {}
+        return KVTierConnectorMetadata(step, held, failed_loads=failed)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """Record the jobs the workers finished this step."""
@@ -212,7 +223,7 @@ class KVTierSchedulerSide:
             self.scheduler.on_worker_results(results, worker=rank)
             if self._loads:
                 self._count_load_reports(results)
-        # vLLM hears about finished requests from the workers' get_finished.
+        # vLLM hears about finished requests from the workers' get_transfer_results.
         self.scheduler.take_finished()
 
     def _count_load_reports(self, results: list[TransferResult]) -> None:

@@ -92,9 +92,26 @@ class KVTierWorkerSide:
         self._loaded: KVTierConnectorMetadata | None = None
         self._saved: KVTierConnectorMetadata | None = None
         self._unsaved: KVTierConnectorMetadata | None = None
+        # The metadata whose scheduler-side failed loads were taken up last (once each).
+        self._noted: KVTierConnectorMetadata | None = None
+        self._failed_at_alloc: list[str] = []
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        """Register every offloaded layer's tensor and allocate the host pool."""
+        """Register every offloaded layer's tensor and allocate the host pool (once).
+
+        A second call is refused, leaving the first registration running: its host pool holds
+        the chunks the scheduler counts as stored, and its transfer worker the jobs in flight.
+        Replacing them would lose both, and a later load would serve an empty slot as good."""
+        if self._registration is not None:
+            transfer = self.transfer
+            raise RuntimeError(
+                f"kvtier: register_kv_caches() called a second time on worker {self.rank}, "
+                f"with {len(self._jobs)} jobs in flight and a host pool of "
+                f"{transfer.pool.num_slots if transfer is not None else 0} slots the scheduler "
+                "counts on; the first registration stays in use. Expected one call per "
+                "connector (vLLM's sleep mode does not re-register); to change the KV caches, "
+                "shut this connector down and build a new one"
+            )
         missing = sorted(set(self.layer_groups) - set(kv_caches))
         if missing:
             raise ValueError(f"vLLM gave no KV cache for layers {missing}")
@@ -191,8 +208,9 @@ class KVTierWorkerSide:
     # -- step --------------------------------------------------------------------------------
 
     def _begin(self, meta: KVTierConnectorMetadata) -> None:
-        """Start the step of `meta`; first submit the stores of an earlier step whose
-        `wait_for_save` never came.
+        """Start the step of `meta`: take up the loads the scheduler failed before any job
+        ran (reported by the next `get_transfer_results`), and first submit the stores of an
+        earlier step whose `wait_for_save` never came.
 
         vLLM 0.33 with speculative decoding defers `wait_for_save` until after the drafter,
         in `sample_tokens`, which returns early on every pipeline stage but the last: there
@@ -200,6 +218,11 @@ class KVTierWorkerSide:
         before this step's) would never run nor be reported, and its held requests never
         reach `finished_sending`, so vLLM would keep their blocks forever."""
         self.fit_pool(meta.num_slots)
+        if meta.failed_loads and meta is not self._noted:
+            self._noted = meta
+            self._failed_at_alloc.extend(meta.failed_loads)
+            for blocks in meta.failed_loads.values():
+                self._load_errors.update(blocks)
         unsaved = self._unsaved
         if unsaved is not None and unsaved is not meta:
             logger.debug("kvtier: wait_for_save of the previous step never came; saving now")
@@ -273,6 +296,11 @@ class KVTierWorkerSide:
     def get_transfer_results(self) -> KVConnectorTransferResults:
         """Loads finished (or failed) and held requests whose jobs are all done."""
         out = KVConnectorTransferResults()
+        if self._failed_at_alloc:
+            # Loads the scheduler failed before any job ran: finished, and failed.
+            out.finished_recving.update(self._failed_at_alloc)
+            out.failed_recving.update(self._failed_at_alloc)
+            self._failed_at_alloc = []
         if self._worker is not None:
             finished = self._worker.get_finished()
             if self._done_here:
