@@ -81,6 +81,7 @@ class Job:
     batch: int  # the call that created it: one set of jobs per request at a time
     first_block: int  # index in its request's block table of device_blocks[0]
     sent: bool = False
+    released: bool = False  # its request was preempted after it was sent: blocks given back
     submitted: set[int] = field(default_factory=set)
     executed: set[int] = field(default_factory=set)
     fenced: set[int] = field(default_factory=set)  # waited for, or reported, by the worker
@@ -184,6 +185,9 @@ class Fuzz:
         self.chunk_of: dict[bytes, tuple[bytes, ...]] = {}  # a chunk's last hash -> its hashes
         self.expect_wait: set[int] = set()
         self.expect_done = FinishedRequests()
+        # Blocks of loads failed at allocation, reported by the next take_finished unless the
+        # request gives them back first (preempted or finished).
+        self.alloc_failed: dict[str, list[int]] = {}
         self.bytes = {JobKind.LOAD: 0, JobKind.STORE: 0}
         self.seconds = {JobKind.LOAD: 0.0, JobKind.STORE: 0.0}
         self.failed = {JobKind.LOAD: 0, JobKind.STORE: 0}  # jobs; a load gone at alloc: G
@@ -513,7 +517,10 @@ class Fuzz:
         done = self.expect_done
         if j.load and not success:
             r.load_failed = True
-            done.failed_load_blocks.update(j.blocks)
+            if not j.released:
+                done.failed_load_blocks.update(j.blocks)
+            else:  # the blocks may be other requests' by now
+                self.stats["preempted request's load failed"] += 1
         if self.incomplete(r.rid):
             return
         if j.load:
@@ -663,8 +670,7 @@ class Fuzz:
             r.load_failed = True
             self.expect_done.recving.add(r.rid)
             self.expect_done.failed_loads.add(r.rid)
-            for blocks in r.blocks:
-                self.expect_done.failed_load_blocks.update(blocks[first_block:end_block])
+            self.alloc_failed[r.rid] = [b for bs in r.blocks for b in bs[first_block:end_block]]
             self.stats["offer gone at alloc"] += 1
             self.failed[JobKind.LOAD] += self.G  # one per group, as the counter's doc says
             return
@@ -695,6 +701,8 @@ class Fuzz:
 
     def finish(self, r: Req) -> None:
         self.cancel_unsent(r)
+        if self.alloc_failed.pop(r.rid, None) is not None:
+            self.stats["gave back the blocks of a load failed at alloc"] += 1
         expect_held = bool(self.incomplete(r.rid))
         held = self.s.request_finished(r.rid)
         assert held == expect_held, f"request_finished({r.rid}) returned {held}"
@@ -711,7 +719,11 @@ class Fuzz:
         unsent = [j for j in self.incomplete(r.rid) if not j.sent]
         self.cancel_unsent(r)
         self.s.request_preempted(r.rid)
+        if self.alloc_failed.pop(r.rid, None) is not None:
+            self.stats["gave back the blocks of a load failed at alloc"] += 1
         in_flight = self.incomplete(r.rid)
+        for j in in_flight:
+            j.released = True
         self.expect_wait |= {j.spec.job_id for j in in_flight}
         if in_flight:
             kind = "load" if in_flight[0].load else "store"
@@ -770,11 +782,16 @@ class Fuzz:
                     victims = [q for q in self.reqs.values() if q.state in ("running", "loading")]
                     self.preempt(rng.choice(victims))
             r.step_tokens = k if r.state == "running" else 0
-        # Late in the pass, after admissions: cancels loads planned but not yet sent.
+        # Late in the pass, after admissions: cancels loads planned but not yet sent, or gives
+        # back the blocks of a load failed at allocation before take_finished reports them.
         busy = [r for r in self.reqs.values() if r.state in ("running", "loading", "allocated")]
-        unsent = [r for r in busy if any(not j.sent for j in self.incomplete(r.rid))]
+        preferred = [
+            r
+            for r in busy
+            if r.rid in self.alloc_failed or any(not j.sent for j in self.incomplete(r.rid))
+        ]
         if busy and rng.random() < 0.15:
-            r = rng.choice(unsent if unsent and rng.random() < 0.7 else busy)
+            r = rng.choice(preferred if preferred and rng.random() < 0.7 else busy)
             if r.state != "allocated" and rng.random() < 0.5:
                 self.preempt(r)
             else:
@@ -926,6 +943,9 @@ class Fuzz:
     def take_finished(self) -> None:
         done = self.s.take_finished()
         want, self.expect_done = self.expect_done, FinishedRequests()
+        for blocks in self.alloc_failed.values():
+            want.failed_load_blocks.update(blocks)
+        self.alloc_failed = {}
         assert done.sending == want.sending
         assert done.recving == want.recving
         assert done.failed_loads == want.failed_loads
@@ -1043,6 +1063,8 @@ def test_random_engines_never_serve_bad_kv_nor_leak(batch: int) -> None:
         "device hit",
         "preempted with a load in flight",
         "preempted with a store in flight",
+        "preempted request's load failed",
+        "gave back the blocks of a load failed at alloc",
         "finished with jobs in flight",
         "reset with jobs in flight",
         "job done after reset",

@@ -64,6 +64,9 @@ class _Request:
     # get_num_new_matched_tokens
     planned_load: tuple[int, int, int] | None = None
     jobs: set[int] = field(default_factory=set)
+    # Sent jobs whose device blocks the engine took back (a preemption) and may have given to
+    # other requests: a failed load among them reports no blocks in `failed_load_blocks`.
+    released_jobs: set[int] = field(default_factory=set)
     finished: bool = False
     load_failed: bool = False
 
@@ -170,6 +173,9 @@ class OffloadingScheduler:
         """Store jobs that failed on any worker."""
         self._wait_for: list[int] = []
         self._finished = FinishedRequests()
+        # Device blocks of loads failed at allocation, per request, until `take_finished`
+        # reports them: a preemption or finish before then gives the blocks back to the engine.
+        self._failed_at_alloc: dict[str, list[int]] = {}
 
     # -- request lifecycle ------------------------------------------------------------------
 
@@ -220,6 +226,7 @@ class OffloadingScheduler:
             if used:
                 self.manager.touch(used, req.ctx)
         self.manager.on_request_finished(req.ctx)
+        self._failed_at_alloc.pop(req_id, None)  # no job: the engine frees its blocks now
         if req.jobs:
             return True
         del self._requests[req_id]
@@ -227,9 +234,15 @@ class OffloadingScheduler:
 
     def request_preempted(self, req_id: str) -> None:
         """The engine freed a request's device blocks to run others: jobs that still use them
-        are waited for before the next step, and the request's plans are dropped."""
+        are waited for before the next step, and the request's plans are dropped. Should such
+        a load fail, its blocks are not in `failed_load_blocks` (other requests may hold them
+        by now), nor are those of a load failed at allocation and not yet taken
+        (`take_finished`); the request is still reported in `recving` and `failed_loads`."""
         req = self._get(req_id)
         self._cancel_unsent(req)
+        # Every job left was sent; no new one starts for the request until they end.
+        req.released_jobs.update(req.jobs)
+        self._failed_at_alloc.pop(req_id, None)
         self._wait_for.extend(sorted(req.jobs))
         req.planned_load = None
 
@@ -339,8 +352,9 @@ class OffloadingScheduler:
             req.load_failed = True
             self._finished.recving.add(req_id)
             self._finished.failed_loads.add(req_id)
-            for g in range(len(self.groups)):
-                self._finished.failed_load_blocks.update(block_ids[g][first_block:end_block])
+            self._failed_at_alloc[req_id] = [
+                b for g in range(len(self.groups)) for b in block_ids[g][first_block:end_block]
+            ]
             return
         for g, group in enumerate(self.groups):
             job = TransferJob(
@@ -547,6 +561,9 @@ class OffloadingScheduler:
     def take_finished(self) -> FinishedRequests:
         """Requests whose transfers ended since the last call."""
         finished, self._finished = self._finished, FinishedRequests()
+        failed_at_alloc, self._failed_at_alloc = self._failed_at_alloc, {}
+        for blocks in failed_at_alloc.values():
+            finished.failed_load_blocks.update(blocks)
         return finished
 
     def reset_cache(self) -> None:
@@ -625,7 +642,10 @@ class OffloadingScheduler:
             if spec.kind is JobKind.LOAD:
                 if not job.success:
                     req.load_failed = True
-                    self._finished.failed_load_blocks.update(spec.device_blocks.tolist())
+                    # A preempted request's blocks may hold other requests' KV by now; it
+                    # recomputes its own tokens anyway, having lost them at the preemption.
+                    if spec.job_id not in req.released_jobs:
+                        self._finished.failed_load_blocks.update(spec.device_blocks.tolist())
                 # A load is one job per KV-cache group: the request is received only when the
                 # last of them ended, or the engine would read blocks another group still
                 # writes. While a load is in flight the request has no other jobs.
@@ -638,6 +658,7 @@ class OffloadingScheduler:
                 del self._requests[spec.req_id]
             else:
                 req.jobs.discard(spec.job_id)
+                req.released_jobs.discard(spec.job_id)  # after: a rerun must still see it
         del self._jobs[spec.job_id]
 
     # -- helpers ------------------------------------------------------------------------------
