@@ -5,7 +5,9 @@ reports the sticky error, as after an illegal address).
 
 A poll that could not make the context current returned nothing, so the jobs it should have
 reported were never reported; and a `wait` whose driver call failed returned as if the jobs
-were done. Now such jobs are reported failed, each once, and such a wait raises."""
+were done. Now such jobs are reported failed, each once, and such a wait raises. A launch
+thread that could not make the context current as it started (one starting late, while it
+could not be) failed every later job of its lane; it now asks again before each batch."""
 
 from __future__ import annotations
 
@@ -42,15 +44,51 @@ void fake_poison(int code) {
 
 static int is_lost(void) { LOCKED(int, lost); }
 
+/* Contexts current per thread, as the driver's are (the fake's is one for the process): a
+ * thread other than the one that asked has none until it sets one. */
+static int per_thread;
+static pthread_t asker;
+static __thread int set_here;
+
+void fake_per_thread_contexts(void) {
+    pthread_mutex_lock(&mu);
+    per_thread = 1, asker = pthread_self();
+    pthread_mutex_unlock(&mu);
+}
+
+static int has_none(void) {
+    pthread_mutex_lock(&mu);
+    int none = per_thread && !pthread_equal(pthread_self(), asker) && !set_here;
+    pthread_mutex_unlock(&mu);
+    return none;
+}
+
 CUresult cuCtxGetCurrent(void **ctx) {
-    if (!is_lost())
+    if (!is_lost() && !has_none())
         return fake_ctx_get(ctx);
     *ctx = NULL; /* the calling thread has none current */
     return OK;
 }
 
+static int refusals; /* the next so many calls that set a context fail */
+
+void fake_refuse_ctx_sets(int n) {
+    pthread_mutex_lock(&mu);
+    refusals = n;
+    pthread_mutex_unlock(&mu);
+}
+
+int fake_refusals_left(void) { LOCKED(int, refusals); }
+
 CUresult cuCtxSetCurrent(void *ctx) {
-    return is_lost() && ctx ? CONTEXT_LOST : fake_ctx_set(ctx);
+    pthread_mutex_lock(&mu);
+    int refused = ctx && refusals > 0 ? refusals-- : 0;
+    pthread_mutex_unlock(&mu);
+    if (refused || (is_lost() && ctx))
+        return CONTEXT_LOST;
+    CUresult r = fake_ctx_set(ctx);
+    set_here = r == OK && ctx;
+    return r;
 }
 """
 
@@ -59,6 +97,10 @@ import sys, time
 
 from worker_check import FAKE, fake_cuda_worker
 
+if sys.argv[1] == "late":
+    # The main thread has the context current; each launch thread sets it as it starts.
+    FAKE.fake_per_thread_contexts()
+    FAKE.fake_refuse_ctx_sets(3)
 w, _ = fake_cuda_worker(coalesce_depth=int(sys.argv[2]))
 
 
@@ -97,7 +139,15 @@ if sys.argv[1] == "lost":
     FAKE.fake_lose_context(0)
     w.submit_store(5, [4], [4])  # the engine goes on once its context is back
     w.wait([5])
-    assert [(r.job_id, r.success) for r in w.get_finished()] == [(5, True)]
+    got = [(r.job_id, r.success) for r in w.get_finished()]
+    assert got == [(5, True)], got
+elif sys.argv[1] == "late":
+    # Each launch thread could not enter as it started (it may start late, while a context
+    # cannot be made current); it asks again, rather than fail every job of its lane.
+    w.wait([1, 2, 3])
+    got = sorted((r.job_id, r.success) for r in w.get_finished())
+    assert FAKE.fake_refusals_left() == 0, "a launch thread never tried to enter"
+    assert got == [(1, True), (2, True), (3, True)], got
 else:
     FAKE.fake_poison(700)  # CUDA_ERROR_ILLEGAL_ADDRESS
     error = wait_error([1, 3])
@@ -113,8 +163,11 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("depth", [0, 2])
-@pytest.mark.parametrize("fault", ["lost", "poisoned"])
+@pytest.mark.parametrize(
+    ("fault", "depth"),
+    # "late": launch threads (depth > 0) that could not enter as they started.
+    [("lost", 0), ("lost", 2), ("poisoned", 0), ("poisoned", 2), ("late", 2)],
+)
 def test_jobs_under_a_lost_or_poisoned_context_are_reported_failed_and_a_failed_wait_raises(
     tmp_path: Path, fault: str, depth: int
 ) -> None:

@@ -595,7 +595,7 @@ static void *launcher(void *arg) {
     kvt_lane *l = ((kvt_launcher_arg *)arg)->l;
     free(arg);
     CUcontext none;
-    int entered = enter(c, &none) == CUDA_SUCCESS; /* if not, every job is reported failed */
+    int entered = enter(c, &none) == CUDA_SUCCESS; /* if not, its batches are failed */
     pthread_mutex_lock(&c->mu);
     for (;;) {
         while (l->nflight) { /* drop the batches that have ended (or were polled) */
@@ -623,6 +623,14 @@ static void *launcher(void *arg) {
             c->cu.event_sync(e);
             pthread_mutex_lock(&c->mu);
             continue;
+        }
+        if (!entered) {
+            /* Asked again before each batch: a thread that could not enter once (it may start
+             * late, while the context was briefly not current-able) must not fail every later
+             * job of its lane too. */
+            pthread_mutex_unlock(&c->mu);
+            entered = enter(c, &none) == CUDA_SUCCESS;
+            pthread_mutex_lock(&c->mu);
         }
         launch_next(c, l, entered);
     }
