@@ -55,10 +55,23 @@ def _raw_stream(device_index: int) -> int:
     return int(torch.cuda.current_stream(device_index).cuda_stream)
 
 
+_KEPT: list[object] = []
+"""Device tables of engines freed after a sync that failed: copies may still read them."""
+
+
 def _close(lib: ctypes.CDLL, handle: int, keep: object, drained: list[EngineResult]) -> None:
     # Copies may still be running when a worker is dropped without shutdown(): wait for them
     # before the tables they read (in `keep`) are freed.
-    lib.kvt_cuda_sync(handle)
+    rc = lib.kvt_cuda_sync(handle)
+    if rc:
+        # They may still run: their tables are never freed. The jobs `poll` cannot report
+        # below stay unreported by the engine; the worker reports them failed.
+        logger.error(
+            "kvtier: waiting for CUDA copies failed as the engine was freed (CUresult %d); "
+            "jobs not finished by then are reported failed",
+            rc,
+        )
+        _KEPT.append(keep)
     # At interpreter exit this runs while the worker lives, and a later exit handler may still
     # collect its results: keep them, for `poll`, rather than free them with the engine.
     buf = (EngineResult * _POLL)()
@@ -219,11 +232,17 @@ class CUDAEngine:
         """Block until `lane`'s job `seq` (counted from 1) is launched and its copies have
         finished; at once if it has been polled (releases the GIL; needs no lock). Returns 0,
         or the CUresult of a wait that failed: the job may then still be copying."""
-        if not self._finalizer.alive:  # freed at exit (`_close` synced it): every job finished
+        if not self._finalizer.alive:
+            # Freed at exit: `_close` synced it, or its sync failed and the worker reports
+            # the jobs it left failed. Either way nothing is left to wait for.
             return 0
         return int(self._lib.kvt_cuda_wait(self.handle, lane, seq))
 
     def sync(self) -> None:
-        """Block until every queued copy has finished."""
-        if self._finalizer.alive:  # freed at exit (`_close` synced it): nothing is queued
-            self._lib.kvt_cuda_sync(self.handle)
+        """Block until every queued copy has finished. Raises RuntimeError naming the CUresult
+        where the driver's wait failed (a poisoned or lost context, say): copies may then
+        still run, and every job stays queued, for `poll` to report once."""
+        if not self._finalizer.alive:  # freed at exit (`_close` synced it): nothing is queued
+            return
+        if rc := self._lib.kvt_cuda_sync(self.handle):
+            raise RuntimeError(f"waiting for the CUDA copy engine's copies failed (CUresult {rc})")

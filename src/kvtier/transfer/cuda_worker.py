@@ -125,8 +125,23 @@ class _Lane:
         self.records: deque[_Record] = deque()
 
 
+_CAPTURE_ERRORS = range(900, 909)
+"""CUDA_ERROR_STREAM_CAPTURE_*: cudaengine.c answers 900 for a submit under graph capture."""
+
+
+def _capture_error(job_id: int, rc: int | None = None) -> RuntimeError:
+    """The error for a submit while the current stream is being captured (nothing queued)."""
+    return RuntimeError(
+        f"job {job_id} was not queued: the current CUDA stream is being captured into a CUDA "
+        "graph, and kvtier copies cannot be captured; submit outside the capture"
+        + ("" if rc is None else f" (CUresult {rc})")
+    )
+
+
 def _not_queued(job_id: int, rc: int) -> RuntimeError:
     """The error for a job the compiled engine could not queue (`rc`: -1 or a CUresult)."""
+    if rc in _CAPTURE_ERRORS:
+        return _capture_error(job_id, rc)
     return RuntimeError(
         f"the CUDA copy engine could not queue job {job_id} "
         + ("(out of memory)" if rc < 0 else f"(CUresult {rc})")
@@ -253,6 +268,10 @@ class CUDATransferWorker(TransferWorker):
         ext = submit_extension() if self._engine is not None else None
         self._ext_submit = ext.submit if ext is not None else None
         self._live: dict[int, _Live] = {}
+        self._given_up: list[TransferResult] = []
+        """Results taken when a sync failed at shutdown, for the next `get_finished`."""
+        self._abandoned: set[int] = set()
+        """Jobs reported failed after a sync failed, whose results the engine may still give."""
         self._next_seq = [1] * len(LANES)
         self._staging = IdStaging()  # used under self._lock
         self._lanes: dict[str, _Lane] = {}
@@ -433,6 +452,10 @@ class CUDATransferWorker(TransferWorker):
                 del self._live[job.job_id]
                 raise _not_queued(job.job_id, rc)
             return
+        # Before anything is recorded: under capture, the torch calls below would be captured
+        # (or fail), as cudaengine.c's submit explains. One runtime call.
+        if torch.cuda.is_current_stream_capturing():
+            raise _capture_error(job.job_id)
         if job.direction is Direction.STORE:
             ln = self._lanes["store"]
         else:
@@ -483,9 +506,18 @@ class CUDATransferWorker(TransferWorker):
     def _collect(self) -> list[TransferResult]:
         results = []
         if self._engine is not None:
+            results, self._given_up = self._given_up, []
+            freed = not self._engine.alive  # before the poll: it then returns all it will
             for job_id, ok, seconds in self._engine.poll():
+                if job_id in self._abandoned:  # already reported failed
+                    self._abandoned.discard(job_id)
+                    continue
                 live = self._live.pop(job_id)
                 results.append(TransferResult(job_id, ok, live.nbytes if ok else 0, seconds))
+            if freed and self._live:
+                # Freed at exit after a sync that failed (`cuda_engine._close`): the engine
+                # will never report these, and their copies cannot be known to have finished.
+                results += self._fail_unfinished()
             return results
         for lane in self._lanes.values():
             records = lane.records
@@ -541,13 +573,33 @@ class CUDATransferWorker(TransferWorker):
         for event in events:
             event.synchronize()
 
+    def _fail_unfinished(self) -> list[TransferResult]:
+        """The jobs still live as failed, each lane in submission order (lock held); the
+        engine's later results for them are dropped."""
+        left = sorted(self._live.items(), key=lambda item: (item[1].lane, item[1].seq))
+        self._abandoned.update(self._live)
+        self._live.clear()
+        return [TransferResult(job_id, False, 0, 0.0) for job_id, _ in left]
+
     def shutdown(self) -> None:
-        """Wait for every launched copy (CUDA work cannot be cancelled) and refuse new jobs."""
+        """Wait for every launched copy (CUDA work cannot be cancelled) and refuse new jobs.
+        If the driver's wait fails (a poisoned context, say), logs it and reports every job
+        not known to have finished failed, rather than hang or raise."""
         with self._lock:
             self._closed = True
         # Every call waits, not only the first: a second one (another thread's) returned while
         # the first still waited for the launched copies, with jobs neither done nor reported.
-        if self._engine is not None:
-            self._engine.sync()
-        for stream in self._streams:
-            stream.synchronize()
+        if self._engine is None:
+            for stream in self._streams:
+                stream.synchronize()
+            return
+        try:
+            self._engine.sync()  # the lanes' streams are the engine's: synced there
+        except RuntimeError as exc:
+            # Returning with the jobs held would leave them unreported, or reported done later
+            # with copies that were never known to finish; waiting more could hang.
+            with self._lock:
+                self._given_up = self._collect()
+                self._given_up += self._fail_unfinished()
+                failed = [r.job_id for r in self._given_up if not r.success]
+            logger.error("kvtier: shutdown: %s; jobs %s are reported failed", exc, failed)

@@ -33,6 +33,7 @@ typedef void *CUcontext, *CUmodule, *CUfunction, *CUstream, *CUevent;
 #define CUDA_SUCCESS 0
 #define CUDA_ERROR_INVALID_VALUE 1
 #define CUDA_ERROR_NOT_READY 600
+#define CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED 900
 
 #define KVT_MAX_ROWS 480   /* gather.cu's larger kernels */
 #define KVT_FEW_ROWS 32    /* and its smaller ones */
@@ -94,6 +95,7 @@ typedef struct {
     CUresult (*event_elapsed)(float *, CUevent, CUevent);
     CUresult (*stream_wait)(CUstream, CUevent, unsigned);
     CUresult (*stream_sync)(CUstream);
+    CUresult (*stream_capturing)(CUstream, int *); /* optional (CUDA 10+): NULL, no check */
 } kvt_driver;
 
 typedef struct {
@@ -210,6 +212,7 @@ static int load_driver(kvt_cuda *c, char *err, size_t errlen) {
             return 1;
         }
     }
+    c->cu.stream_capturing = dlsym(c->lib, "cuStreamIsCapturing");
     return 0;
 }
 
@@ -680,8 +683,9 @@ int kvt_cuda_coalesce(kvt_cuda *c, size_t depth) {
  * destination and source. It waits for the work queued so far on `compute`. `fail` records
  * the job as failed without copying. Returns 0 (queued; a refused launch makes the job
  * failed), -1 out of memory or engine stopping, CUDA_ERROR_INVALID_VALUE (1) for a lane or
- * table that does not exist, or a CUresult if the wait for compute could not be queued
- * (nothing queued in either case). The rows are copied. */
+ * table that does not exist, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (900) while `compute` is
+ * being captured into a CUDA graph, or a CUresult if the wait for compute could not be queued
+ * (nothing queued in any of these cases). The rows are copied. */
 static int submit(kvt_cuda *c, int lane, uint64_t compute, int64_t id, int fail, int table,
                   uint64_t nbytes, const int64_t *dst, const int64_t *src, size_t n);
 
@@ -695,7 +699,18 @@ int kvt_cuda_submit(kvt_cuda *c, int lane, uint64_t compute, int64_t id, int fai
     CUresult r = enter(c, &prev);
     if (r != CUDA_SUCCESS)
         return r;
-    r = submit(c, lane, compute, id, fail, table, nbytes, dst, src, n);
+    /* On a stream being captured into a CUDA graph, the event recorded below would join the
+     * graph and the lane's wait on it would pull the lane into the capture: the job would be
+     * part of the graph instead of copying now. Refused, nothing queued, for one driver call a
+     * submit. A capture invalidated by an error (status 2) is still open: refused too. */
+    int capturing = 0;
+    if (c->cu.stream_capturing &&
+        (r = c->cu.stream_capturing((CUstream)(uintptr_t)compute, &capturing)) ==
+            CUDA_SUCCESS &&
+        capturing)
+        r = CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    if (r == CUDA_SUCCESS)
+        r = submit(c, lane, compute, id, fail, table, nbytes, dst, src, n);
     leave(c, prev);
     return r;
 }
@@ -890,7 +905,9 @@ int kvt_cuda_wait(kvt_cuda *c, int lane, uint64_t seq) {
     return r;
 }
 
-/* Block until every job submitted so far is launched and its copies have finished. */
+/* Block until every job submitted so far is launched and its copies have finished. Returns 0,
+ * or the CUresult of a failed enter or synchronize: copies may then still be running (or never
+ * launched, where enter failed), and their jobs stay queued for kvt_cuda_poll. */
 int kvt_cuda_sync(kvt_cuda *c) {
     CUcontext prev;
     CUresult r = enter(c, &prev);
