@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dis
 import functools
 import sys
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -83,6 +86,50 @@ def interrupt_once(
         return fn(*args)
 
     return call
+
+
+# Where CPython can raise an asynchronous exception (a signal handler's KeyboardInterrupt): as a
+# function is entered, just after a call returns, and at a loop's back edge.
+INTERRUPT_CHECKS = {"CALL", "CALL_KW", "CALL_FUNCTION_EX", "JUMP_BACKWARD"}
+
+
+@contextmanager
+def interrupt_at(n: int, fired: list[str], filename: str) -> Iterator[None]:
+    """Raise KeyboardInterrupt at the `n`-th point where CPython can deliver one in the frames
+    of the source file `filename` (`sys.settrace` with opcode events); `fired` gets where it
+    was raised, and stays empty when the code ran past fewer than `n + 1` such points."""
+    count = [0]
+    prev: dict[FrameType, tuple[str, int]] = {}
+
+    def fire(frame: FrameType, where: str) -> None:
+        if not fired:
+            if count[0] == n:
+                fired.append(f"{where} in {frame.f_code.co_name}:{frame.f_lineno}")
+                raise KeyboardInterrupt
+            count[0] += 1
+
+    def local(frame: FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
+        if event == "opcode":
+            code, i = frame.f_code, frame.f_lasti
+            previous = prev.get(frame)
+            prev[frame] = (dis.opname[code.co_code[i]], frame.f_lineno)
+            if previous is not None and previous[0] in INTERRUPT_CHECKS:
+                fire(frame, f"after {previous[0]} of line {previous[1]}:")
+        return local
+
+    def tracer(frame: FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
+        if frame.f_code.co_filename != filename:
+            return None
+        frame.f_trace_opcodes = True
+        fire(frame, "entry")
+        return local
+
+    old_trace = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        yield
+    finally:
+        sys.settrace(old_trace)
 
 
 class LibWith:

@@ -11,19 +11,13 @@ raises changes nothing, by the manager's contract).
 
 from __future__ import annotations
 
-import dis
 import inspect
-import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from types import FrameType
-from typing import Any
 
 import pytest
 
 import kvtier.connector.scheduler as scheduler_module
 from engine_sim import BLOCK_SHAPE, block_hashes
-from helpers import interrupt_once, key
+from helpers import interrupt_at, interrupt_once, key
 from kvtier.base import (
     BlockIDsLoadStoreSpec,
     LookupResult,
@@ -122,50 +116,6 @@ class _Case:
         assert sorted(out.store_spec.block_ids.tolist()) == list(range(SLOTS))
 
 
-# Where CPython can raise an asynchronous exception (a signal handler's KeyboardInterrupt): as a
-# function is entered, just after a call returns, and at a loop's back edge.
-CHECKS = {"CALL", "CALL_KW", "CALL_FUNCTION_EX", "JUMP_BACKWARD"}
-
-
-@contextmanager
-def _interrupt_at(n: int, fired: list[str]) -> Iterator[None]:
-    """Raise KeyboardInterrupt at the `n`-th such point of a frame of `scheduler.py`; `fired`
-    gets where it was raised."""
-    count = [0]
-
-    def fire(frame: FrameType, where: str) -> None:
-        if not fired:
-            if count[0] == n:
-                fired.append(f"{where} in {frame.f_code.co_name}:{frame.f_lineno}")
-                raise KeyboardInterrupt
-            count[0] += 1
-
-    def local(frame: FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
-        if event == "opcode":
-            code, i = frame.f_code, frame.f_lasti
-            previous = prev.get(frame)
-            prev[frame] = (dis.opname[code.co_code[i]], frame.f_lineno)
-            if previous is not None and previous[0] in CHECKS:
-                fire(frame, f"after {previous[0]} of line {previous[1]}:")
-        return local
-
-    prev: dict[FrameType, tuple[str, int]] = {}
-
-    def tracer(frame: FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
-        if frame.f_code.co_filename != SCHEDULER_FILE:
-            return None
-        frame.f_trace_opcodes = True
-        fire(frame, "entry")
-        return local
-
-    old_trace = sys.gettrace()
-    sys.settrace(tracer)
-    try:
-        yield
-    finally:
-        sys.settrace(old_trace)
-
-
 @pytest.mark.parametrize("num_workers", [1, 2])
 def test_an_interrupt_at_any_point_of_the_batch_is_recovered(num_workers: int) -> None:
     points: list[str] = []
@@ -173,7 +123,7 @@ def test_an_interrupt_at_any_point_of_the_batch_is_recovered(num_workers: int) -
         case = _Case(num_workers)
         fired: list[str] = []
         try:
-            with _interrupt_at(n, fired):
+            with interrupt_at(n, fired, SCHEDULER_FILE):
                 case.deliver()
         except KeyboardInterrupt:
             assert fired
