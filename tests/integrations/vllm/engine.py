@@ -289,6 +289,16 @@ class Engine:
         raise AssertionError(f"requests {sorted(want - self.finished)} did not finish")
 
 
+def step_until_output(engine: Any, request: Any, max_steps: int = 20) -> None:
+    """Step `engine` (an `Engine` or the async tests' one) until `request` has sampled a token,
+    as after vLLM recomputed a prompt whose load failed."""
+    for _ in range(max_steps):
+        if request.num_output_tokens:
+            return
+        engine.step()
+    raise AssertionError(f"request {request.request_id} sampled nothing in {max_steps} steps")
+
+
 def make_engine(
     connector: str,
     extra: Mapping[str, Any],

@@ -20,7 +20,7 @@ if importlib.util.find_spec("vllm") is None:
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import engine as engine_module
-from engine import BLOCK_SIZE, make_engine
+from engine import BLOCK_SIZE, make_engine, step_until_output
 from test_vllm import (
     EXTRA,
     PROMPT,
@@ -68,10 +68,7 @@ def test_a_failed_load_through_get_finished_is_recomputed(
     b = engine.add("b", [*PROMPT, 8])
     engine.step()
     assert b.status.name == "WAITING_FOR_REMOTE_KVS"
-    for _ in range(20):
-        if b.num_output_tokens:
-            break
-        engine.step()
+    step_until_output(engine, b)
     # vLLM recomputed the prompt: b's KV is the stand-in model's, never the zeros.
     expect_loaded(engine, "b", [*PROMPT, 8], len(PROMPT))
     engine.run_until(["b"])

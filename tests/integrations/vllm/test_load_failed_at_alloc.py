@@ -23,7 +23,13 @@ if importlib.util.find_spec("vllm") is None:
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import test_async_scheduling
-from engine import BLOCK_SIZE, make_kv_cache_config, make_vllm_config, token_value
+from engine import (
+    BLOCK_SIZE,
+    make_kv_cache_config,
+    make_vllm_config,
+    step_until_output,
+    token_value,
+)
 from test_async_scheduling import PROMPT, AsyncEngine, vllm_loaded
 
 __all__ = ["vllm_loaded"]  # the module-scoped fixture, shared with test_async_scheduling
@@ -78,10 +84,7 @@ def test_a_load_gone_before_its_deferred_allocation_comes_back_failed(
     assert side.scheduler.load_jobs_failed == 1
 
     if policy == "recompute":
-        for _ in range(20):
-            if b.num_output_tokens:
-                break
-            engine.step()
+        step_until_output(engine, b)
         # vLLM recomputed b's prompt: its KV is the stand-in model's, never the zeros.
         table = sched.kv_cache_manager.get_block_ids("b")
         for name, t in engine.kv_caches.items():

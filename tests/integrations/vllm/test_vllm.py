@@ -24,6 +24,7 @@ from engine import (
     make_engine,
     make_kv_cache_config,
     make_vllm_config,
+    step_until_output,
     token_value,
 )
 
@@ -289,10 +290,7 @@ def test_failed_load_follows_vllm_policy(
     engine.step()
     assert b.status.name == "WAITING_FOR_REMOTE_KVS"
     if policy == "recompute":
-        for _ in range(20):
-            if b.num_output_tokens:
-                break
-            engine.step()
+        step_until_output(engine, b)
         # vLLM recomputed the prompt: b's KV is the stand-in model's, never the zeros.
         expect_loaded(engine, "b", [*PROMPT, 8], len(PROMPT))
         engine.run_until(["b"])
