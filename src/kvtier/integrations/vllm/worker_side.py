@@ -78,7 +78,10 @@ class KVTierWorkerSide:
         self._jobs: dict[int, tuple[str, bool, list[int]]] = {}  # id -> (req, is_load, blocks)
         self._in_flight: dict[str, int] = {}  # req id -> jobs in flight on this worker
         self._loads_in_flight: dict[str, int] = {}
-        self._failed: set[str] = set()
+        # Requests with a failed load job, and its blocks: load errors only once the request's
+        # last load job ended (a hybrid model's groups may end in different passes, and a
+        # caller of `get_finished` reads them in the pass that reports the request).
+        self._failed: dict[str, list[int]] = {}
         self._held: set[str] = set()
         self._results: list[tuple[int, bool, int, int, float]] = []
         self._load_errors: set[int] = set()
@@ -317,16 +320,16 @@ class KVTierWorkerSide:
                 if not is_load:
                     continue
                 if not r.success:
-                    self._failed.add(req_id)
-                    self._load_errors.update(blocks)
+                    self._failed.setdefault(req_id, []).extend(blocks)
                 loads_left = self._loads_in_flight[req_id] - 1
                 if loads_left:
                     self._loads_in_flight[req_id] = loads_left
                     continue
                 del self._loads_in_flight[req_id]
                 out.finished_recving.add(req_id)
-                if req_id in self._failed:
-                    self._failed.discard(req_id)
+                failed_blocks = self._failed.pop(req_id, None)
+                if failed_blocks is not None:
+                    self._load_errors.update(failed_blocks)
                     out.failed_recving.add(req_id)
         if self._held:
             done = [req_id for req_id in self._held if req_id not in self._in_flight]
