@@ -176,6 +176,7 @@ typedef struct {
     pthread_cond_t launched; /* a batch was launched */
     int sync_made;           /* mu, launched and the lanes' work conditions exist */
     int coalesce, stopping;
+    int started; /* launch threads that have tried to enter (kvt_cuda_coalesce waits for all) */
     size_t depth;
     int last_error; /* the CUresult behind a submit's -1 through kvt_cuda_submit_ext */
 } kvt_cuda;
@@ -600,6 +601,8 @@ static void *launcher(void *arg) {
     CUcontext none;
     int entered = enter(c, &none) == CUDA_SUCCESS; /* if not, its batches are failed */
     pthread_mutex_lock(&c->mu);
+    c->started++;
+    pthread_cond_broadcast(&c->launched); /* kvt_cuda_coalesce waits on it */
     for (;;) {
         while (l->nflight) { /* drop the batches that have ended (or were polled) */
             uint64_t s = l->flight[0];
@@ -653,9 +656,10 @@ static void stop_launchers(kvt_cuda *c, int n) {
 }
 
 /* Start a launch thread per lane that coalesces queued jobs, keeping at most `depth` (1 to
- * KVT_DEPTH_MAX) batches queued on the GPU per lane. Call once, before the first submit.
- * Returns 0, or 1 if `depth` is out of range, a thread could not start or jobs were already
- * submitted (nothing changed then). */
+ * KVT_DEPTH_MAX) batches queued on the GPU per lane. Call once, before the first submit; it
+ * returns once every thread has tried to make the engine's context current. Returns 0, or 1
+ * if `depth` is out of range, a thread could not start or jobs were already submitted
+ * (nothing changed then). */
 int kvt_cuda_coalesce(kvt_cuda *c, size_t depth) {
     if (depth < 1 || depth > KVT_DEPTH_MAX || c->coalesce)
         return 1;
@@ -673,9 +677,17 @@ int kvt_cuda_coalesce(kvt_cuda *c, size_t depth) {
             stop_launchers(c, i);
             c->stopping = 0;
             c->coalesce = 0;
+            c->started = 0;
             return 1;
         }
     }
+    /* Return once each thread has tried to enter: a thread that started after the first
+     * submits would ask again for its first batch at once, and whether a refusal failed that
+     * batch or only the thread's start then depended on thread timing. */
+    pthread_mutex_lock(&c->mu);
+    while (c->started < KVT_LANES)
+        pthread_cond_wait(&c->launched, &c->mu);
+    pthread_mutex_unlock(&c->mu);
     return 0;
 }
 
