@@ -1,12 +1,13 @@
 """A second `register_kv_caches` on a worker-side KVTierConnector is refused, and the first
 registration keeps running: its jobs in flight finish and are reported, its host pool keeps
-the chunks the scheduler counts as stored."""
+the chunks the scheduler counts as stored. A first one that failed may be retried."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,6 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine import make_engine, make_kv_caches
 from test_vllm import EXTRA, PROMPT, gate, vllm_loaded
 from test_vllm import _b_loads_what_a_stored as b_loads_what_a_stored
+
+from kvtier.transfer import make_transfer_worker
 
 __all__ = ["vllm_loaded"]  # the module-scoped fixture, shared with test_vllm
 
@@ -52,3 +55,33 @@ def test_a_second_registration_is_refused_and_the_first_keeps_its_jobs(
     engine.add("b", [*PROMPT, 3])
     b_loads_what_a_stored(engine)  # and nothing leaks
     assert all(not t.any() for t in fresh.values())
+
+
+def test_a_registration_whose_transfer_worker_failed_to_start_can_be_retried(
+    vllm_loaded: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    engine = make_engine("KVTierConnector", EXTRA, with_worker=False)
+    sched = engine.scheduler
+    worker: Any = KVConnectorFactory.create_connector(
+        config=sched.vllm_config, role=KVConnectorRole.WORKER, kv_cache_config=sched.kv_cache_config
+    )
+    calls: list[int] = []
+
+    def fails_once(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("cannot pin the host pool")
+        return make_transfer_worker(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("kvtier.integrations.vllm.worker_side.make_transfer_worker", fails_once)
+    kv_caches = make_kv_caches(sched.kv_cache_config)
+    with pytest.raises(RuntimeError, match="cannot pin the host pool"):
+        worker.register_kv_caches(kv_caches)
+    # Was refused as "called a second time", though nothing was registered.
+    worker.register_kv_caches(kv_caches)
+    assert len(calls) == 2 and worker.worker_side is not None
+    assert worker.worker_side.transfer is not None
+    worker.shutdown()

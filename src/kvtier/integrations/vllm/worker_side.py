@@ -125,7 +125,13 @@ class KVTierWorkerSide:
         ]
         self._registration = KVCacheRegistration(tensors)
         self._groups_here = frozenset(self._registration.groups)
-        self._start_transfer(self.setup.num_slots)
+        try:
+            self._start_transfer(self.setup.num_slots)
+        except BaseException:
+            # Nothing is registered (no pool, no worker): a retry, after freeing memory say,
+            # is a first registration, not a second one.
+            self._registration, self._groups_here = None, frozenset()
+            raise
 
     def _start_transfer(self, num_slots: int) -> None:
         registration = self._registration
