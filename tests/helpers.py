@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.base import OffloadKey, ReqContext, TransferResult, make_offload_key
+from kvtier.base import OffloadingEvent, OffloadKey, ReqContext, TransferResult, make_offload_key
 
 
 def key(i: int, group: int = 0) -> OffloadKey:
@@ -216,6 +216,21 @@ def run_reports(name: str, ops: list[tuple[str, list[int], int]], repeat: bool) 
             held.difference_update(victims or ())
     out.append(policy.evict(len(held), ()))
     return out
+
+
+def apply_events(view: set[OffloadKey], events: Iterable[OffloadingEvent]) -> None:
+    """Replay a manager's `OffloadingEvent`s into `view`, the keys a consumer holds, checking
+    that each makes sense to it: CPU medium, no key twice in one event, no removal of a key
+    never announced, no key announced twice without a removal between."""
+    for event in events:
+        assert event.medium == "CPU", event.medium
+        assert len(set(event.keys)) == len(event.keys), "a key named twice in one event"
+        if event.removed:
+            assert set(event.keys) <= view, "removal of a key never announced"
+            view.difference_update(event.keys)
+        else:
+            assert not set(event.keys) & view, "a key announced twice"
+            view.update(event.keys)
 
 
 HARNESSES = Path(__file__).parent / "transfer" / "c"

@@ -12,20 +12,9 @@ import random
 
 import pytest
 
-from helpers import key
-from kvtier.base import LookupResult, OffloadingEvent, OffloadKey, ReqContext
+from helpers import apply_events, key
+from kvtier.base import LookupResult, OffloadKey, ReqContext
 from kvtier.cpu import CPUOffloadingManager
-
-
-def _replay(into: set[OffloadKey], events: list[OffloadingEvent]) -> None:
-    for event in events:
-        if event.removed:
-            # A removal names only keys a consumer was told of.
-            assert set(event.keys) <= into, "BlockRemoved for a key never announced"
-            into.difference_update(event.keys)
-        else:
-            assert not set(event.keys) & into, "BlockStored twice without a removal"
-            into.update(event.keys)
 
 
 def _announced(mgr: CPUOffloadingManager) -> set[OffloadKey]:
@@ -96,12 +85,12 @@ def test_events_replay_to_the_managers_contents(
                 loads.clear()
                 mgr.on_reset_flushed()
             else:
-                _replay(consumer, list(mgr.take_events()))
+                apply_events(consumer, list(mgr.take_events()))
             # Pending events stay bounded by merging.
             queued = list(mgr._events or [])
             assert len(queued) <= max(max_pending, 2)
             view = set(consumer)
-            _replay(view, queued)
+            apply_events(view, queued)
             assert view == _announced(mgr), (seed, step)
             stats = mgr.get_stats()
             assert (

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from helpers import key
+from helpers import apply_events, key
 from kvtier.base import LookupResult, OffloadingEvent, OffloadKey, ReqContext
 from kvtier.cpu import CPUOffloadingManager
 
@@ -105,15 +105,9 @@ def run(policy: str, seed: int, steps: int) -> None:
     ctx = ReqContext("r0")
 
     def take() -> None:
-        for event in m.take_events():
-            assert isinstance(event, OffloadingEvent) and event.medium == "CPU"
-            assert len(set(event.keys)) == len(event.keys), "a key named twice in one event"
-            if event.removed:
-                assert set(event.keys) <= view, "removal of a key never announced"
-                view.difference_update(event.keys)
-            else:
-                assert not set(event.keys) & view, "a key announced twice"
-                view.update(event.keys)
+        events = list(m.take_events())
+        assert all(isinstance(event, OffloadingEvent) for event in events)
+        apply_events(view, events)
 
     for _ in range(steps):
         op = rng.random()

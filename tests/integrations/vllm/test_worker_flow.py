@@ -153,6 +153,18 @@ def _stages_with_a_group_each() -> list[Any]:
     ]
 
 
+def _run_a_and_check_every_store_reported(engine: Any) -> None:
+    """Run request a on both stages: each of its 4 chunks stored on each, none failed,
+    nothing left in flight, and vLLM holding no request."""
+    engine.add("a", PROMPT_A)
+    engine.run_until(["a"])
+    side = engine.scheduler.connector.scheduler_side
+    stats = side.manager.get_stats()
+    assert stats.stores == 2 * 4 and stats.failed_stores == 0
+    assert side.scheduler.num_jobs_in_flight() == 0
+    assert not engine.scheduler.requests
+
+
 def test_the_same_metadata_twice_with_a_group_not_on_this_stage(vllm_loaded: None) -> None:
     """The jobs of a group without layers on a stage succeed there at once; handed the same
     metadata twice, the stage still reports each of them once."""
@@ -166,13 +178,7 @@ def test_the_same_metadata_twice_with_a_group_not_on_this_stage(vllm_loaded: Non
                 _call(*args)
 
             setattr(w, name, twice)
-    engine.add("a", PROMPT_A)
-    engine.run_until(["a"])
-    side = engine.scheduler.connector.scheduler_side
-    stats = side.manager.get_stats()
-    assert stats.stores == 2 * 4 and stats.failed_stores == 0
-    assert side.scheduler.num_jobs_in_flight() == 0
-    assert not engine.scheduler.requests
+    _run_a_and_check_every_store_reported(engine)
     assert all(not w.worker_side._jobs for w in engine.workers)
 
 
@@ -182,10 +188,4 @@ def test_a_stage_that_never_gets_wait_for_save_still_reports(vllm_loaded: None) 
     next step starts, so both stages report every job and vLLM frees every block."""
     engine = make_pipeline({"num_slots": 16}, _stages_with_a_group_each())
     engine.workers[0].wait_for_save = lambda: None
-    engine.add("a", PROMPT_A)
-    engine.run_until(["a"])
-    side = engine.scheduler.connector.scheduler_side
-    stats = side.manager.get_stats()
-    assert stats.stores == 2 * 4 and stats.failed_stores == 0
-    assert side.scheduler.num_jobs_in_flight() == 0
-    assert not engine.scheduler.requests
+    _run_a_and_check_every_store_reported(engine)
