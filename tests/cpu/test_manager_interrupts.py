@@ -2,7 +2,8 @@
 manager consistent, and as before the call or as after it completed: never in between. For
 `lookup`, `touch`, `complete_store(success=False)`, `reset_cache` and `on_reset_flushed`; the
 hot-path calls (`prepare_load`, `complete_load`, `prepare_store`, `complete_store`) are left
-interruptible, as the manager's docstring says, since an atomic commit made them 10-30% slower.
+interruptible, as the manager's docstring says, since an atomic commit made them 10-30% slower;
+`reset_cache` then recovers the whole pool.
 
 The interrupt is injected at every point of `manager.py`'s frames where CPython can deliver one
 (`helpers.interrupt_at`); a twin manager, driven identically without interrupts, gives the
@@ -20,6 +21,7 @@ import kvtier.cpu.manager as manager_module
 from helpers import interrupt_at, key, keys
 from kvtier.base import ReqContext
 from kvtier.cpu import CPUOffloadingManager
+from kvtier.cpu.spec import CPULoadStoreSpec
 
 MANAGER_FILE = manager_module.__file__
 CTX = ReqContext("r1")
@@ -124,3 +126,42 @@ def test_an_interrupt_at_any_point_leaves_the_state_before_or_after_the_call(
         pytest.fail("the call never ran to its end")
     assert state(m) == after
     assert len(points) >= 2
+
+
+HOT_CALLS: dict[str, Call] = {
+    "prepare_load": lambda m: m.prepare_load(keys(3, 4), CTX),
+    "complete_load": lambda m: m.complete_load(keys(1, 2), CTX),
+    "prepare_store_evicting": lambda m: m.prepare_store(keys(20, 21, 22), CTX),
+    "complete_store": lambda m: m.complete_store(keys(5, 6), CTX),
+}
+
+
+@pytest.mark.parametrize("call", HOT_CALLS)
+def test_a_reset_after_an_interrupted_hot_path_call_recovers_every_slot(
+    policy_name: str, call: str
+) -> None:
+    points = 0
+    for n in range(1000):
+        m = loaded(policy_name, 100)
+        fired: list[str] = []
+        try:
+            with interrupt_at(n, fired, MANAGER_FILE):
+                HOT_CALLS[call](m)
+        except KeyboardInterrupt:
+            assert fired
+        if not fired:
+            break
+        points += 1
+        m.reset_cache()
+        m.on_reset_flushed()
+        try:
+            assert_consistent(m)
+            # Every slot can be handed out again, each once.
+            out = m.prepare_store(keys(*range(100, 108)), CTX)
+            assert out is not None and isinstance(out.store_spec, CPULoadStoreSpec)
+            assert sorted(out.store_spec.block_ids.tolist()) == list(range(8))
+        except AssertionError as e:
+            raise AssertionError(f"after an interrupt at {fired[0]}") from e
+    else:
+        pytest.fail("the call never ran to its end")
+    assert points >= 2

@@ -78,7 +78,8 @@ class CPUOffloadingManager(OffloadingManager):
     `complete_load`, `prepare_store`, `complete_store(success=True)`) are not: the same commit
     made them 10-30% slower. An interrupt inside one of them can leave its own keys part-way
     (some pins or slots counted or mapped, others not); after such an interrupt, call
-    `reset_cache()` and, once the transfers in flight are done, `on_reset_flushed()`.
+    `reset_cache()`, which also takes back the slots the call held but had not mapped, and,
+    once the transfers in flight are done, `on_reset_flushed()`.
     """
 
     medium = "CPU"
@@ -391,10 +392,18 @@ class CPUOffloadingManager(OffloadingManager):
         announced = [key for key, slot in slot_of.items() if ref[slot] != _PENDING]
         ready = [slot for slot in slot_of.values() if ref[slot] == _READY]
         busy = [slot for slot in slot_of.values() if ref[slot] != _READY]
+        free, quarantined = self._free, self._quarantined
+        if len(free) + len(slot_of) + len(quarantined) != self._next_fresh:
+            # An interrupted prepare_store dropped slots between its tables: a victim's, or
+            # ones it took but had not mapped. No transfer was issued for them, so they are
+            # free now; left out, the pool would stay that much smaller.
+            placed = set(free).union(slot_of.values(), quarantined)
+            ready += [slot for slot in range(self._next_fresh) if slot not in placed]
         commit: Iterator[object] = chain(
-            map(setitem, repeat(ref), slot_of.values(), repeat(_FREE)),
-            map(self._free.extend, (ready,)),
-            map(self._quarantined.extend, (busy,)),
+            map(setitem, repeat(ref), ready, repeat(_FREE)),
+            map(setitem, repeat(ref), busy, repeat(_FREE)),
+            map(free.extend, (ready,)),
+            map(quarantined.extend, (busy,)),
             map(dict.clear, (slot_of,)),
         )
         if announced and events is not None:
