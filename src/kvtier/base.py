@@ -72,6 +72,13 @@ class ReqContext:
             raise TypeError(
                 f"req_id={self.req_id!r} has type {type(self.req_id).__name__}; expected str"
             )
+        positions = self.key_positions
+        if type(positions) is not dict and not isinstance(positions, dict):
+            # A list or a mapping of another kind failed deep inside a policy, mid-call.
+            raise TypeError(
+                f"key_positions={positions!r} has type {type(positions).__name__}; expected "
+                "a dict of offload key -> token position"
+            )
 
     def position(self, key: OffloadKey) -> int | None:
         """Token position where `key`'s chunk ends in this request, if known."""

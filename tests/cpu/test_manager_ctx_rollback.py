@@ -197,6 +197,12 @@ def test_reqcontext_refuses_a_request_id_that_is_not_a_str(bad: object) -> None:
         ReqContext(bad)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("bad", [[16, 32], None, ((b"k", 16),)])
+def test_reqcontext_refuses_positions_that_are_not_a_dict(bad: object) -> None:
+    with pytest.raises(TypeError, match=r"key_positions=.*expected a dict"):
+        ReqContext("r", key_positions=bad)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("bad", [5, "k", None, bytearray(b"x" * 12), [1]])
 def test_lookup_of_a_key_that_is_not_bytes_is_an_error_not_a_miss(
     policy_name: str, bad: object

@@ -112,6 +112,24 @@ def test_deepest_block_follows_a_request_that_grows() -> None:
     assert twin._tail_of(ctx) == key(1)
 
 
+def test_a_new_table_of_the_same_request_is_read_afresh() -> None:
+    # A caller may build a ReqContext (and its table) per call of one request.
+    def victims(first_req: str) -> list[OffloadKey] | None:
+        policy = KVAwarePolicy(8, mode="filter")
+        policy.insert(*request(first_req, [10, 11, 12, 13]))
+        policy.insert(*request("r", [22, 23, 24, 25]))
+        return policy.evict(4, set())
+
+    assert victims("r") == victims("q")
+    policy = KVAwarePolicy(64, mode="open")
+    assert policy._tail_of(ReqContext("r", key_positions={key(2): 32})) == key(2)
+    # Larger, but not the old table grown by appending.
+    grown = ReqContext("r", key_positions={key(4): 64, key(2): 32})
+    assert policy._tail_of(grown) == key(4)
+    same_size = ReqContext("r", key_positions={key(5): 16, key(6): 8})
+    assert policy._tail_of(same_size) == key(5)
+
+
 def test_protected_keys_set_aside_in_evict_leave_the_order_unchanged() -> None:
     # evict() sets protected keys at the front of a bucket aside instead of rescanning them
     # for every victim; the victims and the order left behind must be the plain scan's.

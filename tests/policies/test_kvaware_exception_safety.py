@@ -8,6 +8,8 @@ evicted again.
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 
 from kvtier.base import OffloadKey, ReqContext, make_offload_key
@@ -52,3 +54,17 @@ def test_unpin_that_raises_leaves_the_key_pinned(mode: str) -> None:
         assert (k in policy) != (k in policy._pinned)
     policy.unpin(ks[1:3], None)
     assert all(k in policy for k in ks[1:3]) and not policy._pinned
+
+
+@pytest.mark.parametrize("call", ["insert", "touch", "unpin"])
+def test_unreadable_positions_are_refused_by_name_before_any_change(call: str) -> None:
+    policy = KVAwarePolicy(16)
+    ks = [key(i) for i in range(8)]
+    policy.insert(ks, None)
+    policy.evict(1, set(ks[1:]))
+    policy.pin(ks[1:3])
+    before = pickle.dumps(policy)
+    target = {"insert": [key(50), key(51)], "touch": ks[3:6], "unpin": ks[1:3]}[call]
+    with pytest.raises(TypeError, match=r"key_positions of request 'bad' maps .* to None"):
+        getattr(policy, call)(target, bad_ctx(1, 2, 3))
+    assert pickle.dumps(policy) == before

@@ -114,7 +114,10 @@ class KVAwarePolicy(CachePolicy):
         self._buckets: dict[int, OrderedDict[OffloadKey, None]] = {}
         self._floor = 0
         self._pinned: dict[OffloadKey, int] = {}
+        # The deepest key of the last `key_positions` table read, and how much of the table
+        # it covers: an engine grows one table per request, appending the chunks it stores.
         self._tail_req: str | None = None
+        self._tail_pos: dict[OffloadKey, int] | None = None
         self._tail_key: OffloadKey | None = None
         self._tail_len = 0
         # Keys already counted per live request: an engine reports one use of a chunk more than
@@ -185,22 +188,38 @@ class KVAwarePolicy(CachePolicy):
         """The deepest key of `ctx`'s request, or None without positions."""
         if ctx is None or not ctx.key_positions:
             return None
-        if ctx.req_id == self._tail_req and len(ctx.key_positions) == self._tail_len:
-            return self._tail_key
-        return self._find_tail(ctx.req_id, ctx.key_positions)
+        positions = ctx.key_positions
+        seen = 0
+        # The same table object, not only the same request: a caller may build a new
+        # ReqContext (and table) for each call of one request.
+        if positions is self._tail_pos and ctx.req_id == self._tail_req:
+            if len(positions) == self._tail_len:
+                return self._tail_key
+            seen = self._tail_len
+        try:
+            return self._find_tail(ctx.req_id, positions, seen)
+        except TypeError:
+            bad = [(k, v) for k, v in positions.items() if not isinstance(v, (int, float))]
+            if not bad:
+                raise
+            raise TypeError(
+                f"key_positions of request {ctx.req_id!r} maps {bad[0][0]!r} to "
+                f"{bad[0][1]!r}; expected an int token position"
+            ) from None
 
-    def _find_tail(self, req_id: str, positions: dict[OffloadKey, int]) -> OffloadKey:
-        n, seen, tail = len(positions), self._tail_len, self._tail_key
-        if req_id == self._tail_req and n > seen and tail in positions:
+    def _find_tail(self, req_id: str, positions: dict[OffloadKey, int], seen: int) -> OffloadKey:
+        n, tail = len(positions), self._tail_key
+        if seen and n > seen and tail in positions:
             # An engine adds the chunks it stores step by step: only the new ones can be
             # deeper (a tie keeps the earlier key, as max() over the whole table would).
             key, pos = max(islice(positions.items(), seen, None), key=itemgetter(1))
             if pos > positions[tail]:
                 tail = key
         else:
-            # Once per request: O(request length).
+            # Once per table: O(request length).
             tail = max(positions, key=positions.__getitem__)
-        self._tail_req, self._tail_len, self._tail_key = req_id, n, tail
+        self._tail_req, self._tail_pos = req_id, positions
+        self._tail_len, self._tail_key = n, tail
         return tail
 
     def _is_tail(self, key: OffloadKey, ctx: ReqContext | None) -> bool:
@@ -312,6 +331,7 @@ class KVAwarePolicy(CachePolicy):
     # -- the CachePolicy interface ---------------------------------------------------------
 
     def insert(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
+        self._tail_of(ctx)  # a table it cannot read raises here, before anything changed
         win, credit, pinned = self._win, self._credit, self._pinned
         for key in reversed(keys):
             if key in win or key in credit or key in pinned:
@@ -323,6 +343,7 @@ class KVAwarePolicy(CachePolicy):
                 win.move_to_end(key, last=False)
 
     def touch(self, keys: Iterable[OffloadKey], ctx: ReqContext | None) -> None:
+        self._tail_of(ctx)
         win, credit, pinned = self._win, self._credit, self._pinned
         keys = list(keys)
         seen = self._seen
@@ -376,6 +397,7 @@ class KVAwarePolicy(CachePolicy):
                 self._pinned[key] = _MAIN
 
     def unpin(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
+        self._tail_of(ctx)
         pinned = self._pinned
         for key in reversed(keys):
             where = pinned.get(key)
@@ -528,7 +550,7 @@ class KVAwarePolicy(CachePolicy):
         self._buckets.clear()
         self._pinned.clear()
         self._floor = 0
-        self._tail_req = self._tail_key = None
+        self._tail_req = self._tail_key = self._tail_pos = None
         self._tail_len = 0
         self._counted.clear()
         self._counted_req, self._counted_keys = None, set()
@@ -547,7 +569,7 @@ class KVAwarePolicy(CachePolicy):
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         if ctx.req_id == self._tail_req:
-            self._tail_req = self._tail_key = None
+            self._tail_req = self._tail_key = self._tail_pos = None
             self._tail_len = 0
         self._counted.pop(ctx.req_id, None)
         if ctx.req_id == self._counted_req:
