@@ -7,6 +7,7 @@ without torch or an engine.
 from __future__ import annotations
 
 import enum
+import numbers
 import operator
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Mapping
@@ -256,6 +257,16 @@ def _as_index(value: object) -> int | None:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:  # no __index__, or a numpy array that is not one integer
         return None
+
+
+def checked_fraction(name: str, value: object) -> float:
+    """`value` as a float strictly between 0 and 1, else a ValueError naming `name` and the
+    value. Any real number counts (numpy floats included); a bool, a str or NaN does not."""
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+        f = float(value)
+        if 0.0 < f < 1.0:
+            return f
+    raise ValueError(f"{name}={value!r} is invalid; expected a number, 0 < {name} < 1")
 
 
 def checked_int(name: str, value: object, minimum: int = 1) -> int:

@@ -13,7 +13,7 @@ from collections.abc import Collection, Iterable, Sequence
 from itertools import islice
 from operator import itemgetter
 
-from kvtier.base import OffloadKey, ReqContext, checked_int
+from kvtier.base import OffloadKey, ReqContext, checked_fraction, checked_int
 from kvtier.policies.base import CachePolicy, register_policy
 from kvtier.policies.kvaware_sketch import M64, MAX_COUNT, FrequencySketch, key_hash
 
@@ -100,9 +100,8 @@ class KVAwarePolicy(CachePolicy):
     ) -> None:
         super().__init__(capacity)
         capacity = self.capacity  # validated, and a plain int
-        # A str raised "'<' not supported" naming neither the setting nor the range.
-        if not isinstance(window, (int, float)) or not 0.0 < window < 1.0:
-            raise ValueError(f"window={window!r} is invalid; expected a number, 0 < window < 1")
+        # A str raised "'<' not supported", naming neither the setting nor the range.
+        window = checked_fraction("window", window)
         sketch_width = checked_int("sketch_width", sketch_width)
         model_size = checked_int("model_size", model_size)
         if mode not in _MODE_NAMES:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 
-from kvtier.base import OffloadKey, ReqContext, checked_int
+from kvtier.base import OffloadKey, ReqContext, checked_fraction, checked_int
 from kvtier.policies.base import CachePolicy, register_policy
 
 _MAX_FREQ = 3
@@ -33,10 +33,7 @@ class S3FIFOPolicy(CachePolicy):
         super().__init__(capacity)
         capacity = self.capacity  # validated, and a plain int
         # A str raised "'<' not supported" naming neither the setting nor the range.
-        if not isinstance(small_ratio, (int, float)) or not 0.0 < small_ratio < 1.0:
-            raise ValueError(
-                f"small_ratio={small_ratio!r} is invalid; expected a number, 0 < ratio < 1"
-            )
+        small_ratio = checked_fraction("small_ratio", small_ratio)
         self._small_target = max(1, int(capacity * small_ratio))
         self._ghost_cap = max(1, capacity - self._small_target)
         # Frequencies stop at _MAX_FREQ: a threshold above it would promote nothing, one
