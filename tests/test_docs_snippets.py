@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -125,6 +126,28 @@ def test_readme_commands_are_the_scripts_they_name() -> None:
     test = (ROOT / "scripts" / "test.sh").read_text()
     # "runs ruff, mypy and pytest (extra arguments go to pytest)"
     assert "ruff check" in test and "\nmypy" in test and 'pytest -q "$@"' in test
+
+
+def test_demo_script_passes_relative_paths_from_where_it_was_called(tmp_path: Path) -> None:
+    # setup.sh moves to the repository root; `--model mymodel` named the caller's directory.
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "activate").write_text(f'export PATH="{venv}:$PATH"\n')
+    stubs = {"python": "exit 0", "kvtier": 'echo "$PWD" "$@"'}  # installs skipped
+    for name, body in stubs.items():
+        (venv / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (venv / name).chmod(0o755)
+    caller = tmp_path / "caller"
+    caller.mkdir()
+    out = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "demo.sh"), "--model", "mymodel"],
+        cwd=caller,
+        env={**os.environ, "KVTIER_VENV": str(venv.parent), "KVTIER_WITH_VLLM": "0"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.split() == [str(caller), "demo", "--model", "mymodel"]
 
 
 def test_readme_vllm_transfer_config_builds_a_config() -> None:
