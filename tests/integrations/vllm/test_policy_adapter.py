@@ -339,3 +339,18 @@ def test_a_tier_of_no_chunk_names_cpu_bytes_to_use(vllm_loaded: None, name: str)
 
     with pytest.raises(ValueError, match="holds 0 chunks: cpu_bytes_to_use"):
         CPUOffloadingManager(0, f"kvtier_{name}", MODULE)
+
+
+def test_the_module_docstring_example_is_a_config_vllm_reads(vllm_loaded: None) -> None:
+    import json
+
+    import kvtier.integrations.vllm.policy as policy_module
+
+    doc = policy_module.__doc__ or ""
+    snippet = doc[doc.index('"kv_connector_extra_config"') : doc.index("}") + 1]
+    extra = json.loads("{" + snippet + "}")["kv_connector_extra_config"]
+    # vLLM's CPUOffloadingSpec sizes the tier with int(cpu_bytes_to_use): "64GiB" raised.
+    assert int(extra["cpu_bytes_to_use"]) == 64 * 2**30
+    assert extra["cache_policy_module_path"] == MODULE
+    assert extra["eviction_policy"].startswith(policy_module.PREFIX)
+    assert hasattr(policy_module, extra["eviction_policy"])

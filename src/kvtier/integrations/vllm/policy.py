@@ -1,9 +1,10 @@
 """kvtier's cache policies inside vLLM's own `OffloadingConnector` (vLLM's `CachePolicy`).
 
 vLLM resolves `eviction_policy` in its registry first, then as a class of the module named by
-`cache_policy_module_path`. This module answers `kvtier_<name>` for every kvtier policy::
+`cache_policy_module_path`. This module answers `kvtier_<name>` for every kvtier policy
+(vLLM's connector reads `cpu_bytes_to_use` as a plain number of bytes, here 64 GiB)::
 
-    "kv_connector_extra_config": {"cpu_bytes_to_use": "64GiB",
+    "kv_connector_extra_config": {"cpu_bytes_to_use": 68719476736,
         "cache_policy_module_path": "kvtier.integrations.vllm.policy",
         "eviction_policy": "kvtier_arc"}
 
