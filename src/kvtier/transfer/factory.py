@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.base import checked_int
 from kvtier.transfer.cpu_worker import CPUTransferWorker
@@ -11,6 +11,9 @@ from kvtier.transfer.native import library
 from kvtier.transfer.native_worker import NativeCPUTransferWorker
 from kvtier.transfer.registration import KVCacheRegistration
 from kvtier.transfer.worker import TransferWorker
+
+if TYPE_CHECKING:
+    from kvtier.config import KVTierConfig
 
 BACKENDS = ("auto", "cpu", "cuda")
 
@@ -65,6 +68,37 @@ def make_transfer_worker(
     kwargs.pop("avoid_submitter_cpu", None)
     kwargs.pop("share_backlog", None)
     return CPUTransferWorker(registration, pool, **kwargs)
+
+
+def transfer_worker_from_config(
+    registration: KVCacheRegistration, pool: HostPool, config: KVTierConfig, **kwargs: Any
+) -> TransferWorker:
+    """`make_transfer_worker` with `config`'s `transfer_*` settings (and `kwargs`). A setting
+    these KV tensors or this machine cannot honour (a CPU it does not have, the CUDA backend
+    for host tensors) raises `ConfigError` naming the settings, as a bad value would."""
+    from kvtier.config import ConfigError
+
+    _check_options(kwargs)  # the caller's own arguments: not the configuration's fault
+    settings = {
+        "transfer_backend": config.transfer_backend,
+        "transfer_cpus": config.transfer_cpus,
+        "transfer_coalesce_depth": config.transfer_coalesce_depth,
+    }
+    try:
+        return make_transfer_worker(
+            registration,
+            pool,
+            config.transfer_backend,
+            copy_cpus=config.transfer_cpus,
+            avoid_submitter_cpu=config.transfer_avoid_submitter_cpu,
+            coalesce_depth=config.transfer_coalesce_depth,
+            **kwargs,
+        )
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        named = ", ".join(f"{key}={value!r}" for key, value in settings.items())
+        raise ConfigError(f"{named}: cannot be used on this worker: {exc}") from exc
 
 
 def _check_options(kwargs: dict[str, Any]) -> None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import functools
 import signal
 from typing import Any
+from unittest.mock import patch
 
+import numpy as np
 import pytest
 
 from helpers import assert_generator_clean, random_ids
@@ -19,11 +21,12 @@ from helpers import assert_generator_clean, random_ids
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvtier.config import KVTierConfig  # noqa: E402
+from kvtier.config import ConfigError, KVTierConfig  # noqa: E402
 from kvtier.connector import StepMetadata  # noqa: E402
 from kvtier.integrations.hf.generator import KVTierGenerator  # noqa: E402
 from kvtier.integrations.hf.models import make_demo_model  # noqa: E402
 from kvtier.integrations.hf.prefix import generate_greedy  # noqa: E402
+from kvtier.transfer import HostPool  # noqa: E402
 
 BS = 16
 SMALL = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
@@ -189,6 +192,11 @@ def test_sizes_that_cannot_work_are_clear_errors(model: Any) -> None:
         KVTierGenerator(model, block_size=BS, max_blocks=0)
     with pytest.raises(ValueError, match=r"max_blocks=8\.0 is invalid"):
         KVTierGenerator(model, block_size=BS, max_blocks=8.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"block_size=16\.0 is invalid"):
+        KVTierGenerator(model, block_size=16.0, max_blocks=8)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"config=\{'num_slots': 8\} has type dict; expected a"):
+        KVTierGenerator(model, {"num_slots": 8}, block_size=BS)  # type: ignore[arg-type]
+    KVTierGenerator(model, block_size=np.int64(BS), max_blocks=np.int64(8)).close()  # type: ignore[arg-type]
     # A chunk larger than the whole page buffer can never be stored: refused, instead of a
     # pool of 0 slots or a cache that silently never stores.
     for config in (
@@ -227,3 +235,20 @@ def test_edge_prompts_match_recompute_on_each_layout(arch: str, size: dict[str, 
             assert (result.logits - ref.logits[0]).abs().max().item() <= 1e-4
             gen.flush()
         assert_generator_clean(gen)
+
+
+def test_a_transfer_setting_this_machine_cannot_honour_is_a_config_error(model: Any) -> None:
+    # The model's KV is on the host: the CUDA backend cannot copy it. The error names the
+    # setting, and the host pool made before it is unpinned, not left to the collector.
+    closed: list[HostPool] = []
+    real_close = HostPool.close
+
+    def close(pool: HostPool) -> None:
+        closed.append(pool)
+        real_close(pool)
+
+    config = KVTierConfig(transfer_backend="cuda")
+    refused = pytest.raises(ConfigError, match=r"transfer_backend='cuda'.*on a CUDA device")
+    with patch.object(HostPool, "close", close), refused:
+        KVTierGenerator(model, config, block_size=BS, max_blocks=8)
+    assert len(closed) == 1

@@ -178,3 +178,11 @@ def test_a_model_whose_attention_is_not_causal_is_refused() -> None:
         KVTierGenerator(bert(is_decoder=False), block_size=BS, max_blocks=8)
     causal = bert(is_decoder=True)
     KVTierGenerator(causal, block_size=BS, max_blocks=8).close()
+
+
+@pytest.mark.parametrize("bad", [2.5, True, "4"])
+def test_allocate_pages_refuses_counts_that_are_not_ints(model: Any, bad: Any) -> None:
+    with pytest.raises(ValueError, match=rf"num_blocks={bad!r} is invalid"):
+        allocate_pages(model.config, bad, BS)
+    with pytest.raises(ValueError, match=rf"block_size={bad!r} is invalid"):
+        allocate_pages(model.config, 2, bad)

@@ -19,7 +19,7 @@ from engine import make_engine, make_kv_caches
 from test_vllm import EXTRA, PROMPT, gate, vllm_loaded
 from test_vllm import _b_loads_what_a_stored as b_loads_what_a_stored
 
-from kvtier.transfer import make_transfer_worker
+from kvtier.transfer.factory import transfer_worker_from_config
 
 __all__ = ["vllm_loaded"]  # the module-scoped fixture, shared with test_vllm
 
@@ -74,9 +74,11 @@ def test_a_registration_whose_transfer_worker_failed_to_start_can_be_retried(
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("cannot pin the host pool")
-        return make_transfer_worker(*args, **kwargs)  # type: ignore[arg-type]
+        return transfer_worker_from_config(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr("kvtier.integrations.vllm.worker_side.make_transfer_worker", fails_once)
+    monkeypatch.setattr(
+        "kvtier.integrations.vllm.worker_side.transfer_worker_from_config", fails_once
+    )
     kv_caches = make_kv_caches(sched.kv_cache_config)
     with pytest.raises(RuntimeError, match="cannot pin the host pool"):
         worker.register_kv_caches(kv_caches)

@@ -159,6 +159,25 @@ def test_transfer_cpus_reach_the_copy_threads(vllm_loaded: None) -> None:
     _b_loads_what_a_stored(engine)
 
 
+@pytest.mark.parametrize(
+    ("setting", "needle"),
+    [
+        ({"transfer_cpus": [65535]}, r"transfer_cpus=\(65535,\).*no CPU \[65535\]"),
+        ({"transfer_backend": "cuda"}, r"transfer_backend='cuda'.*needs KV tensors on a CUDA"),
+    ],
+)
+def test_a_transfer_setting_the_worker_cannot_honour_is_a_config_error(
+    vllm_loaded: None, setting: dict[str, Any], needle: str
+) -> None:
+    from kvtier.config import ConfigError
+    from kvtier.transfer.native import library
+
+    if "transfer_cpus" in setting and library() is None:
+        pytest.skip("needs the compiled engine, which places copy threads")
+    with pytest.raises(ConfigError, match=needle):
+        make_engine("KVTierConnector", {**EXTRA, **setting})
+
+
 @pytest.mark.parametrize("avoid", [True, False])
 def test_transfer_avoid_submitter_cpu_reaches_the_worker(vllm_loaded: None, avoid: bool) -> None:
     from kvtier.transfer import NativeCPUTransferWorker

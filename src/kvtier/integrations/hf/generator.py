@@ -43,7 +43,8 @@ from kvtier.integrations.hf.prefix import (
     learned_position_rows,
     rope_switch_length,
 )
-from kvtier.transfer import FaultInjector, HostPool, make_transfer_worker
+from kvtier.transfer import FaultInjector, HostPool
+from kvtier.transfer.factory import transfer_worker_from_config
 
 __all__ = ["GenerationResult", "GeneratorStats", "KVTierGenerator"]
 
@@ -259,6 +260,13 @@ class KVTierGenerator:
         fault_injector: FaultInjector | None = None,
     ) -> None:
         config = config if config is not None else KVTierConfig()
+        if not isinstance(config, KVTierConfig):
+            # A dict failed later, on a missing attribute, naming neither argument nor fix.
+            raise TypeError(
+                f"config={config!r} has type {type(config).__name__}; expected a KVTierConfig "
+                "(KVTierConfig.from_dict(...) reads a mapping)"
+            )
+        block_size = checked_int("block_size", block_size)
         max_blocks = checked_int("max_blocks", max_blocks)
         where = _non_causal_attention(model)
         if where is not None:
@@ -303,15 +311,13 @@ class KVTierGenerator:
             blocks_per_chunk=bpc,
             offload_prompt_only=config.offload_prompt_only,
         )
-        self.transfer = make_transfer_worker(
-            registration,
-            self.pool,
-            config.transfer_backend,
-            fault_injector=fault_injector,
-            copy_cpus=config.transfer_cpus,
-            avoid_submitter_cpu=config.transfer_avoid_submitter_cpu,
-            coalesce_depth=config.transfer_coalesce_depth,
-        )
+        try:
+            self.transfer = transfer_worker_from_config(
+                registration, self.pool, config, fault_injector=fault_injector
+            )
+        except BaseException:
+            self.pool.close()  # unpinned now, not whenever the collector gets to it
+            raise
         self.worker = OffloadingWorker(self.transfer)
         self.stats = GeneratorStats()
         self._free = np.ones(max_blocks, dtype=bool)

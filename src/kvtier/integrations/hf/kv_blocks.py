@@ -136,10 +136,8 @@ def allocate_pages(
     device: torch.device | str = "cpu",
 ) -> list[torch.Tensor]:
     """Zeroed paged buffers for `config`'s model: `(num_blocks, 2, block_size, H, D)` a layer."""
-    if num_blocks < 1 or block_size < 1:
-        raise ValueError(
-            f"num_blocks={num_blocks}, block_size={block_size} are invalid; expected positive ints"
-        )
+    num_blocks = checked_int("num_blocks", num_blocks)
+    block_size = checked_int("block_size", block_size)
     layout = kv_layout(config)
     shape = layout.page_shape(num_blocks, block_size)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)]

@@ -20,8 +20,8 @@ from kvtier.transfer import (
     KVCacheRegistration,
     KVTensor,
     TransferWorker,
-    make_transfer_worker,
 )
+from kvtier.transfer.factory import transfer_worker_from_config
 
 logger = logging.getLogger(__name__)
 
@@ -143,14 +143,7 @@ class KVTierWorkerSide:
             num_slots=num_slots,
             pin=cfg.pin_memory,
         )
-        self.transfer = make_transfer_worker(
-            registration,
-            pool,
-            cfg.transfer_backend,
-            copy_cpus=cfg.transfer_cpus,
-            avoid_submitter_cpu=cfg.transfer_avoid_submitter_cpu,
-            coalesce_depth=cfg.transfer_coalesce_depth,
-        )
+        self.transfer = transfer_worker_from_config(registration, pool, cfg)
         self._worker = OffloadingWorker(self.transfer)
         path = getattr(self.transfer, "copy_path", None)
         if path and getattr(self.transfer, "coalesce_depth", 0):
