@@ -97,3 +97,25 @@ def test_setup_script_variables_are_not_settings(name: str) -> None:
     """README's `bash scripts/test.sh` documents `KVTIER_WITH_VLLM=0`; once exported, every
     `KVTierConfig.load()` failed with 'unknown key'."""
     assert KVTierConfig.load(env={name: "0"}) == KVTierConfig()
+
+
+@pytest.mark.parametrize("cpus", ["99999999999999999999999", [2**70], "0-99999999999999999999"])
+def test_a_cpu_id_past_int64_names_the_cpu_range_alone(cpus: Any) -> None:
+    with pytest.raises(ConfigError, match=r"\(CPU ids 0\.\.65535\), or null$"):
+        KVTierConfig.from_dict({"transfer_cpus": cpus})
+
+
+def test_an_int_too_long_to_print_is_named_by_its_size() -> None:
+    # repr() of an int past 4,300 digits raises ValueError, which escaped naming no key.
+    with pytest.raises(ConfigError, match=r"^num_slots=<an integer of about 5001 digits>"):
+        KVTierConfig.from_dict({"num_slots": 10**5000})
+
+
+@pytest.mark.parametrize(("suffix", "line"), [(".yaml", "num_slots: "), (".toml", "num_slots = ")])
+def test_a_file_with_an_int_too_long_to_read_names_the_file(
+    tmp_path: Any, suffix: str, line: str
+) -> None:
+    path = tmp_path / f"kvtier{suffix}"
+    path.write_text(line + "9" * 5000 + "\n")
+    with pytest.raises(ConfigError, match=rf"config file {re.escape(str(path))} holds a value"):
+        KVTierConfig.load(env={"KVTIER_CONFIG": str(path)})

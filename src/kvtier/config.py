@@ -260,15 +260,21 @@ def _parse_cpus(raw: object) -> tuple[int, ...] | None:
         text = raw.replace(" ", "")
         if not _CPULIST_RE.fullmatch(text):
             raise _Invalid(expected)
-        for part in text.split(","):
-            lo, _, hi = part.partition("-")
-            first, last = (_parse_int(x, 0, expected) for x in (lo, hi or lo))
-            if last < first or last > _MAX_CPU:
-                raise _Invalid(expected)
-            cpus.extend(range(first, last + 1))
+        try:
+            for part in text.split(","):
+                lo, _, hi = part.partition("-")
+                first, last = (_parse_int(x, 0, expected) for x in (lo, hi or lo))
+                if last < first or last > _MAX_CPU:
+                    raise _Invalid(expected)
+                cpus.extend(range(first, last + 1))
+        except _TooLarge:  # its "up to 2**63-1" would contradict the range named
+            raise _Invalid(expected) from None
     elif isinstance(raw, (list, tuple)) and raw:
         for c in raw:
-            cpu = _parse_int(c, 0, expected) if not isinstance(c, str) else -1
+            try:
+                cpu = _parse_int(c, 0, expected) if not isinstance(c, str) else -1
+            except _TooLarge:
+                cpu = -1
             if not 0 <= cpu <= _MAX_CPU:
                 raise _Invalid(expected)
             cpus.append(cpu)
@@ -465,11 +471,20 @@ def _check_mapping(layer: object, source: str) -> Mapping[Any, Any]:
     return layer
 
 
+def _shown(raw: object) -> str:
+    """`repr(raw)`, except for an int too long to print (repr raises past 4,300 digits)."""
+    try:
+        return repr(raw)
+    except ValueError:
+        digits = int(abs(cast(int, raw)).bit_length() * 0.30103) + 1
+        return f"<an integer of about {digits} digits>"
+
+
 def _parse_value(parse: Callable[[object], Any], raw: object, label: str, source: str) -> Any:
     try:
         return parse(raw)
     except _Invalid as e:
-        raise ConfigError(f"{label}={raw!r} (from {source}): expected {e.expected}") from None
+        raise ConfigError(f"{label}={_shown(raw)} (from {source}): expected {e.expected}") from None
 
 
 def _field_for(
@@ -551,6 +566,10 @@ def _read_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not UTF-8 text: {e}") from e
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"config file {path} is not valid {suffix[1:].upper()}: {e}") from e
+    except ConfigError:
+        raise
+    except ValueError as e:  # a number the parser cannot convert: an int of 4,300+ digits
+        raise ConfigError(f"config file {path} holds a value it cannot read: {e}") from e
     if data is None:  # an empty YAML file
         return {}
     if not isinstance(data, dict):
