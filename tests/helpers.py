@@ -39,6 +39,20 @@ def refused_argv(
     return capsys.readouterr().err
 
 
+def kvtier_with_reader_gone(argv: Sequence[str]) -> tuple[int, str]:
+    """Run `python -m kvtier argv` with its stdout a pipe whose reader is gone before the
+    command writes anything (`| head` ended); its exit status and stderr."""
+    import subprocess
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    return proc.wait(timeout=120), err
+
+
 def brute_force_hits(stream: Sequence[Hashable], capacity: int) -> int:
     """Most hits any cache of `capacity` can get over `stream`: every store, bypass and victim
     choice tried (exponential; for OPT's tests on short streams)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import random
 import subprocess
 import sys
@@ -245,6 +246,29 @@ def test_help_renders(command: list[str], capsys: pytest.CaptureFixture[str]) ->
         main([*command, "--help"])
     assert info.value.code == 0
     assert "usage: kvtier" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", [[], *([c.name] for c in COMMANDS)])
+def test_help_is_plain_ascii(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """A '×' in the help crashed `--help` with UnicodeEncodeError where stdout is ASCII."""
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    out = capsys.readouterr().out
+    assert out.isascii(), [c for c in out if not c.isascii()]
+
+
+@pytest.mark.parametrize("command", [[], ["simulate"]])
+def test_help_on_an_ascii_stdout(command: list[str]) -> None:
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtier", *command, "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: kvtier") and done.stderr == ""
 
 
 @pytest.mark.parametrize("device", ["0", "0%"])

@@ -37,13 +37,15 @@ def test_a_closed_stdout_is_an_error_not_silence(argv: list[str]) -> None:
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
 @pytest.mark.parametrize("unbuffered", [False, True])
-@pytest.mark.parametrize("argv", [["--help"], ["--version"]], ids=" ".join)
-def test_help_into_a_full_device_is_an_error(argv: list[str], unbuffered: bool) -> None:
-    """argparse ignores OSError while writing --help, and Python ignored the failed flush."""
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["policies"]], ids=" ".join)
+def test_output_into_a_full_device_is_an_error(argv: list[str], unbuffered: bool) -> None:
+    """argparse ignores OSError while writing --help, and Python ignored the failed flush;
+    `kvtier policies` said only `error: [Errno 28] No space left on device`."""
     done = _run(argv, ">/dev/full", unbuffered)
     assert done.returncode == 2
+    command = "kvtier policies" if argv == ["policies"] else "kvtier"
     assert done.stderr == (
-        "kvtier: error: cannot write to standard output: [Errno 28] No space left on device\n"
+        f"{command}: error: cannot write to standard output: [Errno 28] No space left on device\n"
     )
 
 

@@ -7,11 +7,12 @@ its arguments and a function that runs it. Adding one (e.g. `kvtier demo`) is on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import io
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -59,6 +60,34 @@ def _no_arguments(p: argparse.ArgumentParser) -> None:
     pass
 
 
+class OutputError(OSError):
+    """Writing an output failed; the message names it, as the OS error alone does not
+    (`[Errno 28] No space left on device` from `--csv /dev/full`)."""
+
+    def __init__(self, where: str, error: OSError) -> None:
+        super().__init__(error.errno, error.strerror)
+        self.where = where
+        """`STDOUT`, or the flag and path that failed."""
+        self.error = error
+
+    def __str__(self) -> str:
+        return f"cannot write to {self.where}: {self.error}"
+
+
+STDOUT = "standard output"
+
+
+@contextlib.contextmanager
+def writing_stdout() -> Iterator[None]:
+    """Turn an `OSError` raised inside into an `OutputError` naming standard output."""
+    try:
+        yield
+    except OutputError:
+        raise
+    except OSError as e:
+        raise OutputError(STDOUT, e) from e
+
+
 def _policies(args: argparse.Namespace) -> int:
     from kvtier.admission import registered_admission_policies
     from kvtier.policies import registered_policies
@@ -73,19 +102,21 @@ def _policies(args: argparse.Namespace) -> int:
         ("simulator bounds (kvtier simulate --policies)", dict(BOUNDS)),
     ]
     width = max(len(n) for _, entries in sections for n in entries)
-    for i, (title, entries) in enumerate(sections):
-        if i:
-            print()
-        print(f"{title}:")
-        for name, description in entries.items():
-            print(f"  {name:<{width}}  {description}")
+    with writing_stdout():
+        for i, (title, entries) in enumerate(sections):
+            if i:
+                print()
+            print(f"{title}:")
+            for name, description in entries.items():
+                print(f"  {name:<{width}}  {description}")
+        sys.stdout.flush()
     return 0
 
 
 COMMANDS: list[Command] = [
     Command(
         "simulate",
-        "replay a trace through the CPU-tier manager for policies × capacities",
+        "replay a trace through the CPU-tier manager for policies x capacities",
         _simulate_arguments,
         _simulate,
     ),
@@ -192,6 +223,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         failed = _flush_stdout(f"kvtier {args.command}")
         if failed:
             return failed
+    except OutputError as e:
+        if e.where == STDOUT:
+            return _write_failed(f"kvtier {args.command}", e.error)
+        print(f"kvtier {args.command}: error: {e}", file=sys.stderr)
+        return 2
     except BrokenPipeError as e:
         return _write_failed(f"kvtier {args.command}", e)
     except (ValueError, TypeError, OSError) as e:

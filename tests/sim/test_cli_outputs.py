@@ -4,12 +4,11 @@ nothing to size, and a reader of stdout that goes away (`| head`)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import kvtier_with_reader_gone
 from kvtier.cli import main
 
 
@@ -104,16 +103,7 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(trace: Path, args: lis
     handling): no message, status 1."""
     argv = [a.format(trace=trace) for a in args]
     for extra in ([], ["--jobs", "1"]) if argv[0] == "simulate" else ([],):
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtier", *argv, *extra],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        assert proc.stdout is not None and proc.stderr is not None
-        proc.stdout.close()  # the reader is gone before the command writes anything
-        err = proc.stderr.read().decode()
-        assert proc.wait(timeout=120) == 1
-        assert err == ""
+        assert kvtier_with_reader_gone([*argv, *extra]) == (1, "")
 
 
 def test_the_plot_is_titled_with_the_whole_trace_name(

@@ -146,3 +146,47 @@ def test_a_bad_spec_is_refused_before_the_trace_is_read(
         assert err.startswith("kvtier simulate: error: " + message)
         assert err.count("\n") == 1
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize(
+    ("source", "line", "error"),
+    [
+        (
+            "from kvtier.policies.lru import LRUPolicy\nclass Fifo(LRUPolicy)\n    pass\n",
+            2,
+            "SyntaxError: expected ':'",
+        ),
+        (
+            "from kvtier.policies.lru import LRUPolicy\nclass Fifo(LRUPolcy):\n    pass\n",
+            2,
+            "NameError: name 'LRUPolcy' is not defined",
+        ),
+        ("\n\nraise RuntimeError('no GPU here\\nat all')\n", 3, "RuntimeError: no GPU here at all"),
+        ("SIZE = int('4k')\n", 1, "ValueError: invalid literal for int() with base 10: '4k'"),
+    ],
+    ids=["SyntaxError", "NameError", "RuntimeError", "ValueError"],
+)
+def test_a_module_that_fails_at_import_is_one_error_line(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    source: str,
+    line: int,
+    error: str,
+) -> None:
+    """Anything but an ImportError from the module printed a traceback and exited 1."""
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    module = folder / "brokenpolicies.py"
+    module.write_text(source)
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.delitem(sys.modules, "brokenpolicies", raising=False)
+    missing = str(tmp_path / "none.jsonl")  # the spec is checked before the trace is read
+    argv = ["simulate", missing, "--policies", "lru,brokenpolicies:Fifo", "--jobs", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "kvtier simulate: error: cache policy 'brokenpolicies:Fifo' cannot be imported: " + error
+    )
+    assert f"({module}:{line})" in err
+    assert err.count("\n") == 1

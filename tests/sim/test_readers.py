@@ -56,6 +56,17 @@ def test_reader_streams(tmp_path: Path) -> None:
         next(it)
 
 
+@pytest.mark.parametrize("depth", [1000, 100_000])
+def test_a_line_nested_too_deeply_names_its_line(tmp_path: Path, depth: int) -> None:
+    """Valid JSON, but 1,000 levels deep: a RecursionError without a line number."""
+    path = tmp_path / "t.jsonl"
+    good = json.dumps({"input_length": 5, "hash_ids": [1]})
+    deep = '{"input_length": 5, "hash_ids": [2], "meta": ' + "[" * depth + "]" * depth + "}"
+    path.write_text(f"{good}\n{good}\n{deep}\n")
+    with pytest.raises(TraceFormatError, match=r"t\.jsonl:3: not valid JSON \(nested too deeply"):
+        read_trace(path, block_tokens=512)
+
+
 @pytest.mark.parametrize(
     ("line", "message"),
     [

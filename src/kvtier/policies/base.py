@@ -8,6 +8,7 @@ small class and no manager change.
 from __future__ import annotations
 
 import importlib
+import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import ClassVar, TypeVar
@@ -122,9 +123,12 @@ def get_policy_cls(spec: str | type[CachePolicy]) -> type[CachePolicy]:
         module_name, _, attr = spec.partition(":")
         try:
             obj = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError, ValueError, TypeError) as e:
-            # ValueError, TypeError: an empty or relative module path (':Class', '.mod:Class').
+        except (ImportError, AttributeError) as e:
             raise ValueError(f"cache policy {spec!r} cannot be imported: {e}") from e
+        except Exception as e:
+            # The module itself failed (a SyntaxError, a NameError...): a bad spec like the
+            # others, not a crash, but named with where it happened, as a traceback would.
+            raise ValueError(f"cache policy {spec!r} cannot be imported: {_raised_at(e)}") from e
         if not (isinstance(obj, type) and issubclass(obj, CachePolicy)):
             raise ValueError(f"cache policy {spec!r} is not a kvtier.policies.CachePolicy class")
         return obj
@@ -132,6 +136,22 @@ def get_policy_cls(spec: str | type[CachePolicy]) -> type[CachePolicy]:
     raise ValueError(
         f"unknown cache policy {spec!r}; expected one of: {names}, or 'package.module:Class'"
     )
+
+
+def _raised_at(e: Exception) -> str:
+    """`e`'s type and message, and the file and line of the imported code that raised it."""
+    if isinstance(e, SyntaxError) and e.filename is not None:
+        return f"{type(e).__name__}: {e.msg} ({e.filename}:{e.lineno})"
+    frames = [
+        f
+        for f in traceback.extract_tb(e.__traceback__)
+        if f.filename not in (__file__, importlib.__file__) and not f.filename.startswith("<")
+    ]
+    if not frames and isinstance(e, (ValueError, TypeError)):
+        return str(e)  # importlib's: an empty or relative module path (':Class', '.mod:Class')
+    where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    message = " ".join(str(e).splitlines())  # one error line
+    return f"{type(e).__name__}: {message}{where}"
 
 
 def make_policy(spec: str | type[CachePolicy], capacity: int) -> CachePolicy:

@@ -1,4 +1,4 @@
-"""`kvtier simulate`: replay a trace through the manager for policies × capacities."""
+"""`kvtier simulate`: replay a trace through the manager for policies x capacities."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import csv
 import dataclasses
+import io
 import json
 import math
 import os
@@ -17,7 +18,9 @@ from typing import IO
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
+from kvtier.cli import STDOUT, OutputError, writing_stdout
 from kvtier.policies import get_policy_cls, registered_policies
 from kvtier.sim.advise import Advice, advise
 from kvtier.sim.readers import FORMATS, read_trace
@@ -188,12 +191,18 @@ def _progress(total: int, enabled: bool, unit: str = "requests") -> Iterator[Pro
 
 
 @contextlib.contextmanager
-def _open_out(name: str) -> Iterator[IO[str]]:
+def _open_out(flag: str, name: str) -> Iterator[IO[str]]:
+    """The output `flag` names, open for writing; a failure names it (`OutputError`)."""
     if name == "-":
-        yield sys.stdout
-    else:
+        with writing_stdout():
+            yield sys.stdout
+            sys.stdout.flush()  # fail here, where the output is known, not at exit
+        return
+    try:
         with open(name, "w", encoding="utf-8", newline="") as f:
             yield f
+    except OSError as e:
+        raise OutputError(f"{flag} file {name!r}", e) from e
 
 
 def _check_output(flag: str, name: str | None) -> None:
@@ -203,10 +212,22 @@ def _check_output(flag: str, name: str | None) -> None:
     path = Path(name)
     if path.is_dir():
         raise ValueError(f"{flag}={name!r} is invalid; it is a directory, expected a file path")
+    # Path() drops a trailing separator, which open() refuses only after every replay.
+    if name.endswith(tuple(sep for sep in (os.sep, os.altsep) if sep)):
+        raise ValueError(
+            f"{flag}={name!r} is invalid; it ends in a path separator, expected a file path"
+        )
+    link = ""
+    if path.is_symlink() and not path.exists():
+        # open() follows a dangling link and creates its target, in the target's directory.
+        target = os.path.realpath(name)
+        if os.path.islink(target):
+            raise ValueError(f"{flag}={name!r} is invalid; it is a symlink loop")
+        path, link = Path(target), f"it links to {target!r}, and "
     parent = path.parent
     if not parent.is_dir():
         what = "is not a directory" if parent.exists() else "does not exist"
-        raise ValueError(f"{flag}={name!r} is invalid; {str(parent)!r} {what}")
+        raise ValueError(f"{flag}={name!r} is invalid; {link}{str(parent)!r} {what}")
     if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise ValueError(f"{flag}={name!r} is invalid; it is not writable")
     if flag == "--plot":
@@ -250,6 +271,30 @@ def _check_not_the_trace(trace: Path, outputs: tuple[tuple[str, str | None], ...
 def _stdout_console() -> Console:
     # Piped output keeps whole rows (rich would wrap them at 80 columns).
     return Console() if sys.stdout.isatty() else Console(width=200)
+
+
+def _print_table(table: Table) -> None:
+    """Write `table` to stdout; a failure is an `OutputError` naming standard output.
+
+    Rendered into a buffer and written here: rich, writing stdout itself, ends the process on
+    a broken pipe (SystemExit) and reports a full disk without naming stdout.
+    """
+    real = _stdout_console()
+    # The buffer has stdout's encoding, so rich still draws ASCII boxes for an ASCII stdout.
+    raw = io.BytesIO()
+    buffer = io.TextIOWrapper(raw, encoding=real.encoding, errors="replace", newline="")
+    console = Console(
+        file=buffer,
+        width=real.width,
+        force_terminal=real.is_terminal,
+        color_system=real.color_system,  # type: ignore[arg-type]  # a name it accepts
+    )
+    # A table wider than the console (its cells are never cut) is written whole.
+    console.print(table, crop=False)
+    buffer.flush()
+    with writing_stdout():
+        sys.stdout.write(raw.getvalue().decode(real.encoding))
+        sys.stdout.flush()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -395,19 +440,37 @@ def _emit(
     plot_title: str,
 ) -> None:
     # The table first, so a file that fails to write does not cost the results.
+    failed: list[OutputError] = []
     if args.json != "-" and args.csv != "-":
-        _stdout_console().print(results_table(results, shape, title=title))
+        with _stdout_later(failed):
+            _print_table(results_table(results, shape, title=title))
     if args.json is not None:
-        with _open_out(args.json) as f:
+        with _stdout_later(failed), _open_out("--json", args.json) as f:
             write_json(results, f, shape)
     if args.csv is not None:
-        with _open_out(args.csv) as f:
+        with _stdout_later(failed), _open_out("--csv", args.csv) as f:
             write_csv(results, f, shape)
     if args.plot is not None:
         try:
             plot_miss_ratio(results, args.plot, title=plot_title)
         except PlotUnavailable as e:
             raise ValueError(str(e)) from None
+        except OSError as e:
+            raise OutputError(f"--plot file {args.plot!r}", e) from e
+    if failed:
+        raise failed[0]
+
+
+@contextlib.contextmanager
+def _stdout_later(failed: list[OutputError]) -> Iterator[None]:
+    """Hold a failure to write stdout (`| head`, a full disk) in `failed` until the files are
+    written: they hold the results of every replay."""
+    try:
+        yield
+    except OutputError as e:
+        if e.where != STDOUT:
+            raise
+        failed.append(e)
 
 
 def _run_advise(
@@ -433,16 +496,20 @@ def _run_advise(
                 answers.append(advise(trace, *a))
                 if progress is not None:
                     progress(1)
+    failed: list[OutputError] = []
     if args.json != "-" and args.csv != "-":
-        _stdout_console().print(advice_table(answers, trace.num_unique_blocks, infinite))
+        with _stdout_later(failed):
+            _print_table(advice_table(answers, trace.num_unique_blocks, infinite))
     advice_rows = [dataclasses.asdict(a) for a in answers]
     if args.json is not None:
-        with _open_out(args.json) as f:
+        with _stdout_later(failed), _open_out("--json", args.json) as f:
             json.dump(advice_rows, f, indent=2)
             f.write("\n")
     if args.csv is not None and advice_rows:
-        with _open_out(args.csv) as f:
+        with _stdout_later(failed), _open_out("--csv", args.csv) as f:
             writer = csv.DictWriter(f, fieldnames=list(advice_rows[0]), lineterminator="\n")
             writer.writeheader()
             writer.writerows(advice_rows)
+    if failed:
+        raise failed[0]
     return 0

@@ -41,6 +41,11 @@ def _lines(path: Path) -> Generator[tuple[int, dict[str, Any]], None, None]:
                 obj = _decode.decode(raw)
             except msgspec.DecodeError as e:
                 raise TraceFormatError(f"{path}:{lineno}: not valid JSON ({e})") from None
+            except RecursionError:
+                # Valid JSON, but nested deeper than the decoder can follow.
+                raise TraceFormatError(
+                    f"{path}:{lineno}: not valid JSON (nested too deeply to decode)"
+                ) from None
             if not isinstance(obj, dict):
                 raise TraceFormatError(
                     f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}"

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from rich.cells import cell_len
 from rich.table import Table
 
 from kvtier.sim.advise import Advice
@@ -17,9 +18,30 @@ from kvtier.sim.shapes import ModelShape
 _GIB = 2**30
 
 
+def of_opt(results: Sequence[RunResult]) -> list[float | None]:
+    """Each run's block hit ratio over OPT's at its capacity; `None` where no OPT run has
+    that capacity or OPT hits nothing there."""
+    opt = {r.capacity_blocks: r.block_hit_ratio for r in results if r.policy == "opt"}
+    return [
+        r.block_hit_ratio / best if (best := opt.get(r.capacity_blocks)) else None for r in results
+    ]
+
+
 def rows(results: Sequence[RunResult], shape: ModelShape | None = None) -> list[dict[str, Any]]:
-    """One flat dict per run (the JSON and CSV form)."""
-    return [r.to_row(shape) for r in results]
+    """One flat dict per run (the JSON and CSV form), with the table's `of OPT` as `of_opt`."""
+    return [r.to_row(shape) | {"of_opt": x} for r, x in zip(results, of_opt(results), strict=True)]
+
+
+def _whole_cells(table: Table, cells: Sequence[Sequence[str]]) -> Table:
+    """Add `cells` as rows, and keep every column at least as wide as its widest cell and
+    header word: rich elides what does not fit the console ("52,…"), and a number or a
+    policy spec cut short misleads. Headers still wrap between words."""
+    for i, column in enumerate(table.columns):
+        words = [*str(column.header).split(), *(c[i] for c in cells)]
+        column.min_width = max(cell_len(w) for w in words)
+    for row in cells:
+        table.add_row(*row)
+    return table
 
 
 def write_json(results: Sequence[RunResult], out: IO[str], shape: ModelShape | None) -> None:
@@ -42,14 +64,15 @@ def results_table(
     results: Sequence[RunResult], shape: ModelShape | None, *, title: str = ""
 ) -> Table:
     """A rich table: one row per policy and capacity, with OPT's ratio at the same capacity."""
-    opt = {r.capacity_blocks: r.block_hit_ratio for r in results if r.policy == "opt"}
+    ratios = of_opt(results)
+    has_opt = any(r.policy == "opt" for r in results)
     engine = any(r.mode == "engine" for r in results)
     table = Table(title=title or None, show_lines=False)
     table.add_column("policy")
     table.add_column("capacity", justify="right")
     table.add_column("% uniq", justify="right")
     table.add_column("block hit %", justify="right")
-    if opt:
+    if has_opt:
         table.add_column("of OPT", justify="right")
     table.add_column("prefix hit %", justify="right")
     if engine:
@@ -62,12 +85,12 @@ def results_table(
         table.add_column("prefill saved", justify="right")
     table.add_column("blocks/s", justify="right")
     block_bytes = shape.block_bytes(results[0].block_tokens) if shape and results else 0
-    for r in results:
+    body: list[list[str]] = []
+    for r, ratio in zip(results, ratios, strict=True):
         cells = [r.policy, f"{r.capacity_blocks:,}", f"{100 * r.capacity_frac:.1f}"]
         cells.append(f"{100 * r.block_hit_ratio:.2f}")
-        if opt:
-            best = opt.get(r.capacity_blocks)
-            cells.append(f"{r.block_hit_ratio / best:.2f}" if best else "")
+        if has_opt:
+            cells.append(f"{ratio:.2f}" if ratio is not None else "")
         cells.append(f"{100 * r.prefix_hit_ratio:.2f}")
         if engine:
             cells.append(f"{100 * r.cpu_hit_ratio:.2f}")
@@ -77,8 +100,8 @@ def results_table(
             cells.append(f"{r.stores * block_bytes / _GIB:,.1f}")
             cells.append(f"{r.prefill_tokens_saved:,}")
         cells.append(f"{r.blocks_per_s:,.0f}")
-        table.add_row(*cells)
-    return table
+        body.append(cells)
+    return _whole_cells(table, body)
 
 
 def advice_table(advice: Sequence[Advice], unique_blocks: int, infinite: float) -> Table:
@@ -91,19 +114,22 @@ def advice_table(advice: Sequence[Advice], unique_blocks: int, infinite: float) 
     )
     for name in ("policy", "capacity", "% uniq", "block hit %", "replays"):
         table.add_column(name, justify="left" if name == "policy" else "right")
+    body: list[list[str]] = []
     for a in advice:
         if a.capacity_blocks is None or a.capacity_frac is None:
             reached = f"{100 * a.block_hit_ratio:.2f}" if a.block_hit_ratio is not None else ""
-            table.add_row(a.policy, "never", "", reached, str(a.replays))
+            body.append([a.policy, "never", "", reached, str(a.replays)])
         else:
-            table.add_row(
-                a.policy,
-                f"{a.capacity_blocks:,}",
-                f"{100 * a.capacity_frac:.1f}",
-                f"{100 * (a.block_hit_ratio or 0.0):.2f}",
-                str(a.replays),
+            body.append(
+                [
+                    a.policy,
+                    f"{a.capacity_blocks:,}",
+                    f"{100 * a.capacity_frac:.1f}",
+                    f"{100 * (a.block_hit_ratio or 0.0):.2f}",
+                    str(a.replays),
+                ]
             )
-    return table
+    return _whole_cells(table, body)
 
 
 class PlotUnavailable(RuntimeError):

@@ -40,6 +40,11 @@ class RunResult:
     device_hits: int = 0
     store_on: str | None = None
     hits_as: str | None = None
+    max_tracker_size: int | None = None
+    """Keys the admission tracker held: `None` where no tracker was used (no reuse admission,
+    or a bound)."""
+    tracker_per_slot: float | None = None
+    """The `Nx` setting `max_tracker_size` came from, if any."""
 
     @property
     def block_hit_ratio(self) -> float:
@@ -83,4 +88,10 @@ class RunResult:
             "block_hit_ratio",
             "prefix_hit_ratio",
         )
-        return {k: row[k] for k in first} | {k: v for k, v in row.items() if k not in first}
+        # Fields added later go last, so existing CSV columns keep their positions.
+        last = ("max_tracker_size", "tracker_per_slot")
+        return (
+            {k: row[k] for k in first}
+            | {k: v for k, v in row.items() if k not in first and k not in last}
+            | {k: row[k] for k in last}
+        )

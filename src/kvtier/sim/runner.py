@@ -92,6 +92,11 @@ class ReplayOptions:
                 f"tracker_per_slot={per_slot!r} is invalid; expected a number of keys per slot > 0"
             )
 
+    @property
+    def hit_action(self) -> str:
+        """How a CPU hit is recorded: `hits_as`, else the mode's default."""
+        return self.hits_as or ("touch" if self.mode == "flat" else "load")
+
 
 def run_one(
     trace: Trace,
@@ -111,9 +116,12 @@ def run_one(
         )
         if progress is not None:
             progress(len(trace))
+        # OPT counts a hit the same either way; the row reports the setting of its grid.
+        result.hits_as = opts.hit_action
         return result
     threshold = opts.store_threshold
     unique = max(1, trace.num_unique_blocks)
+    tracked: tuple[int | None, float | None] = (None, None)
     if policy == "infinite":
         # Room for every block, so nothing is ever evicted and the policy is irrelevant; the
         # bound admits everything, whatever the runs' admission.
@@ -126,6 +134,9 @@ def run_one(
             # The trace offers at most `unique` keys, so a larger tracker never drops one.
             want = opts.tracker_per_slot * capacity
             tracker = unique if want >= unique else max(1, round(want))
+        # Reuse admission, and with it the tracker, starts at threshold 2.
+        if threshold >= 2:
+            tracked = (tracker, opts.tracker_per_slot)
         # A tier with more slots than the trace has blocks never evicts, so it behaves exactly
         # as one of `unique` slots (and a huge one is not allocated); the row reports `capacity`.
         mgr = make_manager(
@@ -136,7 +147,7 @@ def run_one(
             trace,
             mgr,
             store_threshold=threshold,
-            hits_as=opts.hits_as or "touch",
+            hits_as=opts.hit_action,
             progress=progress,
         )
     else:
@@ -146,10 +157,11 @@ def run_one(
             device_blocks=opts.device_blocks,
             store_on=opts.store_on,
             store_threshold=threshold,
-            hits_as=opts.hits_as or "load",
+            hits_as=opts.hit_action,
             progress=progress,
         )
     result.policy = policy
+    result.max_tracker_size, result.tracker_per_slot = tracked
     if capacity > mgr.num_slots:
         result.capacity_blocks = capacity
         n = trace.num_unique_blocks
