@@ -54,6 +54,10 @@ def worker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> A
         (lambda w: w.submit_store(2**70, [0, 1], [0]), "does not fit in 64 bits"),
         (lambda w: w.submit_load(-(2**63) - 1, [0], [3]), "does not fit in 64 bits"),
         (lambda w: w.submit_store(1, [True, False], [0]), "dtype bool"),
+        # Among ints numpy reads a bool as 0 or 1: block 1 would be copied.
+        (lambda w: w.submit_store(1, [0, True], [0]), "got True at index 1"),
+        (lambda w: w.submit_load(1, (np.True_, 2), [3, 4, 5, 6]), r"slots .* np\.True_ at index 0"),
+        (lambda w: w.submit_store(1, [0, torch.tensor(False)], [0]), "got tensor\\(False\\)"),
         (lambda w: w.submit_store(1, [2**70, 1], [0]), "must hold integers"),
         (
             lambda w: w.submit_store(1, np.array([2**63, 1], np.uint64), [0]),

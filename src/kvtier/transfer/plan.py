@@ -59,6 +59,9 @@ def _ids(name: str, values: IdsLike, limit: int) -> IndexArray:
         if arr.size:
             return _exact_ids(name, values, arr, limit)
         return np.empty(0, dtype=np.int64)  # `[]` arrives as float64
+    if bool_among(values):
+        at = next(i for i, v in enumerate(values) if bool_among([v]))
+        raise ValueError(f"{name} must hold integers, got {values[at]!r} at index {at}")
     if arr.dtype.kind == "u" and arr.size and int(arr.max()) >= limit:
         raise ValueError(f"{name} contains {int(arr.max())}, outside 0..{limit - 1}")  # unwrapped
     # The job is copied later, on another thread: its rows must not be the caller's array (or
@@ -73,6 +76,17 @@ def _ids(name: str, values: IdsLike, limit: int) -> IndexArray:
         bad = lo if lo < 0 else hi
         raise ValueError(f"{name} contains {bad}, outside 0..{limit - 1}")
     return arr
+
+
+def bool_among(values: object) -> bool:
+    """Whether a list or tuple of ids holds a bool (Python's, numpy's, a 0-d bool tensor):
+    numpy reads `[3, True]` as the integers 3 and 1, which would copy block 1."""
+    if not isinstance(values, (list, tuple)) or set(map(type, values)) <= {int}:
+        return False
+    return any(
+        isinstance(v, (bool, np.bool_)) or str(getattr(v, "dtype", "")) in ("bool", "torch.bool")
+        for v in values
+    )
 
 
 def _exact_ids(name: str, values: IdsLike, arr: npt.NDArray[np.generic], limit: int) -> IndexArray:

@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from kvtier.base import TransferResult, checked_int
 from kvtier.transfer.host_pool import HostPool
-from kvtier.transfer.plan import Direction, IdsLike, Job, JobPlanner
+from kvtier.transfer.plan import Direction, IdsLike, Job, JobPlanner, bool_among
 from kvtier.transfer.registration import KVCacheRegistration
 
 _T = TypeVar("_T")
@@ -66,6 +66,8 @@ def _int_ids(values: IdsLike) -> npt.NDArray[np.integer] | None:
         return None
     if arr.dtype.kind not in "iu":
         return _EMPTY if arr.size == 0 else None  # `[]` arrives as float64
+    if bool_among(values):
+        return None  # the planner refuses it by name
     return arr
 
 
