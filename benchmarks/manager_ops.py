@@ -64,6 +64,9 @@ def mooncake_workload(path: Path = MOONCAKE) -> Workload:
             except (ValueError, KeyError, TypeError) as e:
                 what = f"no {e} field" if isinstance(e, KeyError) else str(e)
                 raise ValueError(f"{path}:{n}: not a Mooncake trace line ({what})") from None
+    if not any(workload):
+        # Every figure is a ratio of counts: an empty replay divided by zero at the end.
+        raise ValueError(f"{path}: the trace holds no blocks; expected at least one request")
     return workload
 
 

@@ -247,7 +247,7 @@ def _seeds(text: str) -> range:
 
 def main() -> None:
     """Print the losses to LRU and the per-policy summary; optionally write JSON."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=_seeds, default=range(60), help="START:STOP (0:60)")
     parser.add_argument("--policies", default="lru,arc,s3fifo,sieve,kvaware")
     parser.add_argument(

@@ -85,7 +85,10 @@ def main() -> None:
         ap.error(f"--split {args.split} is invalid; expected a share between 0 and 1")
     require_writable(ap, args.json, inputs=[args.trace])
     require_file(ap, "trace", args.trace)
-    trace = read_trace(args.trace)
+    try:
+        trace = read_trace(args.trace)
+    except ValueError as e:  # TraceFormatError: the file and line, and what is wrong there
+        ap.error(f"trace: {e}")
     unique = trace.num_unique_blocks
     device_blocks = None
     try:

@@ -113,7 +113,7 @@ def workloads() -> Iterator[tuple[str, list[list[int]], list[int]]]:
 
 def main() -> None:
     """Print kvaware - LRU per cell and optionally write JSON."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--policies", default="lru,arc,kvaware")
     parser.add_argument("--json", type=Path, help="write results to this file")
     args = parser.parse_args()

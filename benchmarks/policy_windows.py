@@ -79,11 +79,17 @@ def main() -> None:
     require_writable(ap, args.json, inputs=args.traces)
     for path in args.traces:
         require_file(ap, "trace", path)
+    # Read before the table starts: a bad trace is one error line, not a half-printed table.
+    traces: dict[Path, list[Request]] = {}
+    for path in args.traces:
+        try:
+            traces[path] = read_trace(path).requests
+        except ValueError as e:  # TraceFormatError: the file and line, and what is wrong there
+            ap.error(f"trace: {e}")
     rows: list[dict[str, object]] = []
     diffs: dict[str, list[float]] = {p: [] for p in policies}
     print(f"{'window':34} {'policy':14} − LRU at " + " / ".join(f"{s:.0%}" for s in SHARES))
-    for path in args.traces:
-        requests = read_trace(path).requests
+    for path, requests in traces.items():
         for size in args.sizes:
             for start in windows(requests, size, args.starts):
                 trace = Trace(requests[start : start + size], name=path.name)

@@ -18,7 +18,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from _cli import require_file
+from _cli import require_file, require_writable
 from kvtier.sim.readers import MOONCAKE_BLOCK_TOKENS
 
 
@@ -64,8 +64,8 @@ def main() -> None:
     if args.tokens < 1 or MOONCAKE_BLOCK_TOKENS % args.tokens:
         parser.error(f"--tokens {args.tokens} is invalid; expected a divisor of 512")
     require_file(parser, "src", args.src)
-    if args.dst.resolve() == args.src.resolve():
-        parser.error(f"dst {str(args.dst)!r} is src; expected another file")
+    # Also a hard link to src, which resolve() does not see: opening dst empties both.
+    require_writable(parser, args.dst, "dst", inputs=[args.src])
     try:
         out = args.dst.open("w")
     except OSError as e:

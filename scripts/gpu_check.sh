@@ -13,25 +13,29 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out/gpu}"
-mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
 export KVTIER_CACHE_DIR="${KVTIER_CACHE_DIR:-/tmp/kvtier-gpu-cache}"
 export HF_HUB_OFFLINE=1
 PY="${PYTHON:-python}"
 
-"$PY" - <<'EOF'
-import torch
-assert torch.cuda.is_available(), f"no CUDA device visible to torch {torch.__version__}"
-print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, CUDA {torch.version.cuda}")
-EOF
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
-
+# Refusals first, before anything is written.
 part="${1:-all}"
 case "$part" in tests | submit | bw | e2e | all) ;; *)
     echo "unknown part '$part'; expected tests, submit, bw, e2e or all" >&2
     exit 2
     ;;
 esac
+"$PY" - <<'EOF'
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    sys.exit(f"gpu_check.sh: no CUDA device visible to torch {torch.__version__}; run it on a GPU")
+print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, CUDA {torch.version.cuda}")
+EOF
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 
 if [[ $part == tests || $part == all ]]; then
     echo "== GPU tests"

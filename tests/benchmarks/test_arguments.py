@@ -8,6 +8,7 @@ fails here at once rather than after minutes.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -49,7 +50,9 @@ CASES: list[tuple[str, list[str], list[str], str]] = [
     ("split_blocks", ["TRACE", "OUT", "--tokens", "24"], ["split_trace"], "--tokens 24"),
     ("split_blocks", ["/no/such.jsonl", "OUT"], ["split_trace"], "no such file"),
     ("split_blocks", ["TRACE", "BAD"], ["split_trace"], "cannot write there"),
-    ("split_blocks", ["TRACE", "TRACE"], ["split_trace"], "is src"),
+    ("split_blocks", ["TRACE", "TRACE"], ["split_trace"], "is the input"),
+    # A hard link: opening dst for writing emptied both.
+    ("split_blocks", ["TRACE", "TRACELINK"], ["split_trace"], "is the input"),
     ("registration_speed", ["--parts", "8,0"], ["seconds"], "--parts: '8,0'"),
     ("registration_speed", ["--repeats", "0"], ["seconds"], "--repeats: '0'"),
     ("registration_speed", ["--json", "BAD"], ["seconds"], "--json"),
@@ -102,6 +105,12 @@ CASES: list[tuple[str, list[str], list[str], str]] = [
     ("split_blocks", ["NOTJSON", "OUT"], [], ":1: not a Mooncake trace line"),
     ("split_blocks", ["NOHASH", "OUT"], [], "no 'hash_ids' field"),
     ("vs_vllm", ["--trace", "NOTJSON"], ["compare_managers", "compare_schedulers"], ":1: not"),
+    ("vs_vllm", ["--trace", "EMPTY"], ["compare_managers", "compare_schedulers"], "no blocks"),
+    ("manager_ops", ["--trace", "EMPTY"], ["run"], "the trace holds no blocks"),
+    ("policy_phases", ["NOTJSON"], ["hits"], ":1: not valid JSON"),
+    ("policy_phases", ["EMPTY"], ["hits"], "trace: "),
+    ("policy_windows", ["TRACE", "NOTJSON"], ["hit_pct"], ":1: not valid JSON"),
+    ("policy_windows", ["EMPTY"], ["hit_pct"], "trace: "),
     ("vs_vllm", ["--trace", "NOHASH", "--skip-manager"], ["compare_schedulers"], "hash_ids"),
     (
         "vs_vllm",
@@ -142,11 +151,14 @@ def paths(tmp_path: Path) -> dict[str, str]:
     )
     (tmp_path / "prose.jsonl").write_text("# not a trace\n")
     (tmp_path / "nohash.jsonl").write_text('{"timestamp": 0, "input_length": 10}\n')
+    (tmp_path / "empty.jsonl").write_text("")
+    os.link(trace, tmp_path / "t-link.jsonl")
     # A folder that is a file: nothing can be written below it, not even by root.
     return {"TRACE": str(trace), "BAD": str(tmp_path / "a-file" / "out.json"),
             "OUT": str(tmp_path / "out.jsonl"), "TRACE3": str(three),
             "NOTJSON": str(tmp_path / "prose.jsonl"),
-            "NOHASH": str(tmp_path / "nohash.jsonl")}  # fmt: skip
+            "NOHASH": str(tmp_path / "nohash.jsonl"), "EMPTY": str(tmp_path / "empty.jsonl"),
+            "TRACELINK": str(tmp_path / "t-link.jsonl")}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -204,3 +216,16 @@ def test_a_stand_in_driver_that_does_not_build_is_one_line(
     err = refused_argv(module.main, ["cuda_submit_host.py", "--jobs", "1"], monkeypatch, capsys)
     assert "Traceback" not in err
     assert "CC=false could not build the stand-in driver" in err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("name", ["policy_fuzz", "policy_stress", "policy_phases", "split_blocks"])
+def test_help_describes_the_script_in_whole_sentences(
+    name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The first line of a wrapped docstring ended mid-sentence ("...and chat with a").
+    module = _module(name)
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", "--help"])
+    with pytest.raises(SystemExit):
+        module.main()
+    words = " ".join(capsys.readouterr().out.split())
+    assert " ".join((module.__doc__ or "").split("\n\n")[0].split()) in words
