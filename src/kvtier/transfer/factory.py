@@ -10,7 +10,7 @@ from kvtier.transfer.host_pool import HostPool
 from kvtier.transfer.native import library
 from kvtier.transfer.native_worker import NativeCPUTransferWorker
 from kvtier.transfer.registration import KVCacheRegistration
-from kvtier.transfer.worker import TransferWorker
+from kvtier.transfer.worker import FaultInjector, TransferWorker
 
 if TYPE_CHECKING:
     from kvtier.config import KVTierConfig
@@ -71,14 +71,23 @@ def make_transfer_worker(
 
 
 def transfer_worker_from_config(
-    registration: KVCacheRegistration, pool: HostPool, config: KVTierConfig, **kwargs: Any
+    registration: KVCacheRegistration,
+    pool: HostPool,
+    config: KVTierConfig,
+    *,
+    fault_injector: FaultInjector | None = None,
 ) -> TransferWorker:
-    """`make_transfer_worker` with `config`'s `transfer_*` settings (and `kwargs`). A setting
-    these KV tensors or this machine cannot honour (a CPU it does not have, the CUDA backend
-    for host tensors) raises `ConfigError` naming the settings, as a bad value would."""
+    """`make_transfer_worker` with `config`'s `transfer_*` settings. A setting these KV tensors
+    or this machine cannot honour (a CPU it does not have, the CUDA backend for host tensors)
+    raises `ConfigError` naming the settings, as a bad value would; a mistake of the caller's
+    own (a pool of another registration, a fault injector that is not callable) stays a
+    `ValueError`."""
     from kvtier.config import ConfigError
 
-    _check_options(kwargs)  # the caller's own arguments: not the configuration's fault
+    # Checked here, outside the wrapping below: not the configuration's fault.
+    _check_options({"fault_injector": fault_injector})
+    if pool.registration is not registration:
+        raise ValueError("pool was built for a different KVCacheRegistration")
     settings = {
         "transfer_backend": config.transfer_backend,
         "transfer_cpus": config.transfer_cpus,
@@ -89,10 +98,10 @@ def transfer_worker_from_config(
             registration,
             pool,
             config.transfer_backend,
+            fault_injector=fault_injector,
             copy_cpus=config.transfer_cpus,
             avoid_submitter_cpu=config.transfer_avoid_submitter_cpu,
             coalesce_depth=config.transfer_coalesce_depth,
-            **kwargs,
         )
     except ConfigError:
         raise

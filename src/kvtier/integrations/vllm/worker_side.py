@@ -143,7 +143,11 @@ class KVTierWorkerSide:
             num_slots=num_slots,
             pin=cfg.pin_memory,
         )
-        self.transfer = transfer_worker_from_config(registration, pool, cfg)
+        try:
+            self.transfer = transfer_worker_from_config(registration, pool, cfg)
+        except BaseException:
+            pool.close()  # unpinned now (it may be many GiB), not whenever the collector gets to it
+            raise
         self._worker = OffloadingWorker(self.transfer)
         path = getattr(self.transfer, "copy_path", None)
         if path and getattr(self.transfer, "coalesce_depth", 0):
