@@ -119,3 +119,10 @@ def test_a_file_with_an_int_too_long_to_read_names_the_file(
     path.write_text(line + "9" * 5000 + "\n")
     with pytest.raises(ConfigError, match=rf"config file {re.escape(str(path))} holds a value"):
         KVTierConfig.load(env={"KVTIER_CONFIG": str(path)})
+
+
+def test_a_value_too_long_to_print_is_named_wherever_it_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"^transfer_cpus=<a list too large to print>"):
+        KVTierConfig.from_dict({"transfer_cpus": [10**5000]})
+    with pytest.raises(ConfigError, match=r"^nope=<an integer of about 5001 digits> .*unknown key"):
+        KVTierConfig.from_dict({"nope": 10**5000})

@@ -403,8 +403,8 @@ class KVTierConfig:
                 raw = int(raw)
             if name in mapped:
                 raise ConfigError(
-                    f"{labels[name]}={mapped[name]!r} and {key}={raw!r} (from {_VLLM_SOURCE}): "
-                    f"both set {name}; expected only one of them"
+                    f"{labels[name]}={_shown(mapped[name])} and {key}={_shown(raw)} "
+                    f"(from {_VLLM_SOURCE}): both set {name}; expected only one of them"
                 )
             mapped[name] = raw
             labels[name] = key
@@ -472,12 +472,15 @@ def _check_mapping(layer: object, source: str) -> Mapping[Any, Any]:
 
 
 def _shown(raw: object) -> str:
-    """`repr(raw)`, except for an int too long to print (repr raises past 4,300 digits)."""
+    """`repr(raw)`, or a description where repr raises: an int past 4,300 digits, or a list
+    holding one."""
     try:
         return repr(raw)
     except ValueError:
-        digits = int(abs(cast(int, raw)).bit_length() * 0.30103) + 1
-        return f"<an integer of about {digits} digits>"
+        if isinstance(raw, int):
+            digits = int(abs(raw).bit_length() * 0.30103) + 1
+            return f"<an integer of about {digits} digits>"
+        return f"<a {type(raw).__name__} too large to print>"
 
 
 def _parse_value(parse: Callable[[object], Any], raw: object, label: str, source: str) -> Any:
@@ -492,7 +495,7 @@ def _field_for(
 ) -> tuple[str, str]:
     """Map a layer's key to (field name, label used in messages); unknown keys are errors."""
     if not isinstance(key, str):
-        raise ConfigError(f"{key!r}={raw!r} (from {source}): expected a string key")
+        raise ConfigError(f"{_shown(key)}={_shown(raw)} (from {source}): expected a string key")
     if source == "environment":
         # Upper case only, as documented: KVTIER_cache_policy beside KVTIER_CACHE_POLICY would
         # set one field twice, with the environment's order picking the winner.
@@ -510,7 +513,7 @@ def _field_for(
         )
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ConfigError(
-            f"{key}={raw!r} (from {source}): unknown key; {hint}expected one of: "
+            f"{key}={_shown(raw)} (from {source}): unknown key; {hint}expected one of: "
             + ", ".join(known)
         )
     label = labels.get(name, key) if labels else key

@@ -9,7 +9,9 @@ evicted again.
 from __future__ import annotations
 
 import pickle
+import re
 
+import numpy as np
 import pytest
 
 from kvtier.base import OffloadKey, ReqContext, make_offload_key
@@ -68,3 +70,10 @@ def test_unreadable_positions_are_refused_by_name_before_any_change(call: str) -
     with pytest.raises(TypeError, match=r"key_positions of request 'bad' maps .* to None"):
         getattr(policy, call)(target, bad_ctx(1, 2, 3))
     assert pickle.dumps(policy) == before
+
+
+def test_the_error_names_the_unreadable_position_among_numpy_ints() -> None:
+    positions: dict[OffloadKey, int] = {key(1): np.int64(16), key(2): np.int64(32)}  # type: ignore[dict-item]
+    positions[key(3)] = None  # type: ignore[assignment]
+    with pytest.raises(TypeError, match=re.escape(f"maps {key(3)!r} to None")):
+        KVAwarePolicy(16).insert([key(1)], ReqContext("r", key_positions=positions))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from itertools import islice
+from numbers import Real
 from operator import itemgetter
 
 from kvtier.base import OffloadKey, ReqContext, checked_fraction, checked_int
@@ -198,7 +199,7 @@ class KVAwarePolicy(CachePolicy):
         try:
             return self._find_tail(ctx.req_id, positions, seen)
         except TypeError:
-            bad = [(k, v) for k, v in positions.items() if not isinstance(v, (int, float))]
+            bad = [(k, v) for k, v in positions.items() if not isinstance(v, Real)]
             if not bad:
                 raise
             raise TypeError(
