@@ -190,9 +190,21 @@ class OffloadingScheduler:
         the engine keeps extending as tokens are generated; it is read, never copied."""
         if req_id in self._requests:
             raise ValueError(f"request {req_id!r} is already tracked")
+        finished = self._finished
+        if req_id in finished.sending:
+            # The engine would read that report as the new request's, and free its blocks.
+            raise ValueError(
+                f"request {req_id!r} finished and its blocks are still to be released "
+                "(take_finished().sending); expected a new request id, or take_finished() first"
+            )
         # Read only at the first lookup, where a bad value would fail after side effects.
         prompt = _token_count(req_id, "num_prompt_tokens", num_prompt_tokens)
         ctx = ReqContext(req_id, kv_transfer_params)
+        # A finished request of this id that held nothing may still be due a report of a load
+        # failed at allocation: it is about a request the engine has dropped, and would be
+        # read as the new one's (received, and failed, before its own load was even sent).
+        finished.recving.discard(req_id)
+        finished.failed_loads.discard(req_id)
         self._requests[req_id] = _Request(ctx, block_hashes, prompt, [[] for _ in self.groups])
         self.manager.on_new_request(ctx)
 
