@@ -174,6 +174,9 @@ class ManagerStats:
     failed_stores: int
     stores_skipped: int
     evictions: int
+    stores_no_room: int = 0
+    """Keys a `prepare_store` turned away because no room could be made (every slot pinned or
+    being written): the call returned None."""
 
     @property
     def usage(self) -> float:
@@ -210,7 +213,8 @@ class OffloadingManager(ABC):
     def prepare_store(
         self, keys: Collection[OffloadKey], ctx: ReqContext
     ) -> PrepareStoreOutput | None:
-        """Reserve room for the keys worth storing; `None` means no room now and no change."""
+        """Reserve room for the keys worth storing; `None` means no room now and no change
+        (but for the `stores_no_room` counter)."""
 
     @abstractmethod
     def complete_store(

@@ -281,7 +281,7 @@ def test_job_completes_only_when_every_worker_reported() -> None:
         s.on_worker_results([TransferResult(job.job_id, True)])
 
 
-def test_no_room_in_one_group_releases_the_other_groups_slots() -> None:
+def test_no_room_in_one_group_reserves_nothing_in_the_others() -> None:
     m = CPUOffloadingManager(3)
     s = OffloadingScheduler(m, tokens_per_block=4, groups=(0, 1))
     a = block_hashes("a", 1)
@@ -301,6 +301,29 @@ def test_no_room_in_one_group_releases_the_other_groups_slots() -> None:
     assert meta.stores == []  # group 0 alone could never be loaded
     stats = m.get_stats()
     assert (stats.used_slots, stats.pinned, stats.pending_writes) == (2, 2, 0)
+    assert (stats.stores_no_room, stats.failed_stores) == (2, 0)
+
+
+def test_a_store_that_cannot_fit_in_every_group_evicts_nothing() -> None:
+    """Group by group, the first group's call made room (evicting a's chunks) for chunks the
+    second group then found no room for: b stored nothing and a's prefix was gone."""
+    m = CPUOffloadingManager(4)
+    s = OffloadingScheduler(m, tokens_per_block=4, groups=(0, 1))
+    a = block_hashes("a", 2)
+    s.add_request("a", a, 9)
+    assert s.get_num_new_matched_tokens("a", 0) == 0
+    stores = s.build_step_metadata([StepProgress("a", [[0, 1, 2], [0, 1, 2]], 8)]).stores
+    s.on_worker_results([TransferResult(j.job_id, True) for j in stores])
+    assert not s.request_finished("a")
+    # b's three chunks need six slots: the tier has four.
+    s.add_request("b", block_hashes("b", 3), 13)
+    assert s.get_num_new_matched_tokens("b", 0) == 0
+    meta = s.build_step_metadata([StepProgress("b", [[3, 4, 5, 6], [3, 4, 5, 6]], 12)])
+    assert meta.stores == []
+    stats = m.get_stats()
+    assert (stats.evictions, stats.failed_stores, stats.stores_no_room) == (0, 0, 6)
+    s.add_request("a2", a, 9)
+    assert s.get_num_new_matched_tokens("a2", 0) == 8  # a's prefix is still there, whole
 
 
 def test_bad_arguments_get_clear_errors() -> None:

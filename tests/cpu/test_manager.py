@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 from collections.abc import Iterable
@@ -26,13 +27,14 @@ def stored(m: CPUOffloadingManager, *ids: int, ctx: ReqContext = CTX) -> list[in
 
 
 def snapshot(m: CPUOffloadingManager) -> tuple[object, ...]:
-    """Everything observable about the manager's contents."""
+    """Everything observable about the manager's contents (not the count of keys turned away
+    for want of room, which a refused store raises)."""
     return (
         dict(m._slot_of),
         list(m._ref),
         list(m._free),
         m._next_fresh,
-        m.get_stats(),
+        dataclasses.replace(m.get_stats(), stores_no_room=0),
         len(m.policy),
     )
 
@@ -92,8 +94,9 @@ def test_fail_fast_when_everything_is_pinned(policy_name: str) -> None:
     m.prepare_load(keys(1, 2), CTX)
     list(m.take_events())
     before = snapshot(m)
-    assert m.prepare_store(keys(3), CTX) is None
+    assert m.prepare_store(keys(3, 4), CTX) is None
     assert snapshot(m) == before
+    assert m.get_stats().stores_no_room == 2  # the keys turned away for want of room
     assert list(m.take_events()) == []
 
 
@@ -111,7 +114,7 @@ def test_eviction_is_all_or_nothing(policy_name: str) -> None:
     before = snapshot(m)
     # Three new keys need three victims; only two are evictable.
     assert m.prepare_store(keys(4, 5, 6), CTX) is None
-    assert snapshot(m) == before
+    assert snapshot(m) == before and m.get_stats().stores_no_room == 3
     out = m.prepare_store(keys(4, 5), CTX)
     assert out is not None and sorted(out.evicted_keys) == sorted(keys(2, 3))
 

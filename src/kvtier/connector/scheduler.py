@@ -28,7 +28,6 @@ from kvtier.base import (
     LookupResult,
     OffloadingManager,
     OffloadKey,
-    PrepareStoreOutput,
     ReqContext,
     TransferResult,
     checked_int,
@@ -443,29 +442,28 @@ class OffloadingScheduler:
         self, req: _Request, block_ids: Sequence[Sequence[int]], start: int, end: int
     ) -> None:
         bpc = self.blocks_per_chunk
-        outs: list[tuple[int, list[OffloadKey], PrepareStoreOutput]] = []
+        # Every group's keys in one call: a chunk hits only if every group holds it, and one
+        # call makes room for all of them or for none. Called group by group, a later group
+        # finding no room left the earlier ones' evictions done for chunks never stored.
+        chunk_of: dict[OffloadKey, tuple[int, int]] = {}
         for g in range(len(self.groups)):
             keys = self._chunk_keys(req, start, end, g)
             for c, k in zip(range(start, end), keys, strict=True):
                 req.ctx.key_positions[k] = (c + 1) * self.tokens_per_chunk
-            out = self.manager.prepare_store(keys, req.ctx)
-            if out is None:
-                # No room now, and a chunk hits only if every group holds it: give back what
-                # the other groups reserved rather than fill slots that can never be loaded.
-                # These chunks are not offered again.
-                for _, _, done in outs:
-                    if done.keys_to_store:
-                        self.manager.complete_store(done.keys_to_store, req.ctx, success=False)
-                return
-            outs.append((g, keys, out))
-        for g, keys, out in outs:
-            if not out.keys_to_store:
+                chunk_of[k] = (g, c)
+        out = self.manager.prepare_store(list(chunk_of), req.ctx)
+        if out is None:
+            return  # no room now (the manager counts them); these chunks are not offered again
+        slots = _block_ids(out.store_spec)
+        for g, group in enumerate(self.groups):
+            if len(self.groups) == 1:
+                g_keys, g_slots = out.keys_to_store, slots
+            else:
+                picked = [i for i, k in enumerate(out.keys_to_store) if chunk_of[k][0] == g]
+                g_keys, g_slots = [out.keys_to_store[i] for i in picked], slots[picked]
+            if not g_keys:
                 continue
-            group = self.groups[g]
-            chunk_of = {k: c for c, k in zip(range(start, end), keys, strict=True)}
-            chunks = np.fromiter(
-                (chunk_of[k] for k in out.keys_to_store), np.int64, len(out.keys_to_store)
-            )
+            chunks = np.fromiter((chunk_of[k][1] for k in g_keys), np.int64, len(g_keys))
             blocks = np.asarray(block_ids[g], dtype=np.int64)
             idx = (chunks[:, None] * bpc + np.arange(bpc)).reshape(-1)
             job = TransferJob(
@@ -473,10 +471,10 @@ class OffloadingScheduler:
                 kind=JobKind.STORE,
                 req_id=req.ctx.req_id,
                 group=group,
-                slots=_block_ids(out.store_spec),
+                slots=g_slots,
                 device_blocks=blocks[idx],
             )
-            self._track(req, job, out.keys_to_store)
+            self._track(req, job, g_keys)
 
     # -- completions --------------------------------------------------------------------------
 

@@ -136,6 +136,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._failed_stores = 0
         self._stores_skipped = 0
         self._evictions = 0
+        self._stores_no_room = 0
 
     @classmethod
     def from_config(
@@ -296,10 +297,12 @@ class CPUOffloadingManager(OffloadingManager):
         if num_to_evict > 0:
             policy = self._policy
             if num_to_evict > len(policy):
+                self._stores_no_room += n
                 return None
             present = [key for key in keys if key in slot_of] if num_new < len(keys) else ()
             victims = policy.evict(num_to_evict, present)
             if victims is None:
+                self._stores_no_room += n
                 return None
             evicted = victims
         if recorder is not None:
@@ -498,6 +501,7 @@ class CPUOffloadingManager(OffloadingManager):
             failed_stores=self._failed_stores,
             stores_skipped=self._stores_skipped,
             evictions=self._evictions,
+            stores_no_room=self._stores_no_room,
         )
 
     def table_sizes(self) -> dict[str, int]:

@@ -145,3 +145,20 @@ def test_stats_sum_over_intervals_and_log_only_what_moved(vllm_loaded: None) -> 
     assert KVTierConnectorStats(data={"loaded_bytes": 0}).is_empty()
     with pytest.raises(TypeError, match="cannot aggregate KVConnectorStats"):
         stats.aggregate(KVConnectorStats())
+
+
+@pytest.mark.parametrize(("groups", "slots"), [(1, 2), (2, 3)])
+def test_chunks_turned_away_for_want_of_room_are_skipped_chunks(
+    vllm_loaded: None, groups: int, slots: int
+) -> None:
+    """A 69-token prompt offers four chunks a group; the tier holds fewer. Such chunks counted
+    nowhere; with two groups the rollback of the first group's reservation counted as failed
+    stores, which vLLM never sees."""
+    engine = make_engine("KVTierConnector", {"num_slots": slots}, num_groups=groups)
+    engine.add("a", PROMPT)
+    engine.run_until(["a"])
+    stats = total(engine)
+    assert stats.get("stored_chunks", 0) == 0
+    assert stats["skipped_chunks"] == 4 * groups
+    manager = kvtier_side(engine).manager.get_stats()
+    assert (manager.stores_no_room, manager.failed_stores) == (4 * groups, 0)

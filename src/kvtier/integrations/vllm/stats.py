@@ -96,7 +96,7 @@ class Snapshot:
                 "lookup_hits": manager.hits,
                 "lookup_misses": manager.misses,
                 "stored_chunks": manager.stores,
-                "skipped_chunks": manager.stores_skipped,
+                "skipped_chunks": manager.stores_skipped + manager.stores_no_room,
                 "evicted_chunks": manager.evictions,
             }
         )
