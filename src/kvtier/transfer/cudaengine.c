@@ -493,11 +493,14 @@ static void launch_batch(kvt_cuda *c, kvt_lane *l, const kvt_job *j, size_t k, i
             ok[i] = g == CUDA_SUCCESS;
     }
     /* Recorded after a refused launch too: copies already queued must finish before the
-     * jobs are reported and their blocks reused. Without it the end event keeps its last
-     * state: the jobs are reported failed, possibly early, on a context that is broken. */
-    if (c->cu.event_record(end, l->stream) != CUDA_SUCCESS)
+     * jobs are reported and their blocks reused. Without it the end event keeps an older
+     * state, which poll and wait would take for the end of these copies: the jobs are failed
+     * and the lane's queue drained here, before they count as launched. */
+    if (c->cu.event_record(end, l->stream) != CUDA_SUCCESS) {
         for (size_t i = 0; i < k; i++)
             ok[i] = 0;
+        c->cu.stream_sync(l->stream);
+    }
 }
 
 /* Take the lane's jobs not yet launched, up to KVT_BATCH_ROWS rows (at least one job; only
