@@ -39,6 +39,24 @@ def refused_argv(
     return capsys.readouterr().err
 
 
+@contextmanager
+def pool_closes() -> Iterator[list[Any]]:
+    """Inside: every `HostPool.close()` call is recorded (the pools, in order) and still runs."""
+    from unittest.mock import patch
+
+    from kvtier.transfer import HostPool
+
+    closed: list[Any] = []
+    real_close = HostPool.close
+
+    def close(pool: HostPool) -> None:
+        closed.append(pool)
+        real_close(pool)
+
+    with patch.object(HostPool, "close", close):
+        yield closed
+
+
 def kvtier_with_reader_gone(argv: Sequence[str]) -> tuple[int, str]:
     """Run `python -m kvtier argv` with its stdout a pipe whose reader is gone before the
     command writes anything (`| head` ended); its exit status and stderr."""

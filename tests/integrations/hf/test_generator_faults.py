@@ -11,12 +11,11 @@ from __future__ import annotations
 import functools
 import signal
 from typing import Any
-from unittest.mock import patch
 
 import numpy as np
 import pytest
 
-from helpers import assert_generator_clean, random_ids
+from helpers import assert_generator_clean, pool_closes, random_ids
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -26,7 +25,6 @@ from kvtier.connector import StepMetadata  # noqa: E402
 from kvtier.integrations.hf.generator import KVTierGenerator  # noqa: E402
 from kvtier.integrations.hf.models import make_demo_model  # noqa: E402
 from kvtier.integrations.hf.prefix import generate_greedy  # noqa: E402
-from kvtier.transfer import HostPool  # noqa: E402
 
 BS = 16
 SMALL = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
@@ -240,15 +238,8 @@ def test_edge_prompts_match_recompute_on_each_layout(arch: str, size: dict[str, 
 def test_a_transfer_setting_this_machine_cannot_honour_is_a_config_error(model: Any) -> None:
     # The model's KV is on the host: the CUDA backend cannot copy it. The error names the
     # setting, and the host pool made before it is unpinned, not left to the collector.
-    closed: list[HostPool] = []
-    real_close = HostPool.close
-
-    def close(pool: HostPool) -> None:
-        closed.append(pool)
-        real_close(pool)
-
     config = KVTierConfig(transfer_backend="cuda")
     refused = pytest.raises(ConfigError, match=r"transfer_backend='cuda'.*on a CUDA device")
-    with patch.object(HostPool, "close", close), refused:
+    with pool_closes() as closed, refused:
         KVTierGenerator(model, config, block_size=BS, max_blocks=8)
     assert len(closed) == 1

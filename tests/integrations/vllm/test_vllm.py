@@ -169,23 +169,14 @@ def test_transfer_cpus_reach_the_copy_threads(vllm_loaded: None) -> None:
 def test_a_transfer_setting_the_worker_cannot_honour_is_a_config_error(
     vllm_loaded: None, setting: dict[str, Any], needle: str
 ) -> None:
-    from unittest.mock import patch
-
+    from helpers import pool_closes
     from kvtier.config import ConfigError
-    from kvtier.transfer import HostPool
     from kvtier.transfer.native import library
 
     if "transfer_cpus" in setting and library() is None:
         pytest.skip("needs the compiled engine, which places copy threads")
-    closed: list[HostPool] = []
-    real_close = HostPool.close
-
-    def close(pool: HostPool) -> None:
-        closed.append(pool)
-        real_close(pool)
-
     refused = pytest.raises(ConfigError, match=needle)
-    with patch.object(HostPool, "close", close), refused:
+    with pool_closes() as closed, refused:
         make_engine("KVTierConnector", {**EXTRA, **setting})
     assert len(closed) == 1  # the host pool made before the worker is unpinned at once
 
