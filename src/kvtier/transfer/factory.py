@@ -10,7 +10,7 @@ from kvtier.transfer.host_pool import HostPool
 from kvtier.transfer.native import library
 from kvtier.transfer.native_worker import NativeCPUTransferWorker
 from kvtier.transfer.registration import KVCacheRegistration
-from kvtier.transfer.worker import FaultInjector, TransferWorker
+from kvtier.transfer.worker import FaultInjector, TransferWorker, check_pool
 
 if TYPE_CHECKING:
     from kvtier.config import KVTierConfig
@@ -86,8 +86,7 @@ def transfer_worker_from_config(
 
     # Checked here, outside the wrapping below: not the configuration's fault.
     _check_options({"fault_injector": fault_injector})
-    if pool.registration is not registration:
-        raise ValueError("pool was built for a different KVCacheRegistration")
+    check_pool(registration, pool)
     settings = {
         "transfer_backend": config.transfer_backend,
         "transfer_cpus": config.transfer_cpus,

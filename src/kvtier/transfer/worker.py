@@ -71,6 +71,12 @@ def _int_ids(values: IdsLike) -> npt.NDArray[np.integer] | None:
     return arr
 
 
+def check_pool(registration: KVCacheRegistration, pool: HostPool) -> None:
+    """Refuse a host pool built for another registration: its slots have another layout."""
+    if pool.registration is not registration:
+        raise ValueError("pool was built for a different KVCacheRegistration")
+
+
 _EMPTY = np.empty(0, dtype=np.int64)
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -143,8 +149,7 @@ class TransferWorker(ABC):
         pool: HostPool,
         fault_injector: FaultInjector | None = None,
     ) -> None:
-        if pool.registration is not registration:
-            raise ValueError("pool was built for a different KVCacheRegistration")
+        check_pool(registration, pool)
         self.registration = registration
         self.pool = pool
         self.blocks_per_chunk = pool.blocks_per_chunk
