@@ -149,7 +149,8 @@ class OffloadingEvent:
 
 @dataclass(slots=True)
 class TransferResult:
-    """Outcome of one transfer job as reported by a worker."""
+    """Outcome of one transfer job as reported by a worker. `bytes` and `seconds` are 0 for a
+    failed job: its copies may have stopped part-way, and a GPU's events may not time them."""
 
     job_id: int
     success: bool

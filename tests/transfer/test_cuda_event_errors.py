@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from kvtier.base import TransferResult
-from kvtier.transfer.cuda_worker import CUDATransferWorker, _Record
+from kvtier.transfer.cuda_worker import CUDATransferWorker, _Live, _Record
 
 
 class _Event:
@@ -25,8 +25,8 @@ class _Event:
         return 2.0
 
 
-def _record(job_id: int, end: bool | None) -> _Record:
-    return _Record(job_id, 64, True, _Event(True), _Event(end), None)  # type: ignore[arg-type]
+def _record(job_id: int, end: bool | None, ok: bool = True) -> _Record:
+    return _Record(job_id, 64, ok, _Event(True), _Event(end), None)  # type: ignore[arg-type]
 
 
 def test_an_end_event_that_raises_fails_its_job_and_keeps_the_results_before_it() -> None:
@@ -48,3 +48,27 @@ def test_an_end_event_that_raises_fails_its_job_and_keeps_the_results_before_it(
     assert list(w._by_id) == [4]  # still copying: reported by a later call
     assert [r.job_id for r in w._lanes["load"].records] == [4]
     assert len(w._events) == 2  # only the healthy job's events are reused
+
+
+def test_a_failed_job_reports_no_bytes_and_no_time_on_the_torch_ops_path() -> None:
+    w: Any = object.__new__(CUDATransferWorker)
+    w._engine = None
+    w._lanes = {"store": SimpleNamespace(records=deque([_record(1, True, ok=False)]))}
+    w._events, w._indices = [], SimpleNamespace(give=lambda buf: None)
+    w._by_id = {1: None}
+    assert CUDATransferWorker._collect(w) == [TransferResult(1, False, 0, 0.0)]
+
+
+def test_the_compiled_path_reports_no_time_for_a_failed_job_or_a_negative_one() -> None:
+    """The engine shares a batch's time among its jobs, failed ones too, and a batch timed from
+    a stale start event comes out negative."""
+    w: Any = object.__new__(CUDATransferWorker)
+    polled = [(1, False, 0.003), (2, True, -0.001), (3, True, 0.002)]
+    w._engine = SimpleNamespace(alive=True, poll=lambda: polled)
+    w._given_up, w._abandoned = [], set()
+    w._live = {j: _Live(0, j, 64) for j in (1, 2, 3)}
+    assert CUDATransferWorker._collect(w) == [
+        TransferResult(1, False, 0, 0.0),
+        TransferResult(2, True, 64, 0.0),
+        TransferResult(3, True, 64, 0.002),
+    ]

@@ -100,7 +100,9 @@ def _serve(ref: weakref.ReferenceType[CPUTransferWorker], jobs: _JobQueue) -> No
         seconds = time.perf_counter() - start
         del worker  # outside the lock: the last reference runs the finalizer (`stop`)
         with jobs.cv:
-            jobs.results.append(TransferResult(job.job_id, ok, job.nbytes if ok else 0, seconds))
+            jobs.results.append(
+                TransferResult(job.job_id, ok, job.nbytes if ok else 0, seconds if ok else 0.0)
+            )
             jobs.in_flight.discard(job.job_id)
             if jobs.waiting and any(job.job_id in ids for ids in jobs.waiting.values()):
                 jobs.done_cv.notify_all()

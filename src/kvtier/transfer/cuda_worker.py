@@ -156,6 +156,13 @@ def _wait_failed(lanes: list[str]) -> RuntimeError:
     )
 
 
+def _result(job_id: int, ok: bool, nbytes: int, seconds: float) -> TransferResult:
+    if not ok:
+        return TransferResult(job_id, False, 0, 0.0)
+    # A batch timed from a stale start event can come out negative: report no time instead.
+    return TransferResult(job_id, True, nbytes, max(seconds, 0.0))
+
+
 def _lane(direction: Direction, urgent: bool) -> int:
     """The compiled engine's lane (an index into `LANES`) of a job."""
     if direction is Direction.STORE:
@@ -513,7 +520,7 @@ class CUDATransferWorker(TransferWorker):
                     self._abandoned.discard(job_id)
                     continue
                 live = self._live.pop(job_id)
-                results.append(TransferResult(job_id, ok, live.nbytes if ok else 0, seconds))
+                results.append(_result(job_id, ok, live.nbytes, seconds))
             if freed and self._live:
                 # Freed at exit after a sync that failed (`cuda_engine._close`): the engine
                 # will never report these, and their copies cannot be known to have finished.
@@ -538,7 +545,7 @@ class CUDATransferWorker(TransferWorker):
                     del self._by_id[r.job_id]
                     continue
                 records.popleft()
-                results.append(TransferResult(r.job_id, r.ok, r.nbytes if r.ok else 0, seconds))
+                results.append(_result(r.job_id, r.ok, r.nbytes, seconds))
                 self._events += (r.start, r.end)
                 if r.indices is not None:
                     self._indices.give(r.indices)

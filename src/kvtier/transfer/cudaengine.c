@@ -874,15 +874,18 @@ size_t kvt_cuda_poll(kvt_cuda *c, kvt_result *out, size_t max) {
                 float ms = 0;
                 CUevent start =
                     rec->borrowed ? l->r[(l->head + l->cap - 1) % l->cap].end : rec->start;
-                if (r == CUDA_SUCCESS)
-                    c->cu.event_elapsed(&ms, start, end);
+                /* No time rather than a wrong one: an event that cannot be timed, or a
+                 * stale start that makes the time negative. */
+                if (r == CUDA_SUCCESS && (c->cu.event_elapsed(&ms, start, end) != CUDA_SUCCESS ||
+                                          !(ms >= 0)))
+                    ms = 0;
                 l->batch_ms = ms;
                 l->batch_bytes = rec->batch_bytes, l->batch_jobs = rec->batch_jobs;
             }
             double share = l->batch_bytes ? (double)rec->nbytes / (double)l->batch_bytes
                                           : 1.0 / (double)(l->batch_jobs ? l->batch_jobs : 1);
-            out[k++] = (kvt_result){rec->id, rec->ok && r == CUDA_SUCCESS, i,
-                                    l->batch_ms * share / 1e3};
+            int ok = rec->ok && r == CUDA_SUCCESS;
+            out[k++] = (kvt_result){rec->id, ok, i, ok ? l->batch_ms * share / 1e3 : 0};
             l->head = (l->head + 1) % l->cap;
             l->len--;
             l->launched--;

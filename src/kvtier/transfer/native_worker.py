@@ -490,10 +490,10 @@ class NativeCPUTransferWorker(TransferWorker):
             k = self._lib.kvt_engine_poll(self._engine, buf, _POLL)
             for r in buf[:k]:
                 live = self._live.pop(r.job_id)
-                ok = bool(r.ok)
-                results.append(
-                    TransferResult(r.job_id, ok, live.nbytes if ok else 0, float(r.seconds))
-                )
+                if r.ok:
+                    results.append(TransferResult(r.job_id, True, live.nbytes, float(r.seconds)))
+                else:
+                    results.append(TransferResult(r.job_id, False, 0, 0.0))
             if k < _POLL:
                 return results
 
