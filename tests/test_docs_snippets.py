@@ -1,5 +1,5 @@
-"""Snippets of README.md, docs/configuration.md and docs/simulate.md run as written (the
-connector, transfer and hf pages have their own test_docs.py)."""
+"""Snippets of README.md, docs/configuration.md, docs/policies.md and docs/simulate.md run as
+written (the connector, transfer and hf pages have their own test_docs.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kvtier.base import ReqContext, make_offload_key
 from kvtier.cli import main
 from kvtier.config import ConfigError, KVTierConfig
 
@@ -27,6 +29,17 @@ def test_readme_manager_example_runs() -> None:
     scope: dict[str, object] = {}
     exec(compile(code, "README.md", "exec"), scope)
     assert scope["out"] is not None  # an empty manager has room for two keys
+
+
+def test_policies_admission_example_runs() -> None:
+    (code,) = _blocks(ROOT / "docs" / "policies.md", "python")
+    scope: dict[str, object] = {}
+    exec(compile(code, "docs/policies.md", "exec"), scope)
+    manager: Any = scope["manager"]
+    long = [make_offload_key(bytes([9, i]) * 16, 0) for i in range(8)]
+    ctx = ReqContext("req-2", key_positions={k: 256 * (i + 1) for i, k in enumerate(long)})
+    assert manager.prepare_store(long, ctx).keys_to_store == long  # 2,048 tokens: stored
+    assert manager.get_stats().stores_skipped == 2  # the short prompt's chunks
 
 
 @pytest.fixture

@@ -96,7 +96,9 @@ class ReuseAdmission(AdmissionPolicy):
     preemption, or after other requests offered it in between) does not raise its count, so one
     long request cannot make its own blocks look popular. The tracker keeps the most recently
     offered `max_tracker_size` keys; the keys of the offer in progress are never dropped to make
-    room for each other.
+    room for each other. Only keys absent from the tier are offered: a chunk the tier holds is
+    not counted while it stays there, and once evicted it starts again from its last count,
+    if the tracker still has it.
     """
 
     def __init__(self, store_threshold: int = 2, max_tracker_size: int = 64_000) -> None:

@@ -176,8 +176,9 @@ class ManagerStats:
     stores_skipped: int
     evictions: int
     stores_no_room: int = 0
-    """Keys a `prepare_store` turned away because no room could be made (every slot pinned or
-    being written): the call returned None."""
+    """Keys absent from the tier that a `prepare_store` turned away because no room could be
+    made (every slot pinned or being written): the call returned None. All of them, whatever
+    admission would have decided, which is then not asked."""
 
     @property
     def usage(self) -> float:

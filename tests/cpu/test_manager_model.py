@@ -149,7 +149,7 @@ def run(policy: str, seed: int, steps: int) -> None:
             if need > len(evictable):
                 assert out is None, "found room the model does not have"
                 assert fingerprint(m) == before, "a store that found no room changed state"
-                model.no_room += len(admitted)
+                model.no_room += len(new)  # every key offered absent, admitted or not
                 continue
             assert out is not None, f"no room though {len(evictable)} keys could go for {need}"
             assert out.keys_to_store == admitted

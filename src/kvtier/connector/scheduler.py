@@ -445,10 +445,14 @@ class OffloadingScheduler:
         # Every group's keys in one call: a chunk hits only if every group holds it, and one
         # call makes room for all of them or for none. Called group by group, a later group
         # finding no room left the earlier ones' evictions done for chunks never stored.
+        # Chunk by chunk, each chunk's groups together: an admission tracker that keeps only
+        # an offer's first keys then keeps whole chunks, not all of one group's and none of
+        # the next's (slots spent on chunks that could never load).
+        per_group = [self._chunk_keys(req, start, end, g) for g in range(len(self.groups))]
         chunk_of: dict[OffloadKey, tuple[int, int]] = {}
-        for g in range(len(self.groups)):
-            keys = self._chunk_keys(req, start, end, g)
-            for c, k in zip(range(start, end), keys, strict=True):
+        for i, c in enumerate(range(start, end)):
+            for g, keys in enumerate(per_group):
+                k = keys[i]
                 req.ctx.key_positions[k] = (c + 1) * self.tokens_per_chunk
                 chunk_of[k] = (g, c)
         out = self.manager.prepare_store(list(chunk_of), req.ctx)

@@ -11,7 +11,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtier.admission import AdmissionPolicy, AlwaysAdmit, make_admission_policy
+from kvtier.admission import (
+    AdmissionPolicy,
+    AlwaysAdmit,
+    ReuseAdmission,
+    make_admission_policy,
+)
 from kvtier.base import (
     LookupResult,
     ManagerStats,
@@ -40,6 +45,10 @@ def _key_str(key: object) -> str:
     """A key for an error message: hex for bytes, repr for anything a caller passed by mistake
     (an int or str key has no `.hex()`, and the error must name it, not fail on it)."""
     return key.hex() if isinstance(key, bytes) else repr(key)
+
+
+def _not_bytes(key: object) -> TypeError:
+    return TypeError(f"offload keys are bytes; got {type(key).__name__} {key!r}")
 
 
 def _one_key_error(keys: object) -> TypeError:
@@ -91,7 +100,7 @@ class CPUOffloadingManager(OffloadingManager):
         *,
         admission: AdmissionPolicy | None = None,
         store_threshold: int = 0,
-        max_tracker_size: int = 64_000,
+        max_tracker_size: int | None = None,
         enable_events: bool = False,
         max_pending_events: int = 100_000,
     ) -> None:
@@ -101,7 +110,9 @@ class CPUOffloadingManager(OffloadingManager):
             # "false" or "no" is truthy: events would be collected that nobody asked for.
             raise ValueError(f"enable_events={enable_events!r} is invalid; expected a bool")
         if admission is None:
-            admission = make_admission_policy(store_threshold, max_tracker_size)
+            admission = make_admission_policy(
+                store_threshold, 64_000 if max_tracker_size is None else max_tracker_size
+            )
         elif not isinstance(admission, AdmissionPolicy):
             # Else the first prepare_store fails on a missing `preview`.
             raise TypeError(
@@ -114,10 +125,17 @@ class CPUOffloadingManager(OffloadingManager):
                 f"store_threshold={store_threshold!r} with admission={admission!r}: expected "
                 "only one of them (the admission policy carries its own threshold)"
             )
+        elif max_tracker_size is not None:
+            raise ValueError(
+                f"max_tracker_size={max_tracker_size!r} with admission={admission!r}: expected "
+                "only one of them (the admission policy sizes its own tracker)"
+            )
         self.num_slots = num_slots
         self._policy: CachePolicy = make_policy(cache_policy, num_slots)
         self._admission: AdmissionPolicy = admission
         self._admit_all = type(self._admission) is AlwaysAdmit
+        # A plugin's answer is checked before it is acted on; the built-in ones are trusted.
+        self._check_admitted = type(self._admission) not in (AlwaysAdmit, ReuseAdmission)
         self._slot_of: dict[OffloadKey, int] = {}
         self._ref: list[int] = [_FREE] * num_slots
         self._free: list[int] = []
@@ -174,7 +192,7 @@ class CPUOffloadingManager(OffloadingManager):
             if type(key) is not bytes:
                 # An int block hash or a str was a silent miss, counted in the stats, while
                 # prepare_store refuses it: a caller would never learn why nothing hits.
-                raise TypeError(f"offload keys are bytes; got {type(key).__name__} {key!r}")
+                raise _not_bytes(key)
             self._misses += 1
             return LookupResult.MISS
         if self._ref[slot] == _PENDING:
@@ -252,7 +270,7 @@ class CPUOffloadingManager(OffloadingManager):
             if type(key) is not bytes:
                 # Policies ignore (or, kvaware, count) a key they do not hold, so an int block
                 # hash was a silent no-op, and an unhashable one raised after earlier keys moved.
-                raise TypeError(f"offload keys are bytes; got {type(key).__name__} {key!r}")
+                raise _not_bytes(key)
         self._policy.touch(keys, ctx)
 
     # -- stores -------------------------------------------------------------------------------
@@ -267,13 +285,16 @@ class CPUOffloadingManager(OffloadingManager):
             keys = list(keys)  # read again when evicting: a one-shot iterator would be empty
         _check_ctx(ctx)
         slot_of = self._slot_of
-        new = [key for key in keys if key not in slot_of]
+        try:
+            new = [key for key in keys if key not in slot_of]
+        except TypeError:  # unhashable
+            raise _not_bytes(next(k for k in keys if type(k) is not bytes)) from None
         num_new = len(new)
         if num_new == 0:
             return PrepareStoreOutput([], CPULoadStoreSpec(()), [])
         for key in new:
             if type(key) is not bytes:
-                raise TypeError(f"offload keys are bytes; got {type(key).__name__} {key!r}")
+                raise _not_bytes(key)
         if num_new > 1 and len(set(new)) != num_new:
             new = list(dict.fromkeys(new))
             num_new = len(new)
@@ -288,6 +309,8 @@ class CPUOffloadingManager(OffloadingManager):
                 admitted = self._admission.admit(new, ctx)
             else:
                 admitted, recorder = previewed, self._admission
+            if self._check_admitted:
+                admitted = self._checked_admitted(admitted, new)
         n = len(admitted)
         free = self._free
         fresh_left = self.num_slots - self._next_fresh
@@ -297,16 +320,23 @@ class CPUOffloadingManager(OffloadingManager):
         if num_to_evict > 0:
             policy = self._policy
             if num_to_evict > len(policy):
-                self._stores_no_room += n
+                self._stores_no_room += num_new
                 return None
             present = [key for key in keys if key in slot_of] if num_new < len(keys) else ()
             victims = policy.evict(num_to_evict, present)
             if victims is None:
-                self._stores_no_room += n
+                self._stores_no_room += num_new
                 return None
             evicted = victims
         if recorder is not None:
-            recorder.record(new, ctx)
+            try:
+                recorder.record(new, ctx)
+            except BaseException:
+                # Still mapped and ready: out of the policy they could never be evicted again.
+                # Their place in the eviction order is not restored.
+                if evicted:
+                    self._policy.insert(evicted, None)
+                raise
         self._stores_skipped += num_new - n
         if evicted:
             for key in evicted:
@@ -415,8 +445,10 @@ class CPUOffloadingManager(OffloadingManager):
             )
         # Neither clear() can be undone: once either may have run, the reset is completed.
         try:
-            self._policy.clear()
-            self._admission.clear()
+            try:
+                self._policy.clear()
+            finally:
+                self._admission.clear()
         finally:
             self._num_pinned = 0
             self._num_pending = 0
@@ -430,6 +462,26 @@ class CPUOffloadingManager(OffloadingManager):
         # can never leave a slot in both (it would be handed out twice).
         self._free += self._quarantined
         self._quarantined.clear()
+
+    def _checked_admitted(self, admitted: object, new: list[OffloadKey]) -> list[OffloadKey]:
+        # A key twice, or one already in the tier, would be given a second slot: the first
+        # leaks, and the counts go negative.
+        if not isinstance(admitted, (list, tuple)):
+            raise TypeError(
+                f"admission policy {self._admission!r} returned {type(admitted).__name__} "
+                f"{admitted!r:.80}; expected a list of offered keys"
+            )
+        offered = set(new)
+        seen: set[OffloadKey] = set()
+        for key in admitted:
+            if key not in offered or key in seen:
+                raise ValueError(
+                    f"admission policy {self._admission!r} returned {key!r}, which was "
+                    f"{'returned twice' if key in seen else 'not offered'}; expected a subset "
+                    "of the offered keys absent from the tier, each once"
+                )
+            seen.add(key)
+        return list(admitted)
 
     # -- events and stats ---------------------------------------------------------------------
 
