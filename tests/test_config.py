@@ -44,7 +44,7 @@ def test_defaults() -> None:
         "cache_policy": "lru",
         "store_threshold": 0,
         "max_tracker_size": 64_000,
-        "blocks_per_chunk": 1,
+        "blocks_per_chunk": None,
         "chunk_tokens": None,
         "hash_algorithm": "sha256",
         "enable_events": False,
@@ -100,6 +100,7 @@ def test_only_kvtier_variables_are_read() -> None:
         ("KVTIER_STORE_THRESHOLD", " 2 ", "store_threshold", 2),
         ("KVTIER_MAX_TRACKER_SIZE", "10", "max_tracker_size", 10),
         ("KVTIER_BLOCKS_PER_CHUNK", "4", "blocks_per_chunk", 4),
+        ("KVTIER_BLOCKS_PER_CHUNK", "null", "blocks_per_chunk", None),
         ("KVTIER_CHUNK_TOKENS", "256", "chunk_tokens", 256),
         ("KVTIER_HASH_ALGORITHM", "XXH3_128", "hash_algorithm", "xxh3_128"),
         ("KVTIER_ENABLE_EVENTS", "Yes", "enable_events", True),
@@ -155,7 +156,7 @@ def test_env_values_are_parsed_per_type(var: str, text: str, field: str, value: 
         ("transfer_cpus", []),
         ("transfer_cpus", [1, -2]),
         ("transfer_cpus", [True]),
-        ("transfer_cpus", 1),
+        ("transfer_cpus", 1.0),
         ("transfer_avoid_submitter_cpu", "sometimes"),
         ("transfer_coalesce_depth", 9),
         ("transfer_coalesce_depth", -1),
@@ -271,7 +272,6 @@ def test_cpu_bytes_and_num_slots_exclude_each_other(config_file: Path) -> None:
         ({"blocks_per_chunk": 4}, 16, 4),
         ({"chunk_tokens": 64}, 16, 4),
         ({"chunk_tokens": 16}, 16, 1),
-        ({"chunk_tokens": 64, "blocks_per_chunk": 4}, 16, 4),
     ],
 )
 def test_resolve_blocks_per_chunk(
@@ -282,14 +282,16 @@ def test_resolve_blocks_per_chunk(
 
 
 def test_resolve_blocks_per_chunk_errors() -> None:
-    with pytest.raises(ConfigError, match=r"chunk_tokens=40: expected a multiple .*use 48"):
+    with pytest.raises(
+        ConfigError,
+        match=r"chunk_tokens=40 \(from KVTierConfig\(\)\): expected a multiple .*use 48",
+    ):
         KVTierConfig(chunk_tokens=40).resolve_blocks_per_chunk(16)
-    with pytest.raises(ConfigError, match=r"chunk_tokens=64 is 2 device blocks.*=4"):
-        KVTierConfig(chunk_tokens=64, blocks_per_chunk=4).resolve_blocks_per_chunk(32)
     with pytest.raises(ConfigError, match="device_block_size=0"):
         KVTierConfig().resolve_blocks_per_chunk(0)
-    with pytest.raises(ConfigError, match=r"chunk_tokens=30 .*blocks_per_chunk=4"):
-        KVTierConfig.from_dict({"chunk_tokens": 30, "blocks_per_chunk": 4})
+    # Both set is refused on construction, even where they agree for this block size.
+    with pytest.raises(ConfigError, match=r"chunk_tokens=64 .*blocks_per_chunk=4 .*only one"):
+        KVTierConfig.from_dict({"chunk_tokens": 64, "blocks_per_chunk": 4})
 
 
 def test_vllm_extra_config_aliases() -> None:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Final, Literal, cast
+from typing import Any, ClassVar, Final, Literal, cast
 
 import numpy as np
 import yaml
@@ -79,7 +79,8 @@ _SIZE_UNITS: Final = {
     "tib": 2**40,
 }
 # [0-9], not \d: \d also matches other scripts' digits ("١٢"), which int() and Fraction() read.
-_SIZE_RE: Final = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([a-z]*)")
+# `_` groups digits of a whole number as in Python ("1_000_000"), in sizes as in integers.
+_SIZE_RE: Final = re.compile(r"([0-9]+(?:_[0-9]+)*(?:\.[0-9]+)?)\s*([a-z]*)")
 _INT_RE: Final = re.compile(r"\+?[0-9]+(?:_[0-9]+)*")
 # Counts and sizes end up as int64 (numpy/torch sizes, slot indices): a larger value would pass
 # here and fail later with OverflowError ("cannot fit 'int' into an index-sized integer").
@@ -93,8 +94,9 @@ def parse_size(value: str | int | np.integer[Any]) -> int:
     """Parse a byte size: an int, or a string like `"512MB"`, `"64GiB"`, `"1.5GiB"`, `"4096"`.
 
     Units are case-insensitive: B, KB/MB/GB/TB (powers of 1000) and KiB/MiB/GiB/TiB (powers of
-    1024); a bare number is bytes. Raises `ValueError` for negatives, fractions of a byte,
-    unknown units and anything else. A numpy integer counts as an int.
+    1024); a bare number is bytes. `_` may group the digits of the whole part (`"1_000_000"`,
+    `"64_000MiB"`). Raises `ValueError` for negatives, fractions of a byte, unknown units and
+    anything else. A numpy integer counts as an int.
     """
     if isinstance(value, np.integer):
         value = int(value)
@@ -251,8 +253,8 @@ _MAX_CPU: Final = 2**16 - 1
 
 
 def _parse_cpus(raw: object) -> tuple[int, ...] | None:
-    """A CPU list as taskset takes it (`"2-3,6"`) or a list of ints: sorted, distinct."""
-    expected = f"a CPU list such as '2-3,6' or [2, 3, 6] (CPU ids 0..{_MAX_CPU}), or null"
+    """A CPU list as taskset takes it (`"2-3,6"`), a list of ints or one int: sorted, distinct."""
+    expected = f"a CPU list such as '2-3,6', [2, 3, 6] or 3 (CPU ids 0..{_MAX_CPU}), or null"
     if _is_none(raw):
         return None
     cpus: list[int] = []
@@ -279,7 +281,15 @@ def _parse_cpus(raw: object) -> tuple[int, ...] | None:
                 raise _Invalid(expected)
             cpus.append(cpu)
     else:
-        raise _Invalid(expected)
+        # One CPU id: the environment's "3" is one, and YAML, TOML and JSON read a bare 3 as an
+        # int. _parse_int refuses bools, floats and arrays; its _TooLarge would name 2**63-1.
+        try:
+            cpu = _parse_int(raw, 0, expected)
+        except _Invalid:
+            raise _Invalid(expected) from None
+        if cpu > _MAX_CPU:
+            raise _Invalid(expected)
+        cpus.append(cpu)
     return tuple(sorted(set(cpus)))
 
 
@@ -289,7 +299,7 @@ _PARSERS: Final[dict[str, Callable[[object], Any]]] = {
     "cache_policy": _parse_cache_policy,
     "store_threshold": _int_parser(0),
     "max_tracker_size": _int_parser(1),
-    "blocks_per_chunk": _int_parser(1),
+    "blocks_per_chunk": _optional(_int_parser(1), "a positive integer"),
     "chunk_tokens": _optional(_int_parser(1), "a positive integer number of tokens"),
     "hash_algorithm": _choice_parser(HASH_ALGORITHMS),
     "enable_events": _parse_bool,
@@ -310,6 +320,10 @@ _VLLM_ALIASES: Final = {
     "block_size": "chunk_tokens",
 }
 _VLLM_MODULE_PATH: Final = "cache_policy_module_path"
+# kvtier's policy plugin for vLLM's own connector (kvtier.integrations.vllm.policy, not
+# imported here: it needs vLLM) answers `kvtier_<name>` with kvtier's registered <name> policy.
+_VLLM_PLUGIN_MODULE: Final = "kvtier.integrations.vllm.policy"
+_VLLM_PLUGIN_PREFIX: Final = "kvtier_"
 # vLLM reads these to choose the offloading spec class; they configure nothing in kvtier.
 _VLLM_ROUTING_KEYS: Final = frozenset({"spec_name", "spec_module_path"})
 
@@ -330,7 +344,8 @@ class KVTierConfig:
     cache_policy: str = "lru"
     store_threshold: int = 0
     max_tracker_size: int = 64_000
-    blocks_per_chunk: int = 1
+    # None, not 1: an explicit 1 beside chunk_tokens is refused like any other value.
+    blocks_per_chunk: int | None = None
     chunk_tokens: int | None = None
     hash_algorithm: Literal["sha256", "xxh3_128"] = "sha256"
     enable_events: bool = False
@@ -342,12 +357,17 @@ class KVTierConfig:
     pin_memory: bool | None = None
     offload_prompt_only: bool = True
 
+    # Per instance, field name -> (key that set it, layer), for errors found after parsing
+    # (e.g. a budget too small for one slot). Not a field: equality and to_dict ignore it.
+    _origin: ClassVar[Mapping[str, tuple[str, str]]]
+
     def __post_init__(self) -> None:
         origin = {name: (name, _DIRECT_SOURCE) for name in _PARSERS}
         for name, parse in _PARSERS.items():
             value = _parse_value(parse, getattr(self, name), name, _DIRECT_SOURCE)
             object.__setattr__(self, name, value)
         _check_combination(self.to_dict(), origin)
+        object.__setattr__(self, "_origin", origin)
 
     @classmethod
     def load(
@@ -364,10 +384,13 @@ class KVTierConfig:
         layers: list[tuple[dict[str, Any], str]] = []
         if env is not None:
             _check_mapping(env, "env")
+        source = f"file {file}"
         if file is None and env is not None and env.get(_ENV_CONFIG_FILE):
             file = env[_ENV_CONFIG_FILE]
+            # A stale `export KVTIER_CONFIG=...` is otherwise hard to trace from the path alone.
+            source = f"file {file} (named by {_ENV_CONFIG_FILE})"
         if file is not None:
-            layers.append((_read_file(Path(file)), f"file {file}"))
+            layers.append((_read_file(Path(file), "config " + source), source))
         if env is not None:
             layers.append(_env_layer(env))
         if overrides is not None:
@@ -386,6 +409,8 @@ class KVTierConfig:
         vLLM's names (`cpu_bytes_to_use`, `eviction_policy`, `cache_policy_module_path`,
         `block_size`) and kvtier's field names are both accepted; vLLM's `spec_name` and
         `spec_module_path` (which pick the spec class) are ignored; any other key is an error.
+        The config of kvtier's policy plugin for vLLM (`kvtier.integrations.vllm.policy`,
+        `kvtier_<name>`) means kvtier's policy `<name>`.
         """
         _check_mapping(extra, _VLLM_SOURCE)
         mapped: dict[str, Any] = {}
@@ -426,16 +451,25 @@ class KVTierConfig:
                 values[name] = _parse_value(_PARSERS[name], raw, label, source)
                 origin[name] = (label, source)
         _check_combination(values, origin)
-        return cls(**values)
+        config = cls(**values)
+        object.__setattr__(config, "_origin", origin)
+        return config
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a plain dict; `from_dict(cfg.to_dict()) == cfg`."""
         return {name: getattr(self, name) for name in _PARSERS}
 
+    def describe(self, name: str) -> str:
+        """Field `name` as errors name it: the key that set it, its value and where it came
+        from, e.g. `"KVTIER_CPU_BYTES=1024 (from environment)"`."""
+        label, source = self._origin[name]
+        return f"{label}={_shown(getattr(self, name))} (from {source})"
+
     def resolve_blocks_per_chunk(self, device_block_size: int) -> int:
         """Device blocks per chunk for an engine whose device blocks hold `device_block_size`
         tokens: `chunk_tokens // device_block_size` when `chunk_tokens` is set, else
-        `blocks_per_chunk`. Raises `ConfigError` when the two disagree or do not divide."""
+        `blocks_per_chunk` (1 when unset). Raises `ConfigError` when `chunk_tokens` is not a
+        multiple of `device_block_size`."""
         try:
             device_block_size = checked_int("device_block_size", device_block_size)
         except ValueError:
@@ -443,19 +477,14 @@ class KVTierConfig:
                 f"device_block_size={device_block_size!r}: expected a positive int"
             ) from None
         if self.chunk_tokens is None:
-            return self.blocks_per_chunk
+            return 1 if self.blocks_per_chunk is None else self.blocks_per_chunk
+        # Setting blocks_per_chunk too was refused on construction (_check_combination).
         blocks, rest = divmod(self.chunk_tokens, device_block_size)
         if rest:
             up = (blocks + 1) * device_block_size
             raise ConfigError(
-                f"chunk_tokens={self.chunk_tokens}: expected a multiple of the device block "
+                f"{self.describe('chunk_tokens')}: expected a multiple of the device block "
                 f"size ({device_block_size} tokens); use {up}, or set blocks_per_chunk instead"
-            )
-        if self.blocks_per_chunk != 1 and blocks != self.blocks_per_chunk:
-            raise ConfigError(
-                f"chunk_tokens={self.chunk_tokens} is {blocks} device blocks of "
-                f"{device_block_size} tokens, but blocks_per_chunk={self.blocks_per_chunk}; "
-                "expected them to agree (set only one of them)"
             )
         return blocks
 
@@ -528,9 +557,22 @@ def _env_layer(env: Mapping[str, str]) -> tuple[dict[str, Any], str]:
     }, "environment"
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+_YAML_INT_TAG: Final = "tag:yaml.org,2002:int"
+# YAML 1.2's core schema: an integer is decimal digits. PyYAML resolves YAML 1.1's forms too
+# (010 octal 8, 0x10, 0b11, 1:30 sexagesimal 90), which the environment reads as 10 or
+# refuses; left as strings, kvtier's own parsers judge them as they judge the environment's.
+_YAML_DECIMAL_RE: Final = re.compile(r"^[-+]?[0-9]+$")
+
+
+class _ConfigLoader(yaml.SafeLoader):
     """`yaml.SafeLoader` that refuses a key given twice in one mapping (PyYAML keeps the last
-    one silently, TOML refuses it)."""
+    one silently, TOML refuses it) and reads only decimal integers as ints."""
+
+    def construct_decimal_int(self, node: yaml.ScalarNode) -> int | str:
+        text = self.construct_scalar(node)
+        # SafeLoader's constructor reads a leading 0 as octal. Other text reaches this tag only
+        # through an explicit `!!int`, and stays a string like the untagged form.
+        return int(text) if _YAML_DECIMAL_RE.match(text) else text
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[object] = set()
@@ -550,35 +592,41 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _read_file(path: Path) -> dict[str, Any]:
+_ConfigLoader.yaml_implicit_resolvers = {
+    first: [
+        (tag, _YAML_DECIMAL_RE if tag == _YAML_INT_TAG else regexp) for tag, regexp in resolvers
+    ]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_ConfigLoader.add_constructor(_YAML_INT_TAG, _ConfigLoader.construct_decimal_int)
+
+
+def _read_file(path: Path, name: str) -> dict[str, Any]:
+    """The file's mapping; `name` is how errors call the file ("config file X ...")."""
     suffix = path.suffix.lower()
     try:
         if suffix in (".yaml", ".yml"):
             with path.open(encoding="utf-8") as f:
-                data = yaml.load(f, Loader=_UniqueKeyLoader)
+                data = yaml.load(f, Loader=_ConfigLoader)
         elif suffix == ".toml":
             with path.open("rb") as f:
                 data = tomllib.load(f)
         else:
-            raise ConfigError(
-                f"config file {path}: unknown format {suffix!r}; expected .yaml, .yml or .toml"
-            )
+            raise ConfigError(f"{name}: unknown format {suffix!r}; expected .yaml, .yml or .toml")
     except OSError as e:
-        raise ConfigError(f"config file {path} cannot be read: {e}") from e
+        raise ConfigError(f"{name} cannot be read: {e}") from e
     except UnicodeDecodeError as e:  # both parsers decode as they read; neither names the file
-        raise ConfigError(f"config file {path} is not UTF-8 text: {e}") from e
+        raise ConfigError(f"{name} is not UTF-8 text: {e}") from e
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as e:
-        raise ConfigError(f"config file {path} is not valid {suffix[1:].upper()}: {e}") from e
+        raise ConfigError(f"{name} is not valid {suffix[1:].upper()}: {e}") from e
     except ConfigError:
         raise
     except ValueError as e:  # a number the parser cannot convert: an int of 4,300+ digits
-        raise ConfigError(f"config file {path} holds a value it cannot read: {e}") from e
+        raise ConfigError(f"{name} holds a value it cannot read: {e}") from e
     if data is None:  # an empty YAML file
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(
-            f"config file {path} holds a {type(data).__name__}; expected a mapping of keys"
-        )
+        raise ConfigError(f"{name} holds a {type(data).__name__}; expected a mapping of keys")
     return cast(dict[str, Any], data)
 
 
@@ -595,9 +643,22 @@ def _join_module_path(module_path: object, name: object) -> str:
             f"{_VLLM_MODULE_PATH}={module_path!r} with eviction_policy={name!r} "
             f"(from {_VLLM_SOURCE}): expected eviction_policy to name a class in that module"
         )
+    module_path, name = module_path.strip(), name.strip()
     if name in registered_policies():
         return name
-    return f"{module_path.strip()}:{name.strip()}"
+    if module_path == _VLLM_PLUGIN_MODULE:
+        # The plugin config for vLLM's OffloadingConnector (docs/vllm.md): its class wraps
+        # kvtier's own policy, which kvtier's connector uses directly.
+        policy = name.removeprefix(_VLLM_PLUGIN_PREFIX)
+        if name.startswith(_VLLM_PLUGIN_PREFIX) and policy in registered_policies():
+            return policy
+        names = ", ".join(_VLLM_PLUGIN_PREFIX + n for n in registered_policies())
+        raise ConfigError(
+            f"{_VLLM_MODULE_PATH}={module_path!r} with eviction_policy={name!r} "
+            f"(from {_VLLM_SOURCE}): expected one of that module's policies ({names}), or a "
+            "registered kvtier policy name alone, e.g. eviction_policy='arc'"
+        )
+    return f"{module_path}:{name}"
 
 
 def _check_combination(values: Mapping[str, Any], origin: Mapping[str, tuple[str, str]]) -> None:
@@ -609,9 +670,10 @@ def _check_combination(values: Mapping[str, Any], origin: Mapping[str, tuple[str
         raise ConfigError(
             f"{where('cpu_bytes')} and {where('num_slots')}: expected only one of them to be set"
         )
-    tokens, blocks = values["chunk_tokens"], values["blocks_per_chunk"]
-    if tokens is not None and blocks != 1 and tokens % blocks:
+    # As vLLM refuses block_size with blocks_per_chunk: even values that agree for one engine
+    # block size disagree for another.
+    if values["chunk_tokens"] is not None and values["blocks_per_chunk"] is not None:
         raise ConfigError(
-            f"{where('chunk_tokens')} and {where('blocks_per_chunk')}: expected chunk_tokens to "
-            "be blocks_per_chunk device blocks (a multiple of it); set only one of them"
+            f"{where('chunk_tokens')} and {where('blocks_per_chunk')}: expected only one of "
+            "them to be set (both size a chunk: in tokens and in device blocks)"
         )

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from kvtier.base import checked_int
-from kvtier.config import KVTierConfig
+from kvtier.config import ConfigError, KVTierConfig
 from kvtier.connector import OffloadingScheduler, OffloadingWorker, StepMetadata, StepProgress
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.hashing import BlockHasher
@@ -298,6 +298,14 @@ class KVTierGenerator:
         self.max_blocks = max_blocks
         registration = self.kv.registration()
         if config.cpu_bytes is not None:
+            slot_bytes = bpc * registration.max_page_bytes
+            if config.cpu_bytes < slot_bytes:
+                # Checked here, not left to HostPool: its error names its own byte_budget.
+                raise ConfigError(
+                    f"{config.describe('cpu_bytes')} holds no slot of {slot_bytes} bytes "
+                    f"({bpc} blocks x {registration.max_page_bytes} bytes); expected at "
+                    f"least {slot_bytes} bytes"
+                )
             self.pool = HostPool(
                 registration, bpc, byte_budget=config.cpu_bytes, pin=config.pin_memory
             )
