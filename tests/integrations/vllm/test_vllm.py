@@ -181,6 +181,18 @@ def test_a_transfer_setting_the_worker_cannot_honour_is_a_config_error(
     assert len(closed) == 1  # the host pool made before the worker is unpinned at once
 
 
+def test_shutdown_unpins_the_host_pool(vllm_loaded: None) -> None:
+    """It may be many GiB of pinned memory, and the collector may not get to it in time."""
+    from helpers import pool_closes
+
+    engine = make_engine("KVTierConnector", EXTRA)
+    _b_loads_what_a_stored(engine)
+    transfer = engine.worker.worker_side.transfer
+    with pool_closes() as closed:
+        engine.worker.shutdown()
+    assert closed == [transfer.pool]
+
+
 @pytest.mark.parametrize("avoid", [True, False])
 def test_transfer_avoid_submitter_cpu_reaches_the_worker(vllm_loaded: None, avoid: bool) -> None:
     from kvtier.transfer import NativeCPUTransferWorker

@@ -357,6 +357,12 @@ class KVTierGenerator:
                 while hit is None:  # a chunk of this prefix is still being written
                     self._drain()
                     hit = scheduler.get_num_new_matched_tokens(req_id, 0)
+                    if hit is None and not scheduler.job_ids_in_flight():
+                        # Waiting again would spin forever, with Ctrl-C held back.
+                        raise RuntimeError(
+                            f"request {req_id}: a chunk of its prefix is pending a write that "
+                            "no transfer in flight will complete"
+                        )
                 blocks = self._allocate(need)
                 scheduler.update_state_after_alloc(req_id, [blocks], hit)
                 if hit:
@@ -443,15 +449,25 @@ class KVTierGenerator:
         self._drain()
 
     def close(self) -> None:
-        """Finish the stores in flight and stop the transfer worker; a closed generator refuses
-        to generate. Closing again does nothing."""
+        """Finish the stores in flight, stop the transfer worker and unpin the host pool; a
+        closed generator refuses to generate. Closing again does nothing."""
         if self._closed:
             return
         self._closed = True
         try:
             self._drain()
         finally:
-            self.transfer.shutdown()
+            # Also after an error or an interrupt in the drain: the worker reports the jobs it
+            # never ran as failed, and once it has stopped no copy can run, so what it still
+            # holds is applied and the reports that never came are failed.
+            try:
+                self.transfer.shutdown()
+                try:
+                    self._collect()
+                finally:
+                    self._fail_lost_reports()
+            finally:
+                self.pool.close()
 
     def __enter__(self) -> KVTierGenerator:
         return self
@@ -512,6 +528,7 @@ class KVTierGenerator:
         return ids, max_new_tokens, need
 
     _last_failed_loads: frozenset[str] = frozenset()
+    _reports_lost = False
 
     def _allocate(self, n: int) -> range:
         """`n` consecutive free device blocks (the cache views them as one tensor), the
@@ -546,15 +563,40 @@ class KVTierGenerator:
         # Results taken from the worker and not yet applied would be lost to an interrupt,
         # their jobs in flight forever (flush and close run this outside generate_one).
         with _HeldInterrupts():
-            self.scheduler.on_worker_results(self.worker.get_finished())
-            self.stats.bytes_loaded = self.scheduler.bytes_loaded
-            self.stats.bytes_stored = self.scheduler.bytes_stored
-            done = self.scheduler.take_finished()
-            self._last_failed_loads = frozenset(done.failed_loads)
-            for req_id in done.sending:
-                blocks = self._held.pop(req_id)
-                self._free[blocks.start : blocks.stop] = True
+            try:
+                self.scheduler.on_worker_results(self.worker.get_finished())
+            except BaseException:
+                # A manager call that raised (a cache policy's) left jobs in flight whose
+                # reports the worker has already handed over: `_drain` fails them.
+                self._reports_lost = True
+                raise
+            finally:
+                self._settle()
+
+    def _settle(self) -> None:
+        """Take the scheduler's finished work: stats, failed loads, blocks held for stores."""
+        self.stats.bytes_loaded = self.scheduler.bytes_loaded
+        self.stats.bytes_stored = self.scheduler.bytes_stored
+        done = self.scheduler.take_finished()
+        self._last_failed_loads = frozenset(done.failed_loads)
+        for req_id in done.sending:
+            blocks = self._held.pop(req_id)
+            self._free[blocks.start : blocks.stop] = True
 
     def _drain(self) -> None:
         self.transfer.wait(self.scheduler.job_ids_in_flight())
         self._collect()
+        if self._reports_lost:
+            # Every copy has ended and every report the worker held is applied: the jobs still
+            # in flight lost theirs. Left there, a store's keys stay pending (a later prompt
+            # with the prefix waits forever) and a load's pins and device blocks stay held.
+            self._fail_lost_reports()
+
+    def _fail_lost_reports(self) -> None:
+        """Fail every job in flight; only once no copy of theirs can still run."""
+        with _HeldInterrupts():
+            try:
+                self.scheduler.fail_unreported()
+            finally:
+                self._settle()
+            self._reports_lost = False

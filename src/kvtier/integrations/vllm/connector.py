@@ -177,7 +177,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker_side.build_worker_meta() if self.worker_side is not None else None
 
     def shutdown(self) -> None:
-        """Stop the transfer worker."""
+        """Stop the transfer worker and unpin its host pool."""
         if self.worker_side is not None:
             self.worker_side.shutdown()
 

@@ -353,6 +353,10 @@ class KVTierWorkerSide:
         return KVTierWorkerMetadata(results)
 
     def shutdown(self) -> None:
-        """Stop the transfer worker (jobs not started are reported failed)."""
+        """Stop the transfer worker (jobs not started are reported failed) and unpin its host
+        pool: it may be many GiB, and the collector may not get to it before the engine ends."""
         if self.transfer is not None:
-            self.transfer.shutdown()
+            try:
+                self.transfer.shutdown()
+            finally:
+                self.transfer.pool.close()
