@@ -21,6 +21,21 @@ def test_bools_among_list_token_ids_are_refused(tokens: Any) -> None:
         BlockHasher(2).hash_blocks(tokens)
 
 
+def test_bool_scalars_with_a_dtype_among_list_token_ids_are_refused() -> None:
+    """0-d bool arrays and torch bool scalars beside ints also convert to 0 and 1."""
+    torch = pytest.importorskip("torch")
+    cases: list[Any] = [
+        [np.array(True), 2],
+        [2, torch.tensor(False)],
+        [np.int64(3), np.array(True)],
+    ]
+    for tokens in cases:
+        with pytest.raises(TypeError, match=r"token_ids\[\d\]=.*(True|False).* is a bool"):
+            BlockHasher(2).hash_blocks(tokens)
+    mixed = [np.array(5), torch.tensor(6), np.int32(7), 8]  # integer scalars are ids
+    assert BlockHasher(2).hash_blocks(mixed) == BlockHasher(2).hash_blocks([5, 6, 7, 8])
+
+
 @pytest.mark.parametrize(
     ("tokens", "match"),
     [

@@ -2,9 +2,10 @@
 
 A block's hash identifies its tokens *and* everything before them: it is
 `H(parent || tokens || extra keys)`, where `parent` is the previous block's hash, or for the
-first block a root hash derived from a namespace (the model's identity), so two models never
-share a hash. Tokens are encoded as fixed-width little-endian uint32 and extra keys with a
-length-prefixed encoding, so distinct inputs never encode to the same bytes. Python's `hash()`
+first block a root hash derived from the namespace (the model's identity), the algorithm and
+the block size, so two models, or two block sizes, never share a hash. Tokens are encoded as
+fixed-width little-endian uint32 and extra keys with a length-prefixed encoding, so within one
+hasher distinct inputs never encode to the same bytes. Python's `hash()`
 is never used: it changes with `PYTHONHASHSEED`.
 """
 
@@ -29,13 +30,14 @@ HASH_ALGORITHMS: Final = ("sha256", "xxh3_128")
 """Supported hash algorithms; `sha256` is the default."""
 
 _DIGEST_SIZES: Final = {"sha256": 32, "xxh3_128": 16}
-_ROOT_TAG: Final = b"kvtier.block_hash.v1"
+_ROOT_TAG: Final = b"kvtier.block_hash.v2"
 _TOKEN_DTYPE: Final = np.dtype("<u4")
 _MAX_TOKEN: Final = int(np.iinfo(np.uint32).max)
 # Type tags keep b"1", "1" and 1 apart; the 8-byte length keeps ("ab", "c") apart from ("a", "bc").
 _TAG_STR: Final = b"s"
 _TAG_BYTES: Final = b"b"
 _TAG_INT: Final = b"i"
+_BOOLS: Final = frozenset({"bool", "torch.bool"})  # str() of numpy's and torch's bool dtypes
 
 
 def _sha256(data: bytes) -> bytes:
@@ -127,9 +129,14 @@ def _as_token_array(token_ids: Sequence[int] | npt.NDArray[np.integer]) -> npt.N
     if not is_array and arr.dtype.kind in "iu":
         # asarray turns [True, 2] into int64 [1, 2]: a flag would hash as token 1. One pass over
         # the element types in C, far cheaper than the conversion itself.
-        types = set(map(type, token_ids))
-        if bool in types or np.bool_ in types:
-            _refuse_token(token_ids, arr.dtype)
+        if set(map(type, token_ids)) != {int}:
+            # So are 0-d arrays and torch scalars of a bool dtype.
+            for i, tok in enumerate(token_ids):
+                if type(tok) in (bool, np.bool_) or str(getattr(tok, "dtype", "")) in _BOOLS:
+                    raise TypeError(
+                        f"token_ids[{i}]={tok!r} is a bool; expected integer token ids "
+                        f"0..{_MAX_TOKEN}"
+                    )
     elif not np.issubdtype(arr.dtype, np.integer):
         if not is_array:
             # float64 or object from a list: a float or str among the ids, an int beyond
@@ -203,10 +210,14 @@ class BlockHasher:
         self.algorithm = algorithm
         self.namespace = namespace
         self.digest_size = _DIGEST_SIZES[algorithm]
+        # The block size too: a block's bytes are its parent, its tokens and its extra keys,
+        # unseparated, so 8 tokens with an extra key could equal 16 tokens without one under
+        # hashers that differ only in block size (a tier shared between them).
         self.root_hash: bytes = self._digest(
             _len_prefixed(_TAG_BYTES, _ROOT_TAG)
             + _len_prefixed(_TAG_STR, algorithm.encode("ascii"))
             + _len_prefixed(_TAG_BYTES, namespace)
+            + _len_prefixed(_TAG_INT, _decimal(block_size))
         )
         """Parent of a sequence's first block."""
 
