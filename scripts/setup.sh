@@ -14,7 +14,8 @@ fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
 
 # Pinned: an unpinned torch pulls a multi-GB CUDA build. This project's machines serve 2.13.0 as
-# the CPU build; elsewhere install it first from https://download.pytorch.org/whl/cpu (README).
+# the CPU build; elsewhere install it first into $VENV from https://download.pytorch.org/whl/cpu
+# (README): 2.13.0+cpu satisfies this pin, so pip keeps it and fetches nothing.
 python -m pip install -q "torch==2.13.0"
 # vLLM 0.33.0 on CPU: its declared dependencies include CUDA-only pins no CPU machine can meet, so
 # it goes in without them and its pure-Python dependencies come from requirements/. Skip with

@@ -13,6 +13,7 @@ from kvtier.demo import DemoResult, result_table
 def _result(loaded: int, stored: int) -> DemoResult:
     return DemoResult(
         model="m", requests=1, prompt_tokens=10, identical_outputs=True, max_logit_diff=0.0,
+        differing_requests=0, first_divergence=None,
         prefix_hit_ratio=0.5, prefill_tokens={"kvtier": 5, "recompute": 10},
         prefill_tokens_saved=5, ttft_median_s={"kvtier": 1.0, "recompute": 2.0},
         ttft_p90_s={"kvtier": 1.0, "recompute": 2.0}, bytes_loaded=loaded,

@@ -77,6 +77,12 @@ class OutputError(OSError):
 STDOUT = "standard output"
 
 
+# The exit status when the reader of stdout goes away (`| head`): 128 + SIGPIPE, what a shell
+# reports for a command that SIGPIPE ended (`yes | head`), as 130 (128 + SIGINT) is what an
+# interrupted command exits with. Not 1, which `kvtier demo` uses for "tokens differ".
+BROKEN_PIPE = 141
+
+
 @contextlib.contextmanager
 def writing_stdout() -> Iterator[None]:
     """Turn an `OSError` raised inside into an `OutputError` naming standard output."""
@@ -86,6 +92,33 @@ def writing_stdout() -> Iterator[None]:
         raise
     except OSError as e:
         raise OutputError(STDOUT, e) from e
+
+
+def print_rich(*renderables: object, width: int | None = None, crop: bool = True) -> None:
+    """Print rich `renderables` to stdout (`width` columns, or the terminal's; `crop=False`
+    writes lines wider than that whole); a failure is an `OutputError` naming standard output.
+
+    Rendered into a buffer and written here: rich, writing stdout itself, ends the process on
+    a broken pipe (SystemExit(1)) and reports a full disk without naming stdout.
+    """
+    from rich.console import Console
+
+    real = Console() if width is None else Console(width=width)
+    # The buffer has stdout's encoding, so rich still draws ASCII boxes for an ASCII stdout.
+    raw = io.BytesIO()
+    buffer = io.TextIOWrapper(raw, encoding=real.encoding, errors="replace", newline="")
+    console = Console(
+        file=buffer,
+        width=real.width,
+        force_terminal=real.is_terminal,
+        color_system=real.color_system,  # type: ignore[arg-type]  # a name it accepts
+    )
+    for renderable in renderables:
+        console.print(renderable, crop=crop)
+    buffer.flush()
+    with writing_stdout():
+        sys.stdout.write(raw.getvalue().decode(real.encoding))
+        sys.stdout.flush()
 
 
 def _policies(args: argparse.Namespace) -> int:
@@ -196,9 +229,8 @@ def _write_failed(command: str, e: OSError) -> int:
     _stop_writing_stdout()
     if isinstance(e, BrokenPipeError):
         # The reader of our output went away (`kvtier simulate T --csv - | head`): nothing is
-        # wrong with the arguments, and there is no one left to tell. End as rich does when
-        # this happens while it prints a table.
-        return 1
+        # wrong with the arguments, and there is no one left to tell.
+        return BROKEN_PIPE
     print(f"{command}: error: cannot write to standard output: {e}", file=sys.stderr)
     return 2
 

@@ -8,20 +8,24 @@ arrive round-robin, as interleaved traffic would. User text is seeded random tok
 
 Each request runs twice, back to back, once through `KVTierGenerator` (load the stored
 prefix, prefill the rest) and once with full recomputation; which one goes first alternates,
-so that machine noise falls on both alike. The report compares prefix hits, prefill tokens,
-time to first token and the bytes kvtier moved, and says whether the greedy tokens are
-identical, which sets the exit status.
+so that machine noise falls on both alike. Both runs see the same prompts: a conversation
+continues with recomputation's reply, the reference, so a reply of kvtier's that differs does
+not make every later turn of its conversation a different prompt. The report compares prefix
+hits, prefill tokens, time to first token and the bytes kvtier moved, and says whether the
+greedy tokens are identical, which sets the exit status.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -39,7 +43,8 @@ BLOCK_SIZE = 16
 VARIANTS = ("kvtier", "recompute")
 EXIT_HELP = (
     "exit status: 0 when kvtier's tokens equal recomputation's, 1 when they differ, "
-    "2 on bad arguments"
+    "2 on bad arguments or an output that cannot be written, 141 when the reader of "
+    "standard output goes away (| head)"
 )
 # The seeds torch.Generator.manual_seed accepts.
 SEED_RANGE = (-(2**63), 2**64 - 1)
@@ -84,6 +89,12 @@ class DemoResult:
     prompt_tokens: int
     identical_outputs: bool
     max_logit_diff: float
+    """Largest |logit| difference over each request's tokens up to and including its first
+    differing one (later tokens follow different inputs)."""
+    differing_requests: int
+    first_divergence: dict[str, int] | None
+    """The first request whose tokens differ: its `request` (in run order), `conversation`,
+    `turn` and the `token` position in the reply (all from 0); None when none does."""
     prefix_hit_ratio: float
     prefill_tokens: dict[str, int]
     prefill_tokens_saved: int
@@ -181,8 +192,21 @@ class _Reply(NamedTuple):
 
 
 def _percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile: the smallest value with at least `q` of the values at or
+    below it."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    # Rounded first: 0.7 * 10 is 7.000000000000001 in floating point, whose ceiling is 8.
+    rank = math.ceil(round(q * len(ordered), 9))
+    return ordered[min(len(ordered), max(rank, 1)) - 1]
+
+
+def _first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    """The first position where token sequences `a` and `b` differ, or None."""
+    n = min(a.numel(), b.numel())
+    differ = (a[:n] != b[:n]).nonzero()
+    if differ.numel():
+        return int(differ[0, 0])
+    return None if a.numel() == b.numel() else n
 
 
 def run_demo(opts: DemoOptions, on_request: Callable[[], None] = lambda: None) -> DemoResult:
@@ -218,10 +242,13 @@ def run_demo(opts: DemoOptions, on_request: Callable[[], None] = lambda: None) -
     # starts with this turn's reply, so its KV is as reusable as the prompt's. The pool holds
     # every block of the workload, so the demo shows reuse, not eviction.
     config = KVTierConfig(offload_prompt_only=False, num_slots=max_blocks * opts.conversations + 1)
-    history = {v: [system.clone() for _ in users] for v in VARIANTS}
+    # One history for both runs, continued with recomputation's replies: every request's
+    # prompt is then the same for both, even after kvtier's tokens differ.
+    history = [system.clone() for _ in users]
     ttft: dict[str, list[float]] = {v: [] for v in VARIANTS}
     recompute_prefill = 0
-    identical = True
+    differing = 0
+    first: dict[str, int] | None = None
     worst = 0.0
     with KVTierGenerator(
         model, config, block_size=BLOCK_SIZE, max_blocks=max_blocks, namespace=namespace
@@ -241,26 +268,37 @@ def run_demo(opts: DemoOptions, on_request: Callable[[], None] = lambda: None) -
         for turn in range(opts.turns):
             for c, conv in enumerate(users):
                 order = VARIANTS if (turn + c) % 2 == 0 else VARIANTS[::-1]
+                prompt = torch.cat([history[c], conv[turn]])
                 replies: dict[str, _Reply] = {}
                 for v in order:
-                    prompt = torch.cat([history[v][c], conv[turn]])
                     replies[v] = runners[v](prompt)
                     ttft[v].append(replies[v].ttft_s)
-                    history[v][c] = torch.cat([prompt, replies[v].tokens])
                 k, r = replies["kvtier"], replies["recompute"]
+                history[c] = torch.cat([prompt, r.tokens])
                 recompute_prefill += r.prefill_tokens
-                if torch.equal(k.tokens, r.tokens):
-                    worst = max(worst, float((k.logits - r.logits).abs().max()))
-                else:
-                    identical = False
+                j = _first_difference(k.tokens, r.tokens)
+                # Logits past the first differing token follow different inputs; up to it
+                # (inclusive: its logits chose it) they are comparable.
+                upto = min(k.logits.shape[0], r.logits.shape[0])
+                if j is not None:
+                    upto = min(upto, j + 1)
+                if upto:
+                    worst = max(worst, float((k.logits[:upto] - r.logits[:upto]).abs().max()))
+                if j is not None:
+                    differing += 1
+                    if first is None:
+                        request = turn * len(users) + c
+                        first = {"request": request, "conversation": c, "turn": turn, "token": j}
                 on_request()
         stats = gen.stats
     return DemoResult(
         model=str(opts.model) if opts.model else f"random-weight llama (seed {opts.seed})",
         requests=stats.requests,
         prompt_tokens=stats.prompt_tokens,
-        identical_outputs=identical,
+        identical_outputs=differing == 0,
         max_logit_diff=worst,
+        differing_requests=differing,
+        first_divergence=first,
         prefix_hit_ratio=stats.prefix_hit_ratio,
         prefill_tokens={"kvtier": stats.prefill_tokens, "recompute": recompute_prefill},
         prefill_tokens_saved=recompute_prefill - stats.prefill_tokens,
@@ -321,7 +359,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Declare `kvtier demo`'s arguments on `p`."""
     d = DemoOptions()
     p.epilog = EXIT_HELP
-    p.add_argument("--conversations", type=int, default=d.conversations, help="default %(default)s")
+    p.add_argument(
+        "--conversations",
+        type=int,
+        default=d.conversations,
+        help="conversations, their turns interleaved round-robin (default %(default)s)",
+    )
     p.add_argument(
         "--turns", type=int, default=d.turns, help="turns per conversation (default %(default)s)"
     )
@@ -351,15 +394,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="local transformers checkpoint directory (AutoModelForCausalLM, no download); "
         "default: a seeded random-weight Llama-architecture model",
     )
-    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write results here")
+    p.add_argument(
+        "--json",
+        default=None,
+        metavar="FILE",
+        help="write the results as one JSON object (the table's numbers, whether and where "
+        "the tokens differ, the options) to FILE; '-': to stdout, instead of the table",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar and no table")
 
 
-def _check_writable(path: Path) -> None:
-    """Refuse `path` for `--json` unless a file can be written there; leaves no new file."""
+def _check_writable(path: Path, model: Path | None = None) -> None:
+    """Refuse `path` for `--json` unless a file can be written there and it is no file of the
+    `model` checkpoint (its config.json, say, which the results would replace); leaves no new
+    file."""
     if not path.parent.is_dir():
         raise ValueError(f"--json {path}: directory {path.parent} does not exist")
     existed = path.exists()
+    if existed and model is not None:
+        _check_not_in_checkpoint(path, model)
     try:
         with path.open("a"):
             pass
@@ -369,8 +422,63 @@ def _check_writable(path: Path) -> None:
         path.unlink()
 
 
+def _check_not_in_checkpoint(path: Path, model: Path) -> None:
+    """Refuse `path` when it is one of `model`'s files, also through a link (a Hugging Face
+    cache snapshot links its files to blobs elsewhere)."""
+    try:
+        target = os.stat(path)
+    except OSError:
+        return  # refused by the write check that follows
+    for root, _dirs, files in os.walk(model):
+        for name in files:
+            file = os.path.join(root, name)
+            with contextlib.suppress(OSError):  # a dangling link is no file of ours
+                if os.path.samestat(os.stat(file), target):
+                    raise ValueError(
+                        f"--json {path} is the checkpoint's {os.path.relpath(file, model)} "
+                        f"(--model {model}); expected a file outside the checkpoint for the "
+                        "results"
+                    )
+
+
+@contextlib.contextmanager
+def _transformers_progress_off(off: bool) -> Iterator[None]:
+    """Inside, with `off`: no transformers progress bar (its "Loading weights" bar), and
+    afterwards the setting as it was."""
+    if not off:
+        yield
+        return
+    from transformers.utils import logging
+
+    hf_logging: Any = logging  # untyped upstream
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
+def _verdict(r: DemoResult) -> str:
+    """The line under the table: whether the tokens are identical, and where they first
+    differ."""
+    diff = f"max logit difference {r.max_logit_diff:.1e}"
+    if r.first_divergence is None:
+        return f"generated tokens: identical with and without kvtier ({diff})"
+    d = r.first_divergence
+    return (
+        f"generated tokens: DIFFERENT with and without kvtier in {r.differing_requests} of "
+        f"{r.requests} requests, first at request {d['request']} (conversation "
+        f"{d['conversation']}, turn {d['turn']}), reply token {d['token']} ({diff} up to each "
+        "request's first differing token)"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """Run `kvtier demo`; 0 when outputs are identical, 1 when not, 2 on bad input."""
+    from kvtier.cli import STDOUT, OutputError, print_rich, writing_stdout
+
     opts = DemoOptions(
         conversations=args.conversations,
         turns=args.turns,
@@ -380,9 +488,13 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         model=args.model,
     )
-    if args.json is not None:
+    json_name: str | None = args.json
+    to_stdout = json_name == "-"  # as `kvtier simulate --json -`: the JSON, not the table
+    if json_name == "":
+        raise ValueError("--json ''; expected a file path, or '-' for stdout")
+    if json_name is not None and not to_stdout:
         # Checked first: a run takes tens of seconds, and its results would be lost at the end.
-        _check_writable(args.json)
+        _check_writable(Path(json_name), opts.model)
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -391,26 +503,46 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     requests = opts.conversations * opts.turns
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        disable=args.quiet,
-        transient=True,
-    ) as progress:
+    with (
+        _transformers_progress_off(args.quiet),
+        Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            # As `kvtier simulate`: off a terminal rich draws no bar, only a blank line.
+            disable=args.quiet or not sys.stderr.isatty(),
+            transient=True,
+        ) as progress,
+    ):
         task = progress.add_task("chat requests (kvtier + recompute)", total=requests)
         result = run_demo(opts, lambda: progress.advance(task))
-    if args.json is not None:
-        args.json.write_text(json.dumps(asdict(result), indent=2) + "\n")
-    if not args.quiet:
-        console = Console(width=max(100, Console().width))
-        console.print(result_table(result))
-        verdict = "identical" if result.identical_outputs else "DIFFERENT"
-        console.print(
-            f"generated tokens: {verdict} with and without kvtier "
-            f"(max logit difference {result.max_logit_diff:.1e}); "
-            f"wall time {result.wall_s:.0f} s"
-        )
+    # The table first, so that a --json file that cannot be written does not cost it; a
+    # failure to write stdout waits until the file holds the results.
+    stdout_failed: OutputError | None = None
+    if not args.quiet and not to_stdout:
+        try:
+            print_rich(
+                result_table(result),
+                f"{_verdict(result)}; wall time {result.wall_s:.0f} s",
+                width=max(100, Console().width),
+            )
+        except OutputError as e:
+            if e.where != STDOUT:
+                raise
+            stdout_failed = e
+    if json_name is not None:
+        document = json.dumps(asdict(result), indent=2) + "\n"
+        if to_stdout:
+            with writing_stdout():
+                sys.stdout.write(document)
+                sys.stdout.flush()
+        else:
+            try:
+                Path(json_name).write_text(document)
+            except OSError as e:
+                raise OutputError(f"--json file {json_name!r}", e) from e
+    if stdout_failed is not None:
+        raise stdout_failed
     return 0 if result.identical_outputs else 1

@@ -103,7 +103,7 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(trace: Path, args: lis
     handling): no message, status 1."""
     argv = [a.format(trace=trace) for a in args]
     for extra in ([], ["--jobs", "1"]) if argv[0] == "simulate" else ([],):
-        assert kvtier_with_reader_gone([*argv, *extra]) == (1, "")
+        assert kvtier_with_reader_gone([*argv, *extra]) == (141, "")
 
 
 def test_the_plot_is_titled_with_the_whole_trace_name(

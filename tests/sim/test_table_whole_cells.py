@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rich.console import Console
 
 from kvtier.cli import main
 
@@ -83,7 +82,7 @@ def test_a_narrow_terminal_gets_every_number_whole(
 ) -> None:
     from kvtier.sim import command
 
-    monkeypatch.setattr(command, "_stdout_console", lambda: Console(width=width))
+    monkeypatch.setattr(command, "_table_width", lambda: width)
     engine = ["--mode", "engine", "--model-shape", "llama-3-70b"]
     out, rows = _simulate(
         trace, tmp_path, capsys, "--policies", "lru,opt", "--capacities", "1%,25%", *engine
@@ -120,7 +119,7 @@ def test_advise_table_keeps_long_specs_whole(
 ) -> None:
     from kvtier.sim import command
 
-    monkeypatch.setattr(command, "_stdout_console", lambda: Console(width=60))
+    monkeypatch.setattr(command, "_table_width", lambda: 60)
     argv = ["simulate", str(trace), "-q", "--jobs", "1", "--advise"]
     assert main([*argv, "--policies", ",".join(long_specs)]) == 0
     out = capsys.readouterr().out

@@ -6,7 +6,6 @@ import argparse
 import contextlib
 import csv
 import dataclasses
-import io
 import json
 import math
 import os
@@ -20,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvtier.cli import STDOUT, OutputError, writing_stdout
+from kvtier.cli import STDOUT, OutputError, print_rich, writing_stdout
 from kvtier.policies import get_policy_cls, registered_policies
 from kvtier.sim.advise import Advice, advise
 from kvtier.sim.readers import FORMATS, read_trace
@@ -93,7 +92,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--store-threshold",
         type=int,
         default=0,
-        help="admit a block on its N-th sighting (2 = admit on second sighting; 0 = always)",
+        help="admit a block on its N-th sighting: 2 admits on the second, 0 always (default "
+        "%(default)s)",
     )
     p.add_argument(
         "--max-tracker-size",
@@ -107,7 +107,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"preset ({', '.join(MODEL_PRESETS)}) or LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]: "
         "adds bytes loaded/stored and allows byte capacities",
     )
-    p.add_argument("--format", choices=FORMATS, default="auto", help="trace format")
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="auto",
+        help="trace format (default %(default)s: from the first record)",
+    )
     p.add_argument(
         "--block-tokens",
         type=int,
@@ -115,8 +120,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="tokens per block (default: what a Mooncake-format trace's lengths imply, 512 for "
         "the published Mooncake traces; 16 for token prompts)",
     )
-    p.add_argument("--hash", default="sha256", help="token prompts: block hash algorithm")
-    p.add_argument("--namespace", default="", help="token prompts: hash namespace (model id)")
+    p.add_argument(
+        "--hash",
+        default="sha256",
+        help="token prompts: block hash algorithm, sha256 or xxh3_128 (needs the xxhash "
+        "package; default %(default)s)",
+    )
+    p.add_argument(
+        "--namespace",
+        default="",
+        help="token prompts: hash namespace, the model id (default: none)",
+    )
     p.add_argument("--json", default=None, metavar="FILE", help="write rows as JSON ('-': stdout)")
     p.add_argument("--csv", default=None, metavar="FILE", help="write rows as CSV ('-': stdout)")
     p.add_argument(
@@ -268,33 +282,14 @@ def _check_not_the_trace(trace: Path, outputs: tuple[tuple[str, str | None], ...
                 )
 
 
-def _stdout_console() -> Console:
+def _table_width() -> int | None:
     # Piped output keeps whole rows (rich would wrap them at 80 columns).
-    return Console() if sys.stdout.isatty() else Console(width=200)
+    return None if sys.stdout.isatty() else 200
 
 
 def _print_table(table: Table) -> None:
-    """Write `table` to stdout; a failure is an `OutputError` naming standard output.
-
-    Rendered into a buffer and written here: rich, writing stdout itself, ends the process on
-    a broken pipe (SystemExit) and reports a full disk without naming stdout.
-    """
-    real = _stdout_console()
-    # The buffer has stdout's encoding, so rich still draws ASCII boxes for an ASCII stdout.
-    raw = io.BytesIO()
-    buffer = io.TextIOWrapper(raw, encoding=real.encoding, errors="replace", newline="")
-    console = Console(
-        file=buffer,
-        width=real.width,
-        force_terminal=real.is_terminal,
-        color_system=real.color_system,  # type: ignore[arg-type]  # a name it accepts
-    )
     # A table wider than the console (its cells are never cut) is written whole.
-    console.print(table, crop=False)
-    buffer.flush()
-    with writing_stdout():
-        sys.stdout.write(raw.getvalue().decode(real.encoding))
-        sys.stdout.flush()
+    print_rich(table, width=_table_width(), crop=False)
 
 
 def run(args: argparse.Namespace) -> int:
