@@ -212,3 +212,18 @@ def test_trace_rejects_mixed_block_sizes() -> None:
 def test_mooncake_conversation_trace_statistics() -> None:
     trace = read_trace(MOONCAKE_FILE)
     assert (len(trace), trace.num_blocks, trace.num_unique_blocks) == (12_031, 288_500, 182_790)
+
+
+def test_hash_settings_are_refused_for_a_mooncake_trace(tmp_path: Path) -> None:
+    """Its hash_ids are block ids already: --hash and --namespace were silently ignored, and a
+    bogus --hash passed."""
+    path = tmp_path / "m.jsonl"
+    path.write_text(
+        '{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}\n'
+    )
+    for kwargs in ({"algorithm": "xxh3_128"}, {"namespace": "llama"}):
+        with pytest.raises(ValueError, match=r"apply to token-prompt traces.*Mooncake format"):
+            read_trace(path, **kwargs)
+    with pytest.raises(ValueError, match="unknown hash algorithm 'bogus'"):
+        read_trace(path, algorithm="bogus")
+    assert read_trace(path).num_blocks == 2

@@ -14,7 +14,7 @@ from typing import Any, Final
 import msgspec
 
 from kvtier.base import OffloadKey, make_offload_key
-from kvtier.hashing import BlockHasher
+from kvtier.hashing import HASH_ALGORITHMS, BlockHasher
 from kvtier.sim.trace import Request, Trace, TraceFormatError
 
 MOONCAKE_BLOCK_TOKENS: Final = 512
@@ -269,6 +269,10 @@ def iter_trace(
     """
     if fmt not in FORMATS:
         raise ValueError(f"trace format {fmt!r} is unknown; expected one of: {', '.join(FORMATS)}")
+    if algorithm not in HASH_ALGORITHMS:
+        raise ValueError(
+            f"unknown hash algorithm {algorithm!r}; expected one of: {', '.join(HASH_ALGORITHMS)}"
+        )
     if block_tokens is not None and (type(block_tokens) is not int or block_tokens < 1):
         raise ValueError(f"block_tokens={block_tokens!r} is invalid; expected a positive int")
     if not Path(path).is_file():
@@ -280,6 +284,13 @@ def iter_trace(
     if fmt == "auto":
         fmt = detect_format(path)
     if fmt == "mooncake":
+        if algorithm != "sha256" or namespace not in ("", b""):
+            # Its hash_ids are block ids already: a hash setting would be silently ignored.
+            raise ValueError(
+                f"hash algorithm {algorithm!r} and namespace {namespace!r} apply to token-prompt "
+                f"traces; {str(path)!r} is in Mooncake format, whose hash_ids are already block "
+                "ids (leave them at sha256 and none)"
+            )
         return read_mooncake(path, block_tokens=block_tokens or infer_block_tokens(path))
     return read_token_prompts(
         path, block_tokens=block_tokens or 16, algorithm=algorithm, namespace=namespace
