@@ -178,7 +178,7 @@ class ManagerStats:
     stores_no_room: int = 0
     """Keys absent from the tier that a `prepare_store` turned away because no room could be
     made (every slot pinned or being written): the call returned None. All of them, whatever
-    admission would have decided, which is then not asked."""
+    admission decided (a policy that previews learns nothing from such a call)."""
 
     @property
     def usage(self) -> float:
