@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Collection, Iterable, Iterator
 from itertools import chain, repeat
 from operator import setitem
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import numpy as np
 
@@ -39,6 +39,12 @@ logger = logging.getLogger(__name__)
 _PENDING = -1  # being written: not readable, not evictable
 _READY = 0  # readable and evictable
 _FREE = -2
+
+
+# Policies shipped with kvtier; any other (a plugin, a subclass) has its victims checked.
+_BUILTIN_POLICY_MODULES: Final = frozenset(
+    f"kvtier.policies.{name}" for name in ("lru", "arc", "s3fifo", "sieve", "kvaware")
+)
 
 
 def _key_str(key: object) -> str:
@@ -136,6 +142,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._admit_all = type(self._admission) is AlwaysAdmit
         # A plugin's answer is checked before it is acted on; the built-in ones are trusted.
         self._check_admitted = type(self._admission) not in (AlwaysAdmit, ReuseAdmission)
+        self._check_victims = type(self._policy).__module__ not in _BUILTIN_POLICY_MODULES
         self._slot_of: dict[OffloadKey, int] = {}
         self._ref: list[int] = [_FREE] * num_slots
         self._free: list[int] = []
@@ -327,6 +334,8 @@ class CPUOffloadingManager(OffloadingManager):
             if victims is None:
                 self._stores_no_room += num_new
                 return None
+            if self._check_victims:
+                victims = self._checked_victims(victims, num_to_evict, present)
             evicted = victims
         if recorder is not None:
             try:
@@ -462,6 +471,49 @@ class CPUOffloadingManager(OffloadingManager):
         # can never leave a slot in both (it would be handed out twice).
         self._free += self._quarantined
         self._quarantined.clear()
+
+    def _checked_victims(
+        self, victims: object, n: int, protected: Collection[OffloadKey]
+    ) -> list[OffloadKey]:
+        # Evicting a pinned slot would let a store overwrite what a load is reading; a key not
+        # held, or one twice, would fail part-way through the eviction.
+        slot_of, ref = self._slot_of, self._ref
+        why = ""
+        keys: list[OffloadKey] = []
+        if isinstance(victims, list):
+            keys = victims
+        else:
+            why = f"returned {type(victims).__name__} {victims!r:.80}"
+        seen: set[OffloadKey] = set()
+        for key in keys:
+            slot = slot_of.get(key) if type(key) is bytes else None
+            if slot is None:
+                why = f"evicted {key!r}, which the tier does not hold"
+            elif ref[slot] != _READY:
+                state = "being written" if ref[slot] == _PENDING else "pinned by a load"
+                why = f"evicted {_key_str(key)}, which is {state}"
+            elif key in seen:
+                why = f"evicted {_key_str(key)} twice"
+            elif key in protected:
+                why = f"evicted {_key_str(key)}, which this store protects"
+            if why:
+                break
+            seen.add(key)
+        if not why and len(seen) != n:
+            why = f"evicted {len(seen)} keys"
+        if not why:
+            return keys
+        # Back among the candidates, every ready key the policy dropped (what it returned, or
+        # what it took out and returned something else for): out of the policy, they could
+        # never be evicted again. A scan of the tier, on this error path only.
+        policy = self._policy
+        policy.insert(
+            [k for k, slot in slot_of.items() if ref[slot] == _READY and k not in policy], None
+        )
+        raise ValueError(
+            f"cache policy {self._policy!r} {why}; expected {n} distinct ready keys of the tier, "
+            "none pinned, being written or protected"
+        )
 
     def _checked_admitted(self, admitted: object, new: list[OffloadKey]) -> list[OffloadKey]:
         # A key twice, or one already in the tier, would be given a second slot: the first

@@ -1,11 +1,13 @@
-"""The manager and admission policies that misbehave, or that it cannot finish asking: a custom
-policy's `record` that raises after victims were chosen, an answer that is not a subset of the
-offer, an interrupted reset, a store that finds no room. Each must leave the manager consistent,
-with every slot reachable and every key turned away counted once."""
+"""The manager and the policies of its plugins that misbehave, or that it cannot finish asking: a
+custom admission policy's `record` that raises after victims were chosen, an answer that is not
+a subset of the offer, a cache policy that evicts what it must not, an interrupted reset, a
+store that finds no room. Each must leave the manager consistent, with every slot reachable and
+every key turned away counted once."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import pytest
 
@@ -134,3 +136,47 @@ def test_an_unhashable_key_in_a_store_is_named() -> None:
     with pytest.raises(TypeError, match=r"offload keys are bytes; got bytearray"):
         m.prepare_store([key(1), bytearray(b"x")], ReqContext("a"))  # type: ignore[list-item]
     assert m.get_stats().used_slots == 0
+
+
+class _Evicts(LRUPolicy):
+    """LRU whose `evict` answer `wrong` rewrites, once armed (a cache policy plugin's bug)."""
+
+    wrong: Callable[[list[OffloadKey]], object] | None = None
+
+    def evict(self, n: int, protected: Collection[OffloadKey]) -> Any:
+        victims = super().evict(n, protected)
+        if _Evicts.wrong is None or victims is None:
+            return victims
+        wrong, _Evicts.wrong = _Evicts.wrong, None
+        return wrong(victims)
+
+
+@pytest.mark.parametrize(
+    ("wrong", "match"),
+    [
+        (lambda v: [key(2)], r"evicted .*, which is pinned by a load"),  # key 1's victim swapped
+        (lambda v: [key(3)], r"evicted .*, which is being written"),
+        (lambda v: [key(99)], r"evicted .*, which the tier does not hold"),
+        (lambda v: v + v, r"evicted .* twice"),
+        (lambda v: [], r"evicted 0 keys"),
+        (tuple, r"returned tuple"),
+    ],
+)
+def test_a_cache_policy_plugin_cannot_evict_what_it_must_not(wrong: Any, match: str) -> None:
+    """Evicting key 2 while a load reads it would let the store overwrite its slot; a key not
+    held, or twice, failed part-way through the eviction."""
+    m = CPUOffloadingManager(3, _Evicts)
+    ctx = ReqContext("a")
+    out = m.prepare_store(keys(1, 2), ctx)
+    assert out is not None
+    m.complete_store(out.keys_to_store, ctx)
+    assert m.prepare_store([key(3)], ctx) is not None  # key 3 pending: the tier is full
+    m.prepare_load([key(2)], ctx)  # key 2 pinned: key 1 is the only victim
+    before = (dict(m._slot_of), list(m._ref), m.get_stats())
+    _Evicts.wrong = wrong
+    with pytest.raises(ValueError, match=match) as info:
+        m.prepare_store([key(4)], ReqContext("b"))
+    assert "_Evicts" in str(info.value) and "expected 1 distinct ready keys" in str(info.value)
+    assert (dict(m._slot_of), list(m._ref), m.get_stats()) == before
+    out = m.prepare_store([key(4)], ReqContext("b"))  # key 1 is still evictable
+    assert out is not None and out.evicted_keys == [key(1)]
