@@ -112,6 +112,28 @@ def test_deepest_block_follows_a_request_that_grows() -> None:
     assert twin._tail_of(ctx) == key(1)
 
 
+def test_the_deepest_key_of_interleaved_growing_requests_matches_a_full_scan() -> None:
+    """Each request's deepest key is kept per request, and only appended keys are read: an
+    engine step calls for many requests in turn, and every switch between them read a whole
+    table again (O(request length) per call). Ties keep the earlier key, as max() does."""
+    rng = random.Random(7)
+    policy = KVAwarePolicy(64, mode="open")
+    tables: dict[str, dict[OffloadKey, int]] = {f"r{i}": {} for i in range(5)}
+    for step in range(2_000):
+        req = rng.choice(list(tables))
+        table = tables[req]
+        for _ in range(rng.randint(0, 3)):
+            table[key(1_000 * int(req[1:]) + len(table))] = 16 * rng.randint(1, 12)
+        if not table:
+            continue
+        got = policy._tail_of(ReqContext(req, key_positions=table))
+        assert got == max(table, key=table.__getitem__), (step, req)
+    assert policy.table_sizes()["request_tails"] == 5
+    for req in tables:
+        policy.on_request_finished(ReqContext(req))
+    assert policy.table_sizes()["request_tails"] == 0
+
+
 def test_a_new_table_of_the_same_request_is_read_afresh() -> None:
     # A caller may build a ReqContext (and its table) per call of one request.
     def victims(first_req: str) -> list[OffloadKey] | None:

@@ -12,7 +12,6 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from itertools import islice
 from numbers import Real
-from operator import itemgetter
 
 from kvtier.base import OffloadKey, ReqContext, checked_fraction, checked_int
 from kvtier.policies.base import CachePolicy, register_policy
@@ -120,6 +119,9 @@ class KVAwarePolicy(CachePolicy):
         self._tail_pos: dict[OffloadKey, int] | None = None
         self._tail_key: OffloadKey | None = None
         self._tail_len = 0
+        # The same per live request (table, length covered, deepest key), oldest first: an
+        # engine step calls for many requests in turn, and each switch would read a whole table.
+        self._tails: OrderedDict[str, tuple[dict[OffloadKey, int], int, OffloadKey]] = OrderedDict()
         # Keys already counted per live request: an engine reports one use of a chunk more than
         # once (a device hit when the request arrives and again when it ends; a load's unpin
         # and the same end-of-request touch), and a use must count once, as in a replay.
@@ -188,16 +190,24 @@ class KVAwarePolicy(CachePolicy):
         """The deepest key of `ctx`'s request, or None without positions."""
         if ctx is None or not ctx.key_positions:
             return None
-        positions = ctx.key_positions
-        seen = 0
+        positions, req_id = ctx.key_positions, ctx.req_id
+        seen, tail = 0, None
         # The same table object, not only the same request: a caller may build a new
         # ReqContext (and table) for each call of one request.
-        if positions is self._tail_pos and ctx.req_id == self._tail_req:
+        if positions is self._tail_pos and req_id == self._tail_req:
             if len(positions) == self._tail_len:
                 return self._tail_key
-            seen = self._tail_len
+            seen, tail = self._tail_len, self._tail_key
+        else:
+            saved = self._tails.get(req_id)
+            if saved is not None and saved[0] is positions:
+                _, seen, tail = saved
+                if len(positions) == seen:
+                    self._tail_req, self._tail_pos = req_id, positions
+                    self._tail_len, self._tail_key = seen, tail
+                    return tail
         try:
-            return self._find_tail(ctx.req_id, positions, seen)
+            return self._find_tail(req_id, positions, seen, tail)
         except TypeError:
             bad = [(k, v) for k, v in positions.items() if not isinstance(v, Real)]
             if not bad:
@@ -207,19 +217,36 @@ class KVAwarePolicy(CachePolicy):
                 f"{bad[0][1]!r}; expected an int token position"
             ) from None
 
-    def _find_tail(self, req_id: str, positions: dict[OffloadKey, int], seen: int) -> OffloadKey:
-        n, tail = len(positions), self._tail_key
-        if seen and n > seen and tail in positions:
+    def _find_tail(
+        self,
+        req_id: str,
+        positions: dict[OffloadKey, int],
+        seen: int,
+        tail: OffloadKey | None,
+    ) -> OffloadKey:
+        n = len(positions)
+        if seen and n > seen and tail is not None and tail in positions:
             # An engine adds the chunks it stores step by step: only the new ones can be
-            # deeper (a tie keeps the earlier key, as max() over the whole table would).
-            key, pos = max(islice(positions.items(), seen, None), key=itemgetter(1))
-            if pos > positions[tail]:
-                tail = key
+            # deeper. Read from the end (islice from the front walks the whole table); a tie
+            # keeps the earlier key, as max() over the whole table would.
+            best, deepest = tail, positions[tail]
+            new_key, new_pos = None, deepest
+            for key, pos in islice(reversed(positions.items()), n - seen):
+                if pos >= new_pos:
+                    new_key, new_pos = key, pos
+            if new_key is not None and new_pos > deepest:
+                best = new_key
+            tail = best
         else:
             # Once per table: O(request length).
             tail = max(positions, key=positions.__getitem__)
         self._tail_req, self._tail_pos = req_id, positions
         self._tail_len, self._tail_key = n, tail
+        tails = self._tails
+        tails[req_id] = (positions, n, tail)
+        tails.move_to_end(req_id)
+        if len(tails) > _LIVE_REQUESTS:
+            tails.popitem(last=False)
         return tail
 
     def _is_tail(self, key: OffloadKey, ctx: ReqContext | None) -> bool:
@@ -552,6 +579,7 @@ class KVAwarePolicy(CachePolicy):
         self._floor = 0
         self._tail_req = self._tail_key = self._tail_pos = None
         self._tail_len = 0
+        self._tails.clear()
         self._counted.clear()
         self._counted_req, self._counted_keys = None, set()
         if self._owns_sketch:
@@ -568,6 +596,7 @@ class KVAwarePolicy(CachePolicy):
             self._since_switch = 0
 
     def on_request_finished(self, ctx: ReqContext) -> None:
+        self._tails.pop(ctx.req_id, None)
         if ctx.req_id == self._tail_req:
             self._tail_req = self._tail_key = self._tail_pos = None
             self._tail_len = 0
@@ -585,6 +614,7 @@ class KVAwarePolicy(CachePolicy):
             "pinned": len(self._pinned),
             # Keys of live requests, bounded by the engine's requests rather than the capacity.
             "request_keys_live": sum(map(len, self._counted.values())),
+            "request_tails": len(self._tails),
         }
         if self._models is not None:
             for i, model in enumerate(self._models):

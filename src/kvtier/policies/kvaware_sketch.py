@@ -26,7 +26,9 @@ def key_hash(key: object) -> int:
 
 class FrequencySketch:
     """Count-min sketch of recent access counts: 4 rows of `width` one-byte counters capped at
-    15, all halved every `period` accesses so that old popularity fades. Fixed size."""
+    15, all halved once `period` accesses are counted, so that old popularity fades. The count
+    of accesses halves with them (TinyLFU's reset), so later halvings come every `period / 2`
+    accesses. Fixed size."""
 
     def __init__(self, width: int, period: int) -> None:
         if width < 1 or period < 1:
