@@ -141,7 +141,9 @@ def test_s3fifo_per_request_table_is_bounded_and_cleared() -> None:
         s3.touch([k], ReqContext(f"r{i}"))
         s3.pin([k])
         s3.unpin([k], ReqContext(f"r{i}x"))
-        assert all(v <= 2 * 8 for v in s3.table_sizes().values())
+        sizes = s3.table_sizes()
+        assert sizes.pop("request_tokens") <= 512  # requests never finished: bounded apart
+        assert all(v <= 2 * 8 for v in sizes.values())
     s3.remove([key(199)])
     s3.clear()
     assert all(v == 0 for v in s3.table_sizes().values())

@@ -51,3 +51,20 @@ def test_bad_promote_freq_is_rejected(bad: object) -> None:
     # Frequencies stop at 3: a threshold of 4 would promote nothing, 0 everything.
     with pytest.raises(ValueError, match=f"promote_freq={bad!r}"):
         S3FIFOPolicy(10, promote_freq=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("second_id", ["chat-8", "chat-7"])
+def test_a_request_reusing_a_finished_requests_id_is_counted_anew(second_id: str) -> None:
+    """The policy kept the id of the request that counted a key past its end: a new request
+    with that id got no count for its use, and the key left as a one-hit wonder."""
+    from kvtier.base import ReqContext
+
+    p = S3FIFOPolicy(10)  # small target 1, promotion at frequency 2
+    p.insert([key(0)], ReqContext("writer"))
+    for req_id in ("chat-7", second_id):
+        ctx = ReqContext(req_id)
+        p.touch([key(0)], ctx)
+        p.on_request_finished(ctx)
+    p.insert([key(i) for i in range(1, 10)], None)
+    assert p.evict(1, ()) == [key(1)]  # key 0 was promoted by its two requests
+    assert p.table_sizes()["request_tokens"] == 0

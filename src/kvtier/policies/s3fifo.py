@@ -9,6 +9,7 @@ from kvtier.base import OffloadKey, ReqContext, checked_fraction, checked_int
 from kvtier.policies.base import CachePolicy, register_policy
 
 _MAX_FREQ = 3
+_LIVE_REQUESTS = 512  # requests whose counting is remembered, as kvaware's
 _SMALL = 0
 _MAIN = 1
 
@@ -23,10 +24,11 @@ class S3FIFOPolicy(CachePolicy):
     directly. Main evicts like CLOCK with a 2-bit frequency: a reused key is reinserted with
     its count decremented.
 
-    A key's frequency rises at most once per request (`ReqContext.req_id`): an engine reports
-    one use several times (a device hit when the request arrives and when it ends, a load's
-    unpin and the end-of-request touch), and one request alone must not promote a key.
-    Without a request, each call counts a key once.
+    A key's frequency rises once for a run of uses by one request (`ReqContext.req_id`): an
+    engine reports one use several times (a device hit when the request arrives and when it
+    ends, a load's unpin and the end-of-request touch), and one request alone must not promote
+    a key. The policy keeps, per key, the request that counted it last, so two requests whose
+    reports interleave count twice each. Without a request, each call counts a key once.
     """
 
     def __init__(self, capacity: int, small_ratio: float = 0.1, promote_freq: int = 2) -> None:
@@ -52,8 +54,11 @@ class S3FIFOPolicy(CachePolicy):
         self._ghost: OrderedDict[OffloadKey, None] = OrderedDict()
         # Pinned key -> (queue, frequency), so unpinning puts it back where it was.
         self._pinned: dict[OffloadKey, tuple[int, int]] = {}
-        # Held or pinned key -> the request whose use last raised its frequency.
-        self._counted_by: dict[OffloadKey, str] = {}
+        # Held or pinned key -> the request whose use last raised its frequency, as a token:
+        # a request that reuses a finished one's id is another request.
+        self._counted_by: dict[OffloadKey, int] = {}
+        self._tokens: OrderedDict[str, int] = OrderedDict()  # live requests, oldest first
+        self._next_token = 0
 
     def __len__(self) -> int:
         return len(self._small) + len(self._main)
@@ -80,7 +85,7 @@ class S3FIFOPolicy(CachePolicy):
             req = None
             keys = dict.fromkeys(keys)  # no request to tell repeats by: one count per call
         else:
-            req = ctx.req_id
+            req = self._token(ctx.req_id)
         for key in keys:
             freq = small.get(key)
             if freq is not None:
@@ -107,7 +112,7 @@ class S3FIFOPolicy(CachePolicy):
 
     def unpin(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
         small, main, pinned, counted_by = self._small, self._main, self._pinned, self._counted_by
-        req = None if ctx is None else ctx.req_id
+        req = None if ctx is None else self._token(ctx.req_id)
         for key in keys:
             entry = pinned.pop(key, None)
             if entry is None:
@@ -177,12 +182,26 @@ class S3FIFOPolicy(CachePolicy):
                 queue.move_to_end(key, last=False)
         return victims
 
+    def _token(self, req_id: str) -> int:
+        tokens = self._tokens
+        token = tokens.get(req_id)
+        if token is None:
+            if len(tokens) >= _LIVE_REQUESTS:
+                tokens.popitem(last=False)  # its id, should it come back, counts anew
+            token = tokens[req_id] = self._next_token
+            self._next_token += 1
+        return token
+
+    def on_request_finished(self, ctx: ReqContext) -> None:
+        self._tokens.pop(ctx.req_id, None)
+
     def clear(self) -> None:
         self._small.clear()
         self._main.clear()
         self._ghost.clear()
         self._pinned.clear()
         self._counted_by.clear()
+        self._tokens.clear()
 
     def table_sizes(self) -> dict[str, int]:
         """Sizes of the small, main and ghost queues, of the pinned keys and of the keys whose
@@ -193,4 +212,5 @@ class S3FIFOPolicy(CachePolicy):
             "ghost": len(self._ghost),
             "pinned": len(self._pinned),
             "counted_by": len(self._counted_by),
+            "request_tokens": len(self._tokens),
         }
