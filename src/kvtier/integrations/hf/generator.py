@@ -37,6 +37,8 @@ from kvtier.cpu import CPUOffloadingManager
 from kvtier.hashing import BlockHasher
 from kvtier.integrations.hf.paged_cache import PagedKVBuffer
 from kvtier.integrations.hf.prefix import (
+    check_cache_written,
+    check_causal,
     check_positions,
     generate_greedy,
     input_vocab_size,
@@ -145,27 +147,6 @@ def _prompt_ids(prompt: Sequence[int] | torch.Tensor) -> torch.Tensor:
     return ids.reshape(-1).to(device="cpu", dtype=torch.int64)
 
 
-def _non_causal_attention(model: Any) -> str | None:
-    """The first attention module of the model's decoder that says it is not causal, if any.
-
-    transformers marks attention modules with `is_causal`; BERT-style models loaded as causal
-    LMs without `is_decoder=True` attend both ways. (A multimodal model's vision tower is not
-    causal either, hence the decoder only, where the model names it.)"""
-    root = model
-    get_decoder = getattr(model, "get_decoder", None)
-    if callable(get_decoder):
-        try:
-            decoder = get_decoder()
-        except (AttributeError, NotImplementedError, TypeError):
-            decoder = None
-        if isinstance(decoder, torch.nn.Module):
-            root = decoder
-    for name, module in root.named_modules():
-        if getattr(module, "is_causal", None) is False:
-            return f"{name or type(root).__name__} ({type(module).__name__})"
-    return None
-
-
 def _active_dropout(model: Any) -> str | None:
     """The first module that drops activations at random as the model runs now, if any.
 
@@ -247,6 +228,8 @@ class KVTierGenerator:
     (name, revision, dtype) so two models never share blocks. Prompts run one at a time, each
     on a cache over its own run of consecutive blocks. `fault_injector` goes to the transfer
     worker (tests make transfers fail with it). Use as a context manager, or call `close()`.
+    A model kvtier cannot serve exactly (not causal, ignoring its cache, recurrent, KV of
+    another shape than its config says) is refused here with `ValueError` (docs/hf.md).
     """
 
     def __init__(
@@ -268,15 +251,6 @@ class KVTierGenerator:
             )
         block_size = checked_int("block_size", block_size)
         max_blocks = checked_int("max_blocks", max_blocks)
-        where = _non_causal_attention(model)
-        if where is not None:
-            # A block's KV would depend on the tokens after it, which its prefix hash does not
-            # cover: another prompt with the same prefix would be served KV it never computed.
-            raise ValueError(
-                f"the model's attention {where} is not causal (is_causal=False): kvtier reuses "
-                "KV by prefix, which only a causal LM's KV allows; expected a causal LM (a "
-                "BERT-style model needs is_decoder=True in its config)"
-            )
         self.model = model
         self.config = config
         self.block_size = block_size
@@ -295,6 +269,16 @@ class KVTierGenerator:
         )
         self.pages = self.kv.tensors
         """Per layer, `(2, kv_heads, max_blocks, block_size, head_dim)`: the device KV."""
+        # Probes of what the config cannot tell, before any KV exists to store: a block's KV
+        # must depend on its prefix only, and the model must write it into the paged cache.
+        check_causal(model)
+        probe_tokens = min(2, max_blocks * block_size)
+        probe_blocks = -(-probe_tokens // block_size)
+        try:
+            check_cache_written(model, self.kv.cache(0, probe_blocks, 0), probe_tokens)
+        finally:
+            for t in self.pages:
+                t[:, :, :probe_blocks].zero_()  # the buffer starts zeroed, as documented
         self.max_blocks = max_blocks
         registration = self.kv.registration()
         if config.cpu_bytes is not None:

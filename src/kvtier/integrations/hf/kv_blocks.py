@@ -38,6 +38,7 @@ __all__ = [
     "build_cache_from_blocks",
     "extract_blocks",
     "kv_layout",
+    "standalone_decoder_layers",
 ]
 
 # Subclasses first: each of these is-a DynamicLayer/StaticLayer but does not hold plain KV.
@@ -99,12 +100,48 @@ def _stateful_layer(config: Any) -> str | None:
     return None
 
 
+def standalone_decoder_layers(config: Any) -> int | None:
+    """The decoder's layer count if `config` is a decoder of an encoder-decoder family run
+    alone (`BartForCausalLM`, `BlenderbotForCausalLM`, ...), else None.
+
+    Such a config's generic names (`num_hidden_layers`, `num_attention_heads`) still read the
+    encoder's fields, which may differ from the decoder's (Blenderbot: 2 encoder layers, 12
+    or 24 decoder layers); transformers' `DynamicCache(config=...)` then has too few layers."""
+    attribute_map = getattr(config, "attribute_map", None) or {}
+    layers = getattr(config, "decoder_layers", None)
+    if (
+        attribute_map.get("num_hidden_layers") == "encoder_layers"
+        and getattr(config, "is_encoder_decoder", True) is False
+        and isinstance(layers, int)
+    ):
+        return layers
+    return None
+
+
+def _uniform_field(text: Any, field: str) -> Any:
+    """`text.<field>`, None if unset; refuses a field whose value differs between layers.
+
+    transformers raises for such a field (Gemma 4's full-attention layers cache a head of
+    `global_head_dim`, its sliding ones of `head_dim`) an error that names no fix."""
+    try:
+        return getattr(text, field, None)
+    except RuntimeError as e:  # AmbiguousGlobalPerLayerAttributeError, not in every release
+        if "per-layer" not in str(e):
+            raise
+        raise ValueError(
+            f"{type(text).__name__} gives its layers different {field} values: kvtier's "
+            "paged buffer holds KV of one shape for every layer (Gemma 4 with global_head_dim "
+            f"!= head_dim is one such model); expected a model whose layers share {field}"
+        ) from None
+
+
 def kv_layout(config: Any) -> KVLayout:
     """The paged-KV layout of a decoder-only transformers model, read from its config.
 
     A model with a layer that holds no plain per-token KV (a recurrent, convolution or linear
-    attention layer of a hybrid model) is refused with `ValueError`: its KV blocks alone do
-    not restore a prefix."""
+    attention layer of a hybrid model, or a recurrent model: RWKV, xLSTM, RecurrentGemma) is
+    refused with `ValueError`: its KV blocks alone do not restore a prefix. So is a model
+    whose layers cache KV of different shapes (Gemma 4 with `global_head_dim != head_dim`)."""
     stateful = _stateful_layer(config)
     if stateful is not None:
         raise ValueError(
@@ -113,18 +150,34 @@ def kv_layout(config: Any) -> KVLayout:
             "model whose every layer is attention (full, sliding-window or chunked)"
         )
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    heads = int(text.num_attention_heads)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    name = type(text).__name__
+    recurrent = [t for t in getattr(text, "block_types", None) or [] if t != "attention"]
+    layers_field, heads_field = "num_hidden_layers", "num_attention_heads"
+    if standalone_decoder_layers(text) is not None:
+        layers_field, heads_field = "decoder_layers", "decoder_attention_heads"
+    heads = _uniform_field(text, heads_field)
+    if heads is None or recurrent:
+        # RWKV and xLSTM have no attention at all; RecurrentGemma's recurrent blocks keep their
+        # state inside the model, outside any cache kvtier could hand it.
+        what = f"{recurrent[0]!r} blocks" if recurrent else "no attention heads"
+        raise ValueError(
+            f"{name} describes a model with {what}: a recurrent state sums up the whole "
+            "prefix and there is no plain per-token KV, so no set of KV blocks restores a "
+            "prefix of it; expected a model whose every layer is attention (full, "
+            "sliding-window or chunked)"
+        )
+    heads = int(heads)
+    kv_heads = _uniform_field(text, "num_key_value_heads") or heads
     if (
-        getattr(text, "num_key_value_heads", None) is None
+        _uniform_field(text, "num_key_value_heads") is None
         and getattr(text, "multi_query", False) is True
         and not getattr(text, "new_decoder_architecture", False)
     ):
         # Falcon's multi-query layout (Falcon-7B) caches one KV head for all query heads; its
         # config names no KV head count (the new decoder caches one per query head).
         kv_heads = 1
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return KVLayout(int(text.num_hidden_layers), int(kv_heads), int(head_dim))
+    head_dim = _uniform_field(text, "head_dim") or text.hidden_size // heads
+    return KVLayout(int(getattr(text, layers_field)), int(kv_heads), int(head_dim))
 
 
 def allocate_pages(

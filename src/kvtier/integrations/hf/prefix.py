@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,9 +24,12 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer
 
 from kvtier.base import checked_int
+from kvtier.integrations.hf.kv_blocks import standalone_decoder_layers
 
 __all__ = [
     "GreedyOutput",
+    "check_cache_written",
+    "check_causal",
     "check_positions",
     "generate_greedy",
     "learned_position_rows",
@@ -190,8 +194,21 @@ def _check_cache_fits(model: Any, cache: Cache, batch: int) -> None:
             )
 
 
+def _cached_length(cache: Cache) -> int | None:
+    """Tokens the cache has seen, or None where it cannot say (only recurrent layers)."""
+    try:
+        return int(cache.get_seq_length())
+    except ValueError:
+        return None
+
+
 def _forward(model: Any, ids: torch.Tensor, cache: Cache, start: int) -> torch.Tensor:
-    """Run `ids` at positions `start..` on top of `cache`; return the last position's logits."""
+    """Run `ids` at positions `start..` on top of `cache`; return the last position's logits.
+
+    Refuses a model that did not write the new tokens' KV into `cache`: it ignores
+    `past_key_values` (OpenAI-GPT, XLNet), so each decode step would run without its context
+    and the cache would hold no KV to store."""
+    before = _cached_length(cache)
     positions = torch.arange(start, start + ids.shape[1], device=ids.device)
     out = model(
         input_ids=ids,
@@ -200,8 +217,151 @@ def _forward(model: Any, ids: torch.Tensor, cache: Cache, start: int) -> torch.T
         use_cache=True,
         logits_to_keep=1,  # the prompt's other positions' logits are never used
     )
+    after = _cached_length(cache)
+    if before is not None and after != before + ids.shape[1]:
+        raise ValueError(
+            f"{type(model).__name__} did not write the KV of {ids.shape[1]} tokens into the "
+            f"cache it was given (it held {before} tokens, then {after}): the model ignores "
+            "past_key_values, so it has no per-token KV to reuse and would decode without "
+            "context; expected a model that supports transformers' KV cache"
+        )
     logits: torch.Tensor = out.logits[:, -1, :]
     return logits.float()
+
+
+# Cross-attention reads an encoder's output, which a decoder-only run never passes: it is
+# marked is_causal=False but plays no part in whether the decoder's KV is causal.
+_CROSS_ATTENTION_NAMES = ("encoder_attn", "crossattention", "cross_attn")
+
+
+def _marked_non_causal(model: Any) -> str | None:
+    """The first self-attention module of the model's decoder marked `is_causal=False`, if
+    any: a hint for `check_causal`'s message, not a verdict (BigBirdPegasus's decoder marks
+    its self-attention so and is causal through its mask; RoFormer marks nothing and is not)."""
+    root = model
+    get_decoder = getattr(model, "get_decoder", None)
+    if callable(get_decoder):
+        try:
+            decoder = get_decoder()
+        except (AttributeError, NotImplementedError, TypeError):
+            decoder = None
+        if isinstance(decoder, torch.nn.Module):
+            root = decoder  # a multimodal model's vision tower is not causal either
+    for name, module in root.named_modules():
+        if any(part in name for part in _CROSS_ATTENTION_NAMES):
+            continue
+        if getattr(module, "is_causal", None) is False:
+            return f"{name or type(root).__name__} ({type(module).__name__})"
+    return None
+
+
+_PROBE_PREFIX = 6  # tokens before the one the probe changes
+_NOISE_ULPS = 32  # see causality_tolerance
+_FP32_FLOOR = 1e-4
+
+
+def _probe_vocab(model: Any) -> int | None:
+    vocab = input_vocab_size(model) or getattr(model.config, "vocab_size", None)
+    return vocab if isinstance(vocab, int) and vocab >= 2 else None
+
+
+def _probe_ids(model: Any, rows: int, length: int) -> torch.Tensor | None:
+    """Seeded random token ids for a probe, `(rows, length)` on the CPU (None: no vocabulary
+    size to draw from); the caller's RNG stream is left as it was."""
+    vocab = _probe_vocab(model)
+    if vocab is None:
+        return None
+    return torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(0))
+
+
+@contextlib.contextmanager
+def _eval_mode(model: Any) -> Iterator[None]:
+    """Run the model in eval mode, then give every module back its own training flag."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+@torch.no_grad()
+def check_cache_written(model: Any, cache: Cache, num_tokens: int = 2) -> None:
+    """Refuse a model that does not write its KV into `cache`: one forward of `num_tokens`
+    seeded tokens from position 0 (in eval mode) must leave `cache` holding them.
+
+    Catches models that ignore `past_key_values` before any KV is stored, and, on a paged
+    cache, models whose KV has another shape than the buffer's (DeepSeek's latent attention,
+    per-layer KV heads)."""
+    ids = _probe_ids(model, 1, num_tokens)
+    if ids is None:
+        return
+    try:
+        with _eval_mode(model):
+            _forward(model, ids.to(next(model.parameters()).device), cache, 0)
+    except ValueError as e:
+        name = type(model).__name__
+        if str(e).startswith(name):
+            raise
+        raise ValueError(f"{name}: {e}") from None
+
+
+def causality_tolerance(dtype: torch.dtype) -> float:
+    """Largest change at earlier positions, relative to the logits' scale, that
+    `check_causal` takes for rounding noise in a model computing in `dtype`.
+
+    Both probe runs have the same shape, so a causal model runs the same kernels on the same
+    inputs at the probed positions: bit-identical logits there, except where the changed
+    token changes how work is split (an MoE routes it to other experts, so their matmuls
+    get other shapes: Mixtral and Qwen2-MoE move by ~3 float32 ulps of the largest logit) or
+    where GPU reductions use atomics. 32 ulps of `dtype` leave ~10x above that; float32 gets
+    at least 1e-4. A non-causal head moves them by 2e-3 (untrained BERT init) to ~0.8:
+    always caught in float32; in bfloat16 (tolerance 0.25) only a strong leak is.
+    """
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+    return max(_NOISE_ULPS * eps, _FP32_FLOOR)
+
+
+@torch.no_grad()
+def check_causal(model: Any) -> None:
+    """Refuse a model whose logits at a position depend on later tokens.
+
+    Runs the model (no cache) over two token sequences that differ only in their last token
+    and compares the logits at the earlier positions. A BERT-style head used as a causal LM
+    without `is_decoder=True` attends both ways: its KV for a block would depend on tokens
+    after it, which the block's prefix hash does not cover, and another prompt with the same
+    prefix would be served KV it never computed. The model's training flags are restored."""
+    length = _PROBE_PREFIX + 1
+    learned = learned_position_rows(model)
+    if learned is not None:
+        length = min(length, learned[1])
+    vocab = _probe_vocab(model)
+    ids = _probe_ids(model, 2, length)
+    if vocab is None or ids is None or length < 2:
+        return
+    ids[1, :-1] = ids[0, :-1]
+    ids[1, -1] = (ids[0, -1] + 1 + ids[1, -1] % (vocab - 1)) % vocab  # another last token
+    ids = ids.to(next(model.parameters()).device)
+    with _eval_mode(model):  # dropout would make the two runs differ by chance
+        # One row per forward: rows of one batch may go through differently tiled kernels.
+        a, b = (model(input_ids=ids[i : i + 1], use_cache=False).logits for i in (0, 1))
+    # The coarser of the two precisions: some models upcast their logits to float32.
+    model_dtype = getattr(model, "dtype", a.dtype)
+    tol = max(causality_tolerance(a.dtype), causality_tolerance(model_dtype))
+    first = a[0, :-1].float()
+    scale = float(first.abs().max())
+    change = float((b[0, :-1].float() - first).abs().max())
+    if change > tol * scale or (scale == 0 and change > 0):
+        marked = _marked_non_causal(model)
+        hint = f" (its attention {marked} is marked is_causal=False)" if marked else ""
+        raise ValueError(
+            f"{type(model).__name__} is not causal{hint}: changing the last of {length} tokens "
+            f"changed the logits at the earlier positions by {change / (scale or 1):.1e} of "
+            f"their scale (tolerance {tol:.0e}); kvtier reuses KV by prefix, which only a "
+            "causal LM's KV allows; expected a causal LM (a BERT-style model needs "
+            "is_decoder=True in its config)"
+        )
 
 
 def _check_can_drop_last(cache: Cache, seq_len: int) -> None:
@@ -238,7 +398,10 @@ def prefill(
     _check_ids(model, input_ids)
     check_positions(learned_position_rows(model), input_ids.shape[1], 1)
     if cache is None:
-        cache = DynamicCache(config=model.config)
+        # A cache built from such a config would have the encoder's layer count; one without
+        # a config grows a layer per layer the model runs.
+        alone = standalone_decoder_layers(model.config) is not None
+        cache = DynamicCache() if alone else DynamicCache(config=model.config)
     else:
         _check_cache_fits(model, cache, input_ids.shape[0])
     seq_len = input_ids.shape[1]
