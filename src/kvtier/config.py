@@ -323,7 +323,7 @@ _VLLM_MODULE_PATH: Final = "cache_policy_module_path"
 # kvtier's policy plugin for vLLM's own connector (kvtier.integrations.vllm.policy, not
 # imported here: it needs vLLM) answers `kvtier_<name>` with kvtier's registered <name> policy.
 _VLLM_PLUGIN_MODULE: Final = "kvtier.integrations.vllm.policy"
-_VLLM_PLUGIN_PREFIX: Final = "kvtier_"
+VLLM_POLICY_PREFIX: Final = "kvtier_"
 # vLLM reads these to choose the offloading spec class; they configure nothing in kvtier.
 _VLLM_ROUTING_KEYS: Final = frozenset({"spec_name", "spec_module_path"})
 
@@ -649,10 +649,10 @@ def _join_module_path(module_path: object, name: object) -> str:
     if module_path == _VLLM_PLUGIN_MODULE:
         # The plugin config for vLLM's OffloadingConnector (docs/vllm.md): its class wraps
         # kvtier's own policy, which kvtier's connector uses directly.
-        policy = name.removeprefix(_VLLM_PLUGIN_PREFIX)
-        if name.startswith(_VLLM_PLUGIN_PREFIX) and policy in registered_policies():
+        policy = name.removeprefix(VLLM_POLICY_PREFIX)
+        if name.startswith(VLLM_POLICY_PREFIX) and policy in registered_policies():
             return policy
-        names = ", ".join(_VLLM_PLUGIN_PREFIX + n for n in registered_policies())
+        names = ", ".join(VLLM_POLICY_PREFIX + n for n in registered_policies())
         raise ConfigError(
             f"{_VLLM_MODULE_PATH}={module_path!r} with eviction_policy={name!r} "
             f"(from {_VLLM_SOURCE}): expected one of that module's policies ({names}), or a "

@@ -129,8 +129,11 @@ def _as_token_array(token_ids: Sequence[int] | npt.NDArray[np.integer]) -> npt.N
     if not is_array and arr.dtype.kind in "iu":
         # asarray turns [True, 2] into int64 [1, 2]: a flag would hash as token 1. One pass over
         # the element types in C, far cheaper than the conversion itself.
-        if set(map(type, token_ids)) != {int}:
-            # So are 0-d arrays and torch scalars of a bool dtype.
+        types = set(map(type, token_ids))
+        if types != {int} and not all(
+            issubclass(t, (int, np.integer)) and not issubclass(t, (bool, np.bool_)) for t in types
+        ):
+            # So are 0-d arrays and torch scalars of a bool dtype; a walk only for such lists.
             for i, tok in enumerate(token_ids):
                 if type(tok) in (bool, np.bool_) or str(getattr(tok, "dtype", "")) in _BOOLS:
                     raise TypeError(

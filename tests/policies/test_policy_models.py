@@ -242,7 +242,7 @@ class S3FIFOModel:
         self.ghost: list[OffloadKey] = []
         self.pinned: dict[OffloadKey, tuple[str, int]] = {}
         self.counted_by: dict[OffloadKey, str] = {}  # held or pinned key -> its last counter
-        self.live: list[str] = []  # requests seen and not finished, oldest first (512 at most)
+        self.live: list[str] = []  # requests seen and not finished, oldest first (65,536 at most)
 
     def _counts(self, k: OffloadKey, req: str | None) -> bool:
         """Whether a use of `k` by `req` raises its frequency (once per request)."""
@@ -279,7 +279,7 @@ class S3FIFOModel:
     def _seen(self, req: str | None) -> None:
         """A call of request `req`: remembered as live."""
         if req is not None and req not in self.live:
-            self.live = [*self.live[-511:], req]
+            self.live = [*self.live[-65_535:], req]
 
     def touch(self, keys: Sequence[OffloadKey], req: str | None = None) -> None:
         self._seen(req)

@@ -68,3 +68,21 @@ def test_a_request_reusing_a_finished_requests_id_is_counted_anew(second_id: str
     p.insert([key(i) for i in range(1, 10)], None)
     assert p.evict(1, ()) == [key(1)]  # key 0 was promoted by its two requests
     assert p.table_sizes()["request_tokens"] == 0
+
+
+def test_a_request_still_running_is_not_forgotten_among_many_live_ones() -> None:
+    """An engine touches a request's device hits when it arrives and again when it ends; with
+    a bound of 512 live requests, 512 others arriving in between made the second touch count
+    again, and one request promoted its key."""
+    from kvtier.base import ReqContext
+
+    p = S3FIFOPolicy(10)
+    p.insert([key(0)], ReqContext("writer"))
+    first = ReqContext("r")
+    p.touch([key(0)], first)
+    for i in range(1_000):  # other live requests, touching nothing the tier holds
+        p.touch([key(100 + i)], ReqContext(f"other-{i}"))
+    p.touch([key(0)], first)  # the same request's end-of-request report
+    p.on_request_finished(first)
+    p.insert([key(i) for i in range(1, 10)], None)
+    assert p.evict(1, ()) == [key(0)]  # one request's use: not promoted

@@ -450,11 +450,17 @@ class OffloadingScheduler:
         # the next's (slots spent on chunks that could never load).
         per_group = [self._chunk_keys(req, start, end, g) for g in range(len(self.groups))]
         chunk_of: dict[OffloadKey, tuple[int, int]] = {}
-        for i, c in enumerate(range(start, end)):
-            for g, keys in enumerate(per_group):
-                k = keys[i]
-                req.ctx.key_positions[k] = (c + 1) * self.tokens_per_chunk
-                chunk_of[k] = (g, c)
+        positions, tpc = req.ctx.key_positions, self.tokens_per_chunk
+        if len(per_group) == 1:  # the common case, without the interleaving's cost
+            for c, k in zip(range(start, end), per_group[0], strict=True):
+                positions[k] = (c + 1) * tpc
+                chunk_of[k] = (0, c)
+        else:
+            for i, c in enumerate(range(start, end)):
+                for g, keys in enumerate(per_group):
+                    k = keys[i]
+                    positions[k] = (c + 1) * tpc
+                    chunk_of[k] = (g, c)
         out = self.manager.prepare_store(list(chunk_of), req.ctx)
         if out is None:
             return  # no room now (the manager counts them); these chunks are not offered again

@@ -9,7 +9,9 @@ from kvtier.base import OffloadKey, ReqContext, checked_fraction, checked_int
 from kvtier.policies.base import CachePolicy, register_policy
 
 _MAX_FREQ = 3
-_LIVE_REQUESTS = 512  # requests whose counting is remembered, as kvaware's
+# Live requests remembered, a token each (a few MB at most): a bound an engine's live requests
+# could pass would forget a request still running, and its later report would count again.
+_LIVE_REQUESTS = 65_536
 _SMALL = 0
 _MAIN = 1
 

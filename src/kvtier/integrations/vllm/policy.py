@@ -37,9 +37,10 @@ from vllm.v1.kv_offload.cpu.policies.base import CachePolicy as VCachePolicy
 from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 
 from kvtier.base import OffloadKey, ReqContext
+from kvtier.config import VLLM_POLICY_PREFIX
 from kvtier.policies import CachePolicy, get_policy_cls, registered_policies
 
-PREFIX = "kvtier_"
+PREFIX = VLLM_POLICY_PREFIX
 """`eviction_policy` names this module answers: `kvtier_` + a kvtier policy name."""
 
 

@@ -164,7 +164,7 @@ def resolve_setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Vl
     if config.chunk_tokens is not None and "block_size" in extra:
         blocks, rest = divmod(config.chunk_tokens, tokens_per_block)
         if rest:
-            # Named as the user wrote it: config.py calls this key chunk_tokens.
+            # In vLLM's terms, for vLLM's users (resolve_blocks_per_chunk says it in kvtier's).
             raise ConfigError(
                 f"block_size={extra['block_size']!r} (from vLLM kv_connector_extra_config): "
                 f"expected a multiple of vLLM's KV block size ({tokens_per_block} tokens), "
