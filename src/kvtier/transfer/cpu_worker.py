@@ -19,7 +19,13 @@ from kvtier.transfer.host_pool import HostPool
 from kvtier.transfer.native import row_copier
 from kvtier.transfer.plan import Job
 from kvtier.transfer.registration import KVCacheRegistration
-from kvtier.transfer.worker import FaultInjector, TransferWorker, job_ids_of, shutdown_at_exit
+from kvtier.transfer.worker import (
+    FaultInjector,
+    TransferWorker,
+    job_ids_of,
+    job_result,
+    shutdown_at_exit,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +106,7 @@ def _serve(ref: weakref.ReferenceType[CPUTransferWorker], jobs: _JobQueue) -> No
         seconds = time.perf_counter() - start
         del worker  # outside the lock: the last reference runs the finalizer (`stop`)
         with jobs.cv:
-            jobs.results.append(
-                TransferResult(job.job_id, ok, job.nbytes if ok else 0, seconds if ok else 0.0)
-            )
+            jobs.results.append(job_result(job.job_id, ok, job.nbytes, seconds))
             jobs.in_flight.discard(job.job_id)
             if jobs.waiting and any(job.job_id in ids for ids in jobs.waiting.values()):
                 jobs.done_cv.notify_all()

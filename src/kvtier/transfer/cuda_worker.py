@@ -33,6 +33,7 @@ from kvtier.transfer.worker import (
     SubmitCall,
     TransferWorker,
     job_ids_of,
+    job_result,
 )
 
 logger = logging.getLogger(__name__)
@@ -154,13 +155,6 @@ def _wait_failed(lanes: list[str]) -> RuntimeError:
         "waiting for CUDA transfer jobs failed: " + "; ".join(lanes) + ". They are still in "
         "flight; get_finished reports each once (failed where its copies failed)"
     )
-
-
-def _result(job_id: int, ok: bool, nbytes: int, seconds: float) -> TransferResult:
-    if not ok:
-        return TransferResult(job_id, False, 0, 0.0)
-    # A batch timed from a stale start event can come out negative: report no time instead.
-    return TransferResult(job_id, True, nbytes, max(seconds, 0.0))
 
 
 def _lane(direction: Direction, urgent: bool) -> int:
@@ -520,7 +514,7 @@ class CUDATransferWorker(TransferWorker):
                     self._abandoned.discard(job_id)
                     continue
                 live = self._live.pop(job_id)
-                results.append(_result(job_id, ok, live.nbytes, seconds))
+                results.append(job_result(job_id, ok, live.nbytes, seconds))
             if freed and self._live:
                 # Freed at exit after a sync that failed (`cuda_engine._close`): the engine
                 # will never report these, and their copies cannot be known to have finished.
@@ -545,7 +539,7 @@ class CUDATransferWorker(TransferWorker):
                     del self._by_id[r.job_id]
                     continue
                 records.popleft()
-                results.append(_result(r.job_id, r.ok, r.nbytes, seconds))
+                results.append(job_result(r.job_id, r.ok, r.nbytes, seconds))
                 self._events += (r.start, r.end)
                 if r.indices is not None:
                     self._indices.give(r.indices)

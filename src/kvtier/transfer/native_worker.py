@@ -53,6 +53,7 @@ from kvtier.transfer.worker import (
     TransferWorker,
     as_int,
     job_ids_of,
+    job_result,
     shutdown_at_exit,
 )
 
@@ -490,10 +491,7 @@ class NativeCPUTransferWorker(TransferWorker):
             k = self._lib.kvt_engine_poll(self._engine, buf, _POLL)
             for r in buf[:k]:
                 live = self._live.pop(r.job_id)
-                if r.ok:
-                    results.append(TransferResult(r.job_id, True, live.nbytes, float(r.seconds)))
-                else:
-                    results.append(TransferResult(r.job_id, False, 0, 0.0))
+                results.append(job_result(r.job_id, bool(r.ok), live.nbytes, r.seconds))
             if k < _POLL:
                 return results
 

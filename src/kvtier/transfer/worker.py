@@ -93,6 +93,15 @@ def as_int(name: str, value: object) -> int:
         raise ValueError(f"{name}={value!r} must be an int") from None
 
 
+def job_result(job_id: int, ok: bool, nbytes: int, seconds: float) -> TransferResult:
+    """A finished job's result. A failed one reports no bytes and no time: its copies may have
+    stopped part-way, and a GPU's events may not time them. A time below 0 (a batch timed
+    from a stale start event) is reported as none."""
+    if not ok:
+        return TransferResult(job_id, False, 0, 0.0)
+    return TransferResult(job_id, True, nbytes, max(float(seconds), 0.0))
+
+
 def job_ids_of(job_ids: Iterable[object]) -> list[int]:
     """`wait`'s ids as ints, numpy's and torch's too: a tensor hashes by identity, so as it is
     it would match no job and `wait` would return before the job ran."""
