@@ -27,7 +27,8 @@ from kvtier.integrations.hf.prefix import generate_greedy  # noqa: E402
 
 T = transformers
 V = 128
-BERTISH = {
+# The tiny sizes every architecture here is built with (an encoder-decoder's in SEQ2SEQ).
+TINY = {
     "vocab_size": V,
     "hidden_size": 32,
     "num_hidden_layers": 2,
@@ -112,16 +113,14 @@ def test_a_model_that_stops_writing_its_cache_stores_nothing() -> None:
 # -- causality ----------------------------------------------------------------------------
 
 NON_CAUSAL: dict[str, Callable[[], Any]] = {
-    "roformer": lambda: _build(
-        T.RoFormerConfig(**BERTISH, embedding_size=32), T.RoFormerForCausalLM
-    ),
+    "roformer": lambda: _build(T.RoFormerConfig(**TINY, embedding_size=32), T.RoFormerForCausalLM),
     "rembert": lambda: _build(
-        T.RemBertConfig(**BERTISH, input_embedding_size=32, output_embedding_size=32),
+        T.RemBertConfig(**TINY, input_embedding_size=32, output_embedding_size=32),
         T.RemBertForCausalLM,
     ),
-    "megatron-bert": lambda: _build(T.MegatronBertConfig(**BERTISH), T.MegatronBertForCausalLM),
+    "megatron-bert": lambda: _build(T.MegatronBertConfig(**TINY), T.MegatronBertForCausalLM),
     "big_bird": lambda: _build(
-        T.BigBirdConfig(**BERTISH, attention_type="original_full"), T.BigBirdForCausalLM
+        T.BigBirdConfig(**TINY, attention_type="original_full"), T.BigBirdForCausalLM
     ),
     "xlm-causal-false": lambda: _build(
         T.XLMConfig(vocab_size=V, emb_dim=32, n_layers=2, n_heads=2, causal=False),
@@ -139,7 +138,7 @@ def test_a_bidirectional_head_is_refused_when_built(name: str) -> None:
 
 
 def test_the_marked_attention_is_named_in_the_refusal() -> None:
-    config = T.BertConfig(**BERTISH, is_decoder=False)
+    config = T.BertConfig(**TINY, is_decoder=False)
     with pytest.raises(ValueError, match=r"attention encoder\.layer\.0\.attention\.self \(Bert"):
         _gen(_build(config, T.BertLMHeadModel))
 
@@ -193,18 +192,17 @@ def test_a_decoder_sized_unlike_its_encoder_gets_the_decoders_layout(model_cls: 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_causal_models_pass_the_probe_in_every_dtype(dtype: Any) -> None:
+    """Including an MoE, whose expert matmuls change shape with the changed token's route."""
     from kvtier.integrations.hf.prefix import check_causal
 
-    """Including an MoE, whose expert matmuls change shape with the changed token's route."""
     for arch in ("llama", "qwen2", "mistral"):
         model = make_demo_model(
             arch, seed=1, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2
         )[0]
         check_causal(model.to(dtype))
     mixtral = T.MixtralConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
-    )  # fmt: skip
+        **TINY, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2
+    )
     check_causal(_build(mixtral, T.MixtralForCausalLM).to(dtype))
 
 
@@ -238,11 +236,7 @@ def test_the_probes_leave_the_model_rng_and_buffer_as_they_were() -> None:
 
 def _gemma4(global_head_dim: int) -> Any:
     config = T.Gemma4TextConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
+        **TINY,
         num_key_value_heads=1,
         head_dim=16,
         global_head_dim=global_head_dim,
@@ -275,11 +269,7 @@ RECURRENT: dict[str, Callable[[], Any]] = {
     ),
     "recurrent_gemma": lambda: _build(
         T.RecurrentGemmaConfig(
-            vocab_size=V,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
+            **TINY,
             num_key_value_heads=1,
             lru_width=32,
             attention_window_size=16,
@@ -300,12 +290,8 @@ def test_latent_attention_is_refused_when_built() -> None:
     """DeepSeek's latent attention caches K and V of other head sizes than the config's
     head_dim: the write probe meets it at construction, not at the first prompt."""
     config = T.DeepseekV3Config(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
+        **{**TINY, "num_hidden_layers": 1},
         moe_intermediate_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
         num_key_value_heads=2,
         kv_lora_rank=16,
         q_lora_rank=16,
