@@ -59,7 +59,7 @@ class HostPool:
         self.registration = registration
         self.blocks_per_chunk = blocks_per_chunk
         self.row_bytes = registration.max_page_bytes
-        self.slot_bytes = blocks_per_chunk * self.row_bytes
+        self.slot_bytes = self.slot_bytes_for(registration, blocks_per_chunk)
         self.num_slots = num_slots
         self.nbytes = num_slots * self.slot_bytes
         if self.nbytes > sys.maxsize:
@@ -94,13 +94,18 @@ class HostPool:
             self._finalizer.atexit = False  # process exit frees it; CUDA may be torn down by then
 
     @staticmethod
+    def slot_bytes_for(registration: KVCacheRegistration, blocks_per_chunk: int) -> int:
+        """Bytes of one slot: `blocks_per_chunk` rows of the registration's largest page."""
+        return blocks_per_chunk * registration.max_page_bytes
+
+    @staticmethod
     def slots_for_budget(
         registration: KVCacheRegistration, blocks_per_chunk: int, byte_budget: int
     ) -> int:
         """Number of slots that fit in `byte_budget` bytes (exact, no rounding up)."""
         blocks_per_chunk = _positive_int("blocks_per_chunk", blocks_per_chunk)
         byte_budget = _positive_int("byte_budget", byte_budget)
-        slot_bytes = blocks_per_chunk * registration.max_page_bytes
+        slot_bytes = HostPool.slot_bytes_for(registration, blocks_per_chunk)
         if byte_budget < slot_bytes:
             raise ValueError(
                 f"byte_budget={byte_budget} is smaller than one slot ({slot_bytes} bytes = "

@@ -282,7 +282,7 @@ class KVTierGenerator:
         self.max_blocks = max_blocks
         registration = self.kv.registration()
         if config.cpu_bytes is not None:
-            slot_bytes = bpc * registration.max_page_bytes
+            slot_bytes = HostPool.slot_bytes_for(registration, bpc)
             if config.cpu_bytes < slot_bytes:
                 # Checked here, not left to HostPool: its error names its own byte_budget.
                 raise ConfigError(
