@@ -360,13 +360,18 @@ def _run(args: argparse.Namespace) -> int:
         _check_output(flag, name)
     _check_distinct_outputs(outputs)
     _check_not_the_trace(args.trace, outputs)
-    trace = read_trace(
-        args.trace,
-        fmt=args.format,
-        block_tokens=args.block_tokens,
-        algorithm=args.hash,
-        namespace=args.namespace,
-    )
+    try:
+        trace = read_trace(
+            args.trace,
+            fmt=args.format,
+            block_tokens=args.block_tokens,
+            algorithm=args.hash,
+            namespace=args.namespace,
+        )
+    except ImportError as e:
+        # `--hash xxh3_128` without the optional xxhash package: one error line, not a
+        # traceback (the message says what to install).
+        raise ValueError(str(e)) from None
     if trace.num_blocks == 0:
         raise ValueError(f"trace {str(args.trace)!r} has no blocks to replay")
     unique = trace.num_unique_blocks
@@ -375,7 +380,8 @@ def _run(args: argparse.Namespace) -> int:
     if not args.advise:
         capacities = [
             parse_capacity(c.strip(), unique_blocks=unique, block_bytes=block_bytes)[0]
-            for c in (args.capacities or DEFAULT_CAPACITIES).split(",")
+            # `is None`, not `or`: an empty `--capacities ''` is an error, not the defaults.
+            for c in (DEFAULT_CAPACITIES if args.capacities is None else args.capacities).split(",")
             if c.strip()
         ]
         if not capacities:
@@ -386,7 +392,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.mode == "engine":
         # An empty device is valid: engine mode then equals flat mode.
         device_blocks = parse_capacity(
-            args.device_capacity or "1%",
+            "1%" if args.device_capacity is None else args.device_capacity,
             unique_blocks=unique,
             block_bytes=block_bytes,
             allow_zero=True,

@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Final
 
-from kvtier.base import LookupResult, OffloadKey, ReqContext
+from kvtier.base import LookupResult, ManagerStats, OffloadKey, ReqContext, checked_int
 from kvtier.cpu.manager import CPUOffloadingManager
 from kvtier.sim.result import RunResult
 from kvtier.sim.trace import Request, Trace
@@ -51,9 +51,8 @@ class DevicePrefixCache:
     """
 
     def __init__(self, capacity: int) -> None:
-        if capacity < 0:
-            raise ValueError(f"device capacity={capacity} is invalid; expected >= 0 blocks")
-        self.capacity = capacity
+        # A float (2.5) was taken as a capacity and reported as one, a str failed on `<`.
+        self.capacity = checked_int("device capacity", capacity, minimum=0)
         self._order: OrderedDict[OffloadKey, None] = OrderedDict()
 
     def prefix_hits(self, keys: Sequence[OffloadKey]) -> int:
@@ -136,6 +135,7 @@ def _result(
     mgr: CPUOffloadingManager,
     tally: _Tally,
     *,
+    before: ManagerStats,
     policy: str,
     mode: str,
     store_threshold: int,
@@ -146,6 +146,8 @@ def _result(
     seconds: float,
     hits_as: str,
 ) -> RunResult:
+    # The manager's counters are cumulative: a manager that served traffic before this replay
+    # (a warm-up pass, an earlier trace) must not lend its counts to this replay's row.
     stats = mgr.get_stats()
     num_requests, num_blocks, num_tokens, unique, block_tokens = tally.totals()
     return RunResult(
@@ -162,12 +164,12 @@ def _result(
         prefix_tokens=prefix_tokens,
         prefill_tokens_saved=saved,
         cpu_lookups=cpu_lookups,
-        cpu_hits=stats.hits,
+        cpu_hits=stats.hits - before.hits,
         # A touched hit is still a block the engine would load.
-        loads=stats.loads if hits_as == "load" else stats.hits,
-        stores=stats.stores,
-        evictions=stats.evictions,
-        stores_skipped=stats.stores_skipped,
+        loads=(stats.loads - before.loads) if hits_as == "load" else stats.hits - before.hits,
+        stores=stats.stores - before.stores,
+        evictions=stats.evictions - before.evictions,
+        stores_skipped=stats.stores_skipped - before.stores_skipped,
         seconds=seconds,
         hits_as=hits_as,
     )
@@ -227,6 +229,7 @@ def replay_flat(
     hits = 0
     prefix_tokens = 0
     tally = _Tally(trace)
+    before = mgr.get_stats()
     n = 0
     start = time.perf_counter()
     for n, req in enumerate(tally.requests, start=1):
@@ -251,6 +254,7 @@ def replay_flat(
     return _result(
         mgr,
         tally,
+        before=before,
         policy=policy or mgr.policy.name,
         mode="flat",
         store_threshold=store_threshold,
@@ -288,6 +292,7 @@ def replay_engine(
     lookup = mgr.lookup
     hits = device_hits = cpu_lookups = prefix_tokens = saved = 0
     tally = _Tally(trace)
+    before = mgr.get_stats()
     n = 0
     start = time.perf_counter()
     for n, req in enumerate(tally.requests, start=1):
@@ -325,6 +330,7 @@ def replay_engine(
     result = _result(
         mgr,
         tally,
+        before=before,
         policy=policy or mgr.policy.name,
         mode="engine",
         store_threshold=store_threshold,
@@ -335,7 +341,7 @@ def replay_engine(
         seconds=seconds,
         hits_as=hits_as,
     )
-    result.device_blocks = device_blocks
+    result.device_blocks = device.capacity
     result.device_hits = device_hits
     result.store_on = store_on
     return result
