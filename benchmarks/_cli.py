@@ -13,6 +13,8 @@ import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from kvtier.demo import physical_memory
+
 
 def at_least(low: int) -> Callable[[str], int]:
     """An argparse `type`: an integer of at least `low`."""
@@ -114,6 +116,17 @@ def require_known(
     unknown = [n for n in names if n not in allowed]
     if unknown:
         parser.error(f"{option}: unknown {unknown}; expected some of {allowed}")
+
+
+def require_memory(parser: argparse.ArgumentParser, need: int, what: str) -> None:
+    """Refuse arguments (`what` names them) whose buffers take `need` bytes of host memory,
+    more than this machine has: allocating them would fail with a traceback, or swap."""
+    ram = physical_memory()
+    if ram is not None and need > ram:
+        parser.error(
+            f"{what}: the buffers need {need / 2**30:,.1f} GiB, more than this machine's "
+            f"{ram / 2**30:,.1f} GiB; expected smaller values"
+        )
 
 
 def progress(message: str) -> None:

@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from _bench import KiB, parse_case, run_burst, show_and_save
-from _cli import at_least, positive_int, require_writable
+from _cli import at_least, positive_int, require_memory, require_writable
 from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor, NativeCPUTransferWorker
 from kvtier.transfer.native import library, submit_extension
 
@@ -140,6 +140,9 @@ def main(argv: list[str] | None = None) -> None:
         if (args.region_mib << 20) // page < blocks:
             ap.error(f"--region-mib {args.region_mib} holds fewer than the {blocks} pages of "
                      f"{page // KiB} KiB a job of case {page // KiB}x{blocks} moves")  # fmt: skip
+    # The device region and a host pool of as many blocks, both in this machine's memory.
+    region = max((args.region_mib << 20) // page * page for page, _ in args.cases)
+    require_memory(ap, 2 * region, f"--region-mib {args.region_mib}")
     require_writable(ap, args.json)
     if library() is None or submit_extension() is None:
         ap.error("needs the compiled library and the submit extension (a C compiler and "

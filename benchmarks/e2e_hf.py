@@ -42,7 +42,7 @@ from rich.table import Table
 
 import kvtier.integrations.hf.generator as generator_module
 from _bench import sync
-from _cli import SEED_MAX, positive_int, require_writable, seed_int
+from _cli import SEED_MAX, positive_int, progress, require_writable, seed_int
 from kvtier.config import KVTierConfig
 from kvtier.demo import physical_memory
 from kvtier.integrations.hf.generator import KVTierGenerator
@@ -352,10 +352,8 @@ def main() -> None:
     rows = []
     for p in prefixes:
         rows.append(bench_prefix(model, p, args.tail, args.repeats, args.seed))
-        console.log(f"prefix {p}: done")
-    fresh = bench_fresh(
-        model, args.fresh_tokens, args.new_tokens, args.rounds, args.seed, console.log
-    )
+        progress(f"prefix {p}: done")  # stderr: stdout keeps the tables
+    fresh = bench_fresh(model, args.fresh_tokens, args.new_tokens, args.rounds, args.seed, progress)
     table = Table(title=f"TTFT, cached prefix + {args.tail}-token tail (ms, medians)")
     for col in ("prefix", "recompute", "kvtier", "speedup", "MiB loaded", "copy GB/s",
                 "tail fwd", "bound", "kvtier/bound"):  # fmt: skip

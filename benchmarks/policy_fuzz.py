@@ -26,7 +26,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, TypedDict
 
-from _cli import require_writable
+from _cli import progress, require_writable
 from kvtier.policies import registered_policies
 from policy_hit_ratios import FRACTIONS, as_trace, replay
 from policy_stress import ChainIds
@@ -281,8 +281,8 @@ def main() -> None:
                             f"{json.dumps(row['params'])}",
                             flush=True,
                         )
-            if done % 5 == 0:
-                print(f"[{done}/{len(tasks)} seeds]", flush=True)
+            if done % 5 == 0 or done == len(tasks):
+                progress(f"[{done}/{len(tasks)} seeds]")  # stderr: stdout keeps the results
     mode = f"engine mode ({args.engine})" if args.engine else "flat mode"
     print(
         f"\nseeds {args.seeds.start}:{args.seeds.stop}, {len(rows)} cells, {mode}; "

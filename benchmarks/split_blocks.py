@@ -3,8 +3,9 @@ block size would hash the same prompts (the Qwen-Bailian traces use 16-token blo
 
 Block `b` of a request becomes `512 // tokens` sub-blocks with ids `b * factor + j`: equal
 prefixes still give equal ids, and a request's last block keeps only the sub-blocks its
-`input_length` covers, so the trace stays one a reader accepts. Then compare policies at the
-finer size:
+`input_length` covers, so the trace stays one a reader accepts. A row whose `input_length`
+does not fit its ids as 512-token blocks (another block size, or a trace split already) is
+refused, naming its line. Then compare policies at the finer size:
 
     python benchmarks/split_blocks.py data/traces/mooncake_conversation/conversation_trace.jsonl \
         /tmp/conv16.jsonl --tokens 16
@@ -31,12 +32,21 @@ def split_request(row: dict[str, object], tokens: int) -> dict[str, object]:
     length = row["input_length"]
     if not isinstance(ids, list) or not isinstance(length, int):
         raise ValueError(f"not a Mooncake row: {row!r}")
+    n = len(ids)
+    # As the reader checks 512-token rows: a row that does not fit them (another block size,
+    # or a trace split already) would give sub-block ids of other blocks, or drop its last.
+    if not (n - 1) * MOONCAKE_BLOCK_TOKENS < length <= n * MOONCAKE_BLOCK_TOKENS and (n or length):
+        low, high = max(0, (n - 1) * MOONCAKE_BLOCK_TOKENS + 1), n * MOONCAKE_BLOCK_TOKENS
+        raise ValueError(
+            f"input_length={length} does not fit {n} blocks of {MOONCAKE_BLOCK_TOKENS} tokens; "
+            f"expected {low}..{high}"
+        )
     out: list[int] = []
-    last = len(ids) - 1
+    last = n - 1
     for i, block in enumerate(ids):
         # The last block is partial: keep the sub-blocks that hold some of its tokens.
-        n = factor if i < last else -(-(length - last * MOONCAKE_BLOCK_TOKENS) // tokens)
-        out.extend(block * factor + j for j in range(n))
+        subs = factor if i < last else -(-(length - last * MOONCAKE_BLOCK_TOKENS) // tokens)
+        out.extend(block * factor + j for j in range(subs))
     return {**row, "hash_ids": out}
 
 

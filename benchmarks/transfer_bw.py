@@ -24,7 +24,7 @@ import torch
 from rich.table import Table
 
 from _bench import KiB, show_and_save, sync
-from _cli import at_least, positive_int, progress, require_writable
+from _cli import at_least, positive_int, progress, require_memory, require_writable
 from kvtier.transfer import (
     CPUTransferWorker,
     HostPool,
@@ -225,8 +225,20 @@ def main(argv: list[str] | None = None) -> None:
     cpus = os.cpu_count() or 1
     if args.copy_cpus and max(args.copy_cpus) >= cpus:
         ap.error(f"--copy-cpus {args.copy_cpus}: this machine has CPUs 0 to {cpus - 1}")
-    if args.settle_ms < 0:
-        ap.error(f"--settle-ms {args.settle_ms} is invalid; expected >= 0")
+    if not 0 <= args.settle_ms <= 60_000:  # also nan and inf, which time.sleep refuses late
+        ap.error(f"--settle-ms {args.settle_ms} is invalid; expected 0 to 60000")
+    # Per page size, as bench_page allocates them: the device region, and a host pool of as
+    # many blocks (both in this machine's memory on CPU).
+    region = max(
+        max(args.region_mib * MiB // (p * KiB), 2 * max(args.batches)) * p * KiB
+        for p in args.pages_kib
+    )
+    require_memory(
+        ap,
+        region * (2 if backend == "cpu" else 1),
+        f"--region-mib {args.region_mib} with --pages-kib "
+        f"{' '.join(map(str, args.pages_kib))} and --batches {' '.join(map(str, args.batches))}",
+    )
     require_writable(ap, args.json)
     device = torch.device("cuda" if backend == "cuda" else "cpu")
     rng = np.random.default_rng(args.seed)

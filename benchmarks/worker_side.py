@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from _bench import sync
-from _cli import positive_int, progress, require_writable
+from _cli import positive_int, progress, require_memory, require_writable
 from kvtier.connector import OffloadingScheduler, OffloadingWorker, StepProgress
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor, make_transfer_worker
@@ -175,6 +175,19 @@ def main(argv: list[str] | None = None) -> None:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     elif name == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device cuda: no CUDA device is visible to torch {torch.__version__}")
+    # As Rig allocates them: the layers' device blocks, the host pool, and the ceiling's device
+    # scratch of a wave's bytes. All three are in this machine's memory on CPU; on a GPU, the
+    # pool is.
+    page = args.layers * 2 * args.block_size * args.kv_heads * args.head_dim * 2  # bfloat16
+    blocks_per_req = args.prompt_tokens // args.block_size
+    pool = args.requests * blocks_per_req * page
+    dev = 2 * args.requests * (blocks_per_req + 1) * page
+    require_memory(
+        ap,
+        dev + 2 * pool if name == "cpu" else pool,
+        f"--layers {args.layers}, --kv-heads {args.kv_heads}, --head-dim {args.head_dim}, "
+        f"--prompt-tokens {args.prompt_tokens}, --requests {args.requests}",
+    )
     require_writable(ap, args.json)
     device = torch.device(name)
     rig = Rig(args, device)

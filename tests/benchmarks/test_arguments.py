@@ -79,6 +79,25 @@ CASES: list[tuple[str, list[str], list[str], str]] = [
     ("transfer_bw", ["--backend", "cpu", "--copy-cpus", "4096"], ["bench_page"], "--copy-cpus"),
     ("transfer_bw", ["--seed", "-1"], ["bench_page"], "--seed: '-1'"),
     ("transfer_bw", ["--backend", "cpu", "--json", "BAD"], ["bench_page"], "--json"),
+    # time.sleep refused these after the first copies, with a traceback.
+    ("transfer_bw", ["--backend", "cpu", "--settle-ms", "nan"], ["bench_page"], "--settle-ms nan"),
+    ("transfer_bw", ["--backend", "cpu", "--settle-ms", "inf"], ["bench_page"], "--settle-ms inf"),
+    # Buffers larger than the machine: torch's allocator failed with a traceback (or swapped).
+    (
+        "transfer_bw",
+        ["--backend", "cpu", "--region-mib", "99999999"],
+        ["bench_page"],
+        "--region-mib 99999999 with --pages-kib 8 16 64 256 1024 2048 and --batches 1 16 128: "
+        "the buffers need",
+    ),
+    (
+        "transfer_bw",
+        ["--backend", "cpu", "--pages-kib", "2048", "--batches", "9999999"],
+        ["bench_page"],
+        "more than this machine's",
+    ),
+    ("cpu_submit", ["--region-mib", "99999999"], ["bench_case"], "--region-mib 99999999: the"),
+    ("worker_side", ["--requests", "999999"], ["Rig"], "--requests 999999: the buffers need"),
     ("cpu_submit", ["--json", "BAD"], ["bench_case"], "--json"),
     ("cpu_submit", ["--cases", "1024x16", "--region-mib", "8"], ["bench_case"], "--region-mib 8"),
     ("cpu_submit", ["--region-mib", "0"], ["bench_case"], "--region-mib: '0'"),

@@ -90,3 +90,26 @@ def test_bad_seed_ranges_are_rejected(text: str) -> None:
 def test_seed_ranges() -> None:
     assert _seeds("3:7") == range(3, 7)
     assert _seeds("4") == range(4, 5)
+
+
+def test_progress_goes_to_stderr_and_stdout_keeps_the_results(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The seed counter was printed on stdout, between the cells below LRU.
+    from concurrent.futures import ThreadPoolExecutor
+
+    import policy_fuzz
+
+    def tiny(seed: int) -> policy_fuzz.Draw:
+        requests, params = loop(random.Random(seed), 300)
+        return requests, {"family": "loop", **params}
+
+    monkeypatch.setattr(policy_fuzz, "draw", tiny)
+    monkeypatch.setattr(policy_fuzz, "ProcessPoolExecutor", ThreadPoolExecutor)
+    argv = ["policy_fuzz.py", "--seeds", "0:6", "--policies", "lru,sieve", "--jobs", "1"]
+    monkeypatch.setattr(sys, "argv", argv)
+    policy_fuzz.main()
+    out, err = capsys.readouterr()
+    assert "seeds]" not in out
+    assert err.splitlines() == ["[5/6 seeds]", "[6/6 seeds]"]
+    assert "seeds 0:6, 24 cells, flat mode" in out

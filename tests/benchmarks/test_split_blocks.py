@@ -80,3 +80,31 @@ def test_the_source_is_never_its_own_destination(
     with pytest.raises(SystemExit):
         _main([str(src), str(tmp_path / "." / "t.jsonl")], monkeypatch)
     assert src.read_text() == before
+
+
+@pytest.mark.parametrize(
+    ("length", "ids"),
+    [
+        (1100, [1, 2]),  # more tokens than 2 blocks of 512 hold: sub-ids of block 3 (96..100)
+        (100, [1, 2]),  # the second block holds no token: it was dropped, unlike the reader
+        (0, [1]),
+        (5, []),
+    ],
+)
+def test_a_row_that_does_not_fit_512_token_blocks_is_refused(length: int, ids: list[int]) -> None:
+    with pytest.raises(ValueError, match=f"input_length={length} does not fit {len(ids)} blocks"):
+        split_request({"input_length": length, "hash_ids": ids}, 16)
+
+
+def test_a_trace_split_already_is_refused_and_no_output_is_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Splitting a 16-token trace again wrote, with exit status 0, a trace no reader accepts.
+    src, once, twice = tmp_path / "t.jsonl", tmp_path / "t16.jsonl", tmp_path / "t16x2.jsonl"
+    src.write_text(json.dumps({"input_length": 600, "hash_ids": [0, 7]}) + "\n")
+    _main([str(src), str(once)], monkeypatch)
+    with pytest.raises(SystemExit):
+        _main([str(once), str(twice)], monkeypatch)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "t16.jsonl:1: not a Mooncake trace line (input_length=600 does not fit 38" in err
+    assert not twice.exists()
