@@ -11,6 +11,7 @@
  * kvt_engine_submit_ids copies what it needs: its arrays are free when it returns.
  */
 #define _GNU_SOURCE /* pthread_attr_setaffinity_np */
+#include <errno.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
@@ -499,7 +500,15 @@ static kvt_engine *start(kvt_before_fn before, int threads, size_t min_split_byt
 #endif
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->work, NULL);
-    pthread_cond_init(&e->done, NULL);
+    /* kvt_engine_wait_for's deadlines are on KVT_WAIT_CLOCK: a wall-clock step cannot
+     * stretch one where the monotonic clock is available. */
+    pthread_condattr_t done_attr;
+    pthread_condattr_init(&done_attr);
+#ifdef __linux__
+    pthread_condattr_setclock(&done_attr, CLOCK_MONOTONIC);
+#endif
+    pthread_cond_init(&e->done, &done_attr);
+    pthread_condattr_destroy(&done_attr);
     pthread_mutex_init(&e->team.mu, NULL);
     pthread_cond_init(&e->team.fin, NULL);
     int want = threads > 1 ? threads - 1 : 0;
@@ -760,17 +769,42 @@ int kvt_engine_submit_ids(kvt_engine *e, const kvt_submit_ctx *x, int64_t id, in
     return enqueue(e, j, lane);
 }
 
-/* Move up to `max` finished results, in finishing order, into `out`; returns how many. */
-size_t kvt_engine_poll(kvt_engine *e, kvt_result *out, size_t max) {
-    pthread_mutex_lock(&e->mu);
+/* Copy up to `max` finished results, in finishing order, into `out`, leaving them in the
+ * engine; returns how many (under e->mu). */
+static size_t peek(kvt_engine *e, kvt_result *out, size_t max) {
     size_t k = e->res_len - e->res_head;
     if (k > max)
         k = max;
     for (size_t i = 0; i < k; i++)
         out[i] = e->res[e->res_head + i];
+    return k;
+}
+
+/* Move up to `max` finished results, in finishing order, into `out`; returns how many. */
+size_t kvt_engine_poll(kvt_engine *e, kvt_result *out, size_t max) {
+    pthread_mutex_lock(&e->mu);
+    size_t k = peek(e, out, max);
     e->res_head += k;
     pthread_mutex_unlock(&e->mu);
     return k;
+}
+
+/* kvt_engine_poll in two steps: copy the results (kvt_engine_peek), then drop the first `k`
+ * of them (kvt_engine_drop) once the caller has them for good. Python can raise an interrupt
+ * as any call returns: results taken in one step were lost with it (native_worker.py). A
+ * caller that serialises its polls drops what it peeked; results finished since then stay. */
+size_t kvt_engine_peek(kvt_engine *e, kvt_result *out, size_t max) {
+    pthread_mutex_lock(&e->mu);
+    size_t k = peek(e, out, max);
+    pthread_mutex_unlock(&e->mu);
+    return k;
+}
+
+void kvt_engine_drop(kvt_engine *e, size_t k) {
+    pthread_mutex_lock(&e->mu);
+    size_t left = e->res_len - e->res_head;
+    e->res_head += k < left ? k : left;
+    pthread_mutex_unlock(&e->mu);
 }
 
 /* The seq of the last job queued in `lane` (0: none yet). A caller that serialises its
@@ -793,6 +827,38 @@ void kvt_engine_wait(kvt_engine *e, int lane, uint64_t seq) {
         pthread_cond_wait(&e->done, &e->mu);
     }
     pthread_mutex_unlock(&e->mu);
+}
+
+#ifdef __linux__
+#define KVT_WAIT_CLOCK CLOCK_MONOTONIC
+#else
+#define KVT_WAIT_CLOCK CLOCK_REALTIME
+#endif
+
+/* kvt_engine_wait for at most `timeout_ns`: 1 once the job with sequence number `seq` of
+ * `lane` has finished, 0 if it has not by then. A Python caller waits in slices, returning
+ * to Python between them: a Ctrl-C is raised only there, and a wait of one call held it off
+ * until the job ended (native_worker.py). */
+int kvt_engine_wait_for(kvt_engine *e, int lane, uint64_t seq, uint64_t timeout_ns) {
+    lane = lane ? 1 : 0;
+    struct timespec until;
+    clock_gettime(KVT_WAIT_CLOCK, &until);
+    until.tv_sec += (time_t)(timeout_ns / 1000000000u);
+    until.tv_nsec += (long)(timeout_ns % 1000000000u);
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&e->mu);
+    int timed_out = 0;
+    while (e->done_seq[lane] < seq && !timed_out) {
+        if (seq < e->wake_at[lane])
+            e->wake_at[lane] = seq;
+        timed_out = pthread_cond_timedwait(&e->done, &e->mu, &until) == ETIMEDOUT;
+    }
+    int done = e->done_seq[lane] >= seq;
+    pthread_mutex_unlock(&e->mu);
+    return done;
 }
 
 /* Let the running job (or shared batch) finish, then report the queued jobs failed (serve():

@@ -20,6 +20,7 @@ from kvtier.transfer.native import row_copier
 from kvtier.transfer.plan import Job
 from kvtier.transfer.registration import KVCacheRegistration
 from kvtier.transfer.worker import (
+    FORKED,
     FaultInjector,
     TransferWorker,
     job_ids_of,
@@ -28,6 +29,9 @@ from kvtier.transfer.worker import (
 )
 
 logger = logging.getLogger(__name__)
+
+_WAIT_SLICE_S = 0.05
+"""`wait` blocks this long at a time (see `NativeCPUTransferWorker.wait`)."""
 
 DEFAULT_STAGE_BYTES = 1 << 20
 """Scratch for copies whose both sides are scattered: small enough to stay in a core's L2."""
@@ -58,16 +62,20 @@ class _JobQueue:
         self.urgent: deque[Job] = deque()
         self.in_flight: set[int] = set()
         self.results: list[TransferResult] = []
+        self.result_ids: set[int] = set()
+        """The ids of `results`. Both are replaced together in steps with no call, where
+        CPython switches no thread: `_take_finished` swaps them without the lock (whose
+        release an interrupt could skip), and must never take a result without its id."""
         self.stopping = False
         self.stopped = threading.Event()
-        """Set once the thread has ended and the queued jobs are reported failed."""
+        """Set once the thread has reported the queued jobs failed, as it ends."""
         self.thread = threading.Thread(
             target=_serve, args=(worker, self), name="kvtier-transfer", daemon=True
         )
 
     def stop(self) -> None:
-        """Let the running job finish, end the thread, then report queued jobs failed (after
-        the running one, so that results stay in submission order)."""
+        """Let the running job finish and end the thread, which then reports the queued jobs
+        failed (after the running one, so that results stay in submission order)."""
         if threading.current_thread() is self.thread:
             # The worker was collected on its own thread (which dropped the last reference
             # after a job, or ran the cyclic collector, maybe holding the lock or about to
@@ -78,11 +86,21 @@ class _JobQueue:
         with self.cv:
             self.stopping = True
             self.cv.notify_all()
+        # An interrupt (Ctrl-C) may end this wait: the thread still reports the queued jobs
+        # and sets `stopped`, for which a second `shutdown()` waits. (Reported here after the
+        # join, they never were, and that second call waited for good.)
         self.thread.join()
+        if not self.stopped.is_set():  # ended without its last step: a forked child's copy
+            self.fail_queued()
+
+    def fail_queued(self) -> None:
+        """Report the queued jobs failed and set `stopped`: the copy thread's last step."""
         with self.cv:
-            for job in (*self.urgent, *self.queue):
-                self.results.append(TransferResult(job.job_id, False))
-                self.in_flight.discard(job.job_id)
+            queued = [*self.urgent, *self.queue]
+            failed = [TransferResult(job.job_id, False) for job in queued]
+            ids = {job.job_id for job in queued}
+            self.results, self.result_ids = [*self.results, *failed], self.result_ids | ids
+            self.in_flight -= ids
             self.urgent.clear()
             self.queue.clear()
             self.done_cv.notify_all()
@@ -92,6 +110,13 @@ class _JobQueue:
 def _serve(ref: weakref.ReferenceType[CPUTransferWorker], jobs: _JobQueue) -> None:
     """The copy thread. It holds the worker only while it runs a job: a worker nobody else
     holds is collected, and its finalizer stops this thread."""
+    try:
+        _serve_jobs(ref, jobs)
+    finally:
+        jobs.fail_queued()
+
+
+def _serve_jobs(ref: weakref.ReferenceType[CPUTransferWorker], jobs: _JobQueue) -> None:
     while True:
         with jobs.cv:
             jobs.cv.wait_for(lambda: jobs.stopping or bool(jobs.urgent or jobs.queue))
@@ -105,8 +130,9 @@ def _serve(ref: weakref.ReferenceType[CPUTransferWorker], jobs: _JobQueue) -> No
         ok = worker._run(job)
         seconds = time.perf_counter() - start
         del worker  # outside the lock: the last reference runs the finalizer (`stop`)
+        result, ids = job_result(job.job_id, ok, job.nbytes, seconds), {job.job_id}
         with jobs.cv:
-            jobs.results.append(job_result(job.job_id, ok, job.nbytes, seconds))
+            jobs.results, jobs.result_ids = [*jobs.results, result], jobs.result_ids | ids
             jobs.in_flight.discard(job.job_id)
             if jobs.waiting and any(job.job_id in ids for ids in jobs.waiting.values()):
                 jobs.done_cv.notify_all()
@@ -175,9 +201,15 @@ class CPUTransferWorker(TransferWorker):
     def _accepted(self, job_id: int) -> bool:
         return job_id in self._jobs.in_flight
 
-    def _collect(self) -> list[TransferResult]:
-        results, self._jobs.results = self._jobs.results, []
-        return results
+    def _take_finished(self) -> None:
+        jobs = self._jobs
+        empty: list[TransferResult] = []
+        no_ids: set[int] = set()
+        # No call from here on: an interrupt comes before these steps or after them.
+        taken, ids = jobs.results, jobs.result_ids
+        jobs.results, jobs.result_ids = empty, no_ids
+        self._ready += taken
+        self._ready_ids |= ids
 
     @property
     def _in_flight(self) -> set[int]:
@@ -186,6 +218,8 @@ class CPUTransferWorker(TransferWorker):
 
     def wait(self, job_ids: Iterable[int]) -> None:
         """Block until every job in `job_ids` has finished (ids not in flight are ignored)."""
+        if self._forked:
+            raise RuntimeError(FORKED)
         ids = set(job_ids_of(job_ids))
         if threading.current_thread() is self._thread:
             raise RuntimeError("wait() called from the transfer thread would deadlock")
@@ -195,7 +229,11 @@ class CPUTransferWorker(TransferWorker):
             ids &= jobs.in_flight
             try:
                 jobs.waiting[token] = ids  # one step: an interrupt comes before it or after
-                jobs.done_cv.wait_for(lambda: jobs.in_flight.isdisjoint(ids))
+                done = lambda: jobs.in_flight.isdisjoint(ids)  # noqa: E731
+                # In slices, as NativeCPUTransferWorker: a Ctrl-C that came while another
+                # thread held the GIL was at times raised only once the job ended.
+                while not jobs.done_cv.wait_for(done, _WAIT_SLICE_S):
+                    pass
             finally:
                 # On Ctrl-C too, or each of these ids' jobs would wake every waiter when done.
                 jobs.waiting.pop(token, None)
@@ -210,7 +248,13 @@ class CPUTransferWorker(TransferWorker):
             self._jobs.stopping = True  # no job starts from here on
             self._jobs.cv.notify_all()
         if first:
-            self._finalizer()
+            try:
+                self._finalizer()
+            except BaseException:
+                # Interrupted while the running job finishes: the thread ends by itself, and
+                # exit still waits for it (a copy running as torch is torn down aborts).
+                self._at_exit = shutdown_at_exit(self)
+                raise
         elif threading.current_thread() is not self._thread:
             # Another thread's call is stopping it: return, as it will, once every job is
             # reported (the copy thread itself cannot wait for its own end).

@@ -31,7 +31,6 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvtier.base import TransferResult
 from kvtier.transfer.cpu_worker import DEFAULT_STAGE_BYTES, CPUTransferWorker
 from kvtier.transfer.host_pool import HostPool
 from kvtier.transfer.native import (
@@ -47,6 +46,7 @@ from kvtier.transfer.native import (
 from kvtier.transfer.plan import Direction, IdsLike, Job
 from kvtier.transfer.registration import KVCacheRegistration
 from kvtier.transfer.worker import (
+    FORKED,
     FaultInjector,
     IdStaging,
     SubmitCall,
@@ -70,6 +70,10 @@ within the C int it is passed as."""
 
 _POLL = 256
 """Results fetched per engine call."""
+
+_WAIT_SLICE_NS = 50_000_000
+"""`wait` blocks in the engine this long at a time, then returns to Python, which raises a
+pending Ctrl-C (KeyboardInterrupt) only there: in one call, it waited until the job ended."""
 
 
 @dataclass(slots=True)
@@ -484,19 +488,31 @@ class NativeCPUTransferWorker(TransferWorker):
     def _accepted(self, job_id: int) -> bool:
         return job_id in self._live
 
-    def _collect(self) -> list[TransferResult]:
-        results: list[TransferResult] = []
+    def _take_finished(self) -> None:
+        """Results are read from the engine first and dropped from it only once every one
+        of them is in `_ready`: an interrupt in between leaves them in the engine, and the
+        next call skips those already moved (no longer in `_live`)."""
         buf = self._poll_buffer
         while True:
-            k = self._lib.kvt_engine_poll(self._engine, buf, _POLL)
+            k = self._lib.kvt_engine_peek(self._engine, buf, _POLL)
             for r in buf[:k]:
-                live = self._live.pop(r.job_id)
-                results.append(job_result(r.job_id, bool(r.ok), live.nbytes, r.seconds))
+                job_id = r.job_id
+                live = self._live.get(job_id)
+                if live is None:
+                    continue  # moved by a call that an interrupt cut short before the drop
+                one, ids = [job_result(job_id, bool(r.ok), live.nbytes, r.seconds)], {job_id}
+                # No call from here to the loop's end: an interrupt comes before or after.
+                self._ready += one
+                self._ready_ids |= ids
+                del self._live[job_id]
+            self._lib.kvt_engine_drop(self._engine, k)
             if k < _POLL:
-                return results
+                return
 
     def wait(self, job_ids: Iterable[int]) -> None:
         """Block until every job in `job_ids` has finished (ids not in flight are ignored)."""
+        if self._forked:
+            raise RuntimeError(FORKED)
         if threading.get_ident() == self._engine_thread:
             raise RuntimeError("wait() called from the transfer thread would deadlock")
         last = [0, 0]
@@ -505,18 +521,24 @@ class NativeCPUTransferWorker(TransferWorker):
                 live = self._live.get(j)
                 if live is not None and live.seq > last[live.lane]:
                     last[live.lane] = live.seq
+        wait_for = self._lib.kvt_engine_wait_for  # releases the GIL
         for lane, seq in enumerate(last):
-            if seq:
-                self._lib.kvt_engine_wait(self._engine, lane, seq)  # releases the GIL
+            while seq and not wait_for(self._engine, lane, seq, _WAIT_SLICE_NS):
+                pass  # a Ctrl-C is raised as the call returns
 
     def shutdown(self) -> None:
         """Let the running job finish, stop the threads, then report queued jobs failed (after
         the running one, so that results stay in submission order). Called from the fault
         injector, it returns at once, and the engine's thread does this when the job it is
-        in ends (as `CPUTransferWorker`'s does)."""
+        in ends (as `CPUTransferWorker`'s does). In a forked child it leaves the engine
+        alone: its threads are the parent's, and nothing there would ever report the jobs
+        (a second stop waited for them for good, and so did the free at collection)."""
         atexit.unregister(self._at_exit)
         with self._lock:
             self._closed = True
+        if self._forked:
+            self._finalizer.detach()
+            return
         # Every call, not only the first: a later one (another thread's) returns once the
         # first has reported every job (or at once on the engine's thread, as the first does).
         self._lib.kvt_engine_stop(self._engine)  # joins the thread; releases the GIL meanwhile

@@ -189,7 +189,10 @@ class KVTensor:
 
 
 def _merge(segments: list[Segment]) -> list[Segment]:
-    """Join neighbours whose bytes follow each other in every block (fewer, wider copies)."""
+    """Join neighbours whose bytes follow each other in every block (fewer, wider copies).
+    The joined segment views the first one's storage, so it must reach that far: two storages
+    may start at one address with different sizes (`torch.frombuffer` over one buffer twice),
+    and a join past the first one's end made every copier's view of it raise."""
     merged: list[Segment] = []
     for seg in segments:
         prev = merged[-1] if merged else None
@@ -199,6 +202,8 @@ def _merge(segments: list[Segment]) -> list[Segment]:
             and prev.stride == seg.stride
             and prev.offset + prev.width == seg.offset
             and prev.width + seg.width <= seg.stride
+            and seg.offset + (seg.num_blocks - 1) * seg.stride + seg.width
+            <= prev.storage_view.numel()
         ):
             merged[-1] = Segment(
                 prev.storage_ptr,

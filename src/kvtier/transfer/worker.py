@@ -16,6 +16,7 @@ keeps or drops the records accordingly.
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import weakref
 from abc import ABC, abstractmethod
@@ -149,6 +150,27 @@ def shutdown_at_exit(worker: TransferWorker) -> Callable[[], None]:
     return hook
 
 
+_live_workers: weakref.WeakSet[TransferWorker] = weakref.WeakSet()
+"""Every worker not yet collected, for `_forked_child`."""
+
+FORKED = (
+    "this transfer worker was created before the process forked: its copy threads are in "
+    "the parent, and here nothing would ever copy or report a job; create a worker in this "
+    "process"
+)
+
+
+def _forked_child() -> None:
+    """In a forked child: mark every worker inherited from the parent. Its copy threads did
+    not come along: a job submitted there was queued and never run, and `wait` for it hung."""
+    for worker in list(_live_workers):
+        worker._forked = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked_child)
+
+
 class TransferWorker(ABC):
     """Moves bytes between device blocks and host slots; see the module docstring."""
 
@@ -172,13 +194,22 @@ class TransferWorker(ABC):
         self._lock = threading.Lock()
         self._unreported: set[int] = set()
         """Ids submitted and not yet returned by get_finished (duplicates are refused)."""
+        self._ready: list[TransferResult] = []
+        """Results taken from the backend and not yet returned by get_finished (an interrupt
+        cut that call short); `_ready_ids` holds their ids."""
+        self._ready_ids: set[int] = set()
         self._closed = False
+        self._forked = False
+        """Inherited by a forked child (`_forked_child`): submits and waits raise there."""
+        _live_workers.add(self)
 
     def submit_store(
         self, job_id: int, device_blocks: IdsLike, slots: IdsLike, group: int = 0
     ) -> None:
         """Queue a copy of whole chunks: `device_blocks` (`len(slots) * blocks_per_chunk` of
         them, in chunk order) into `slots`. On CUDA it runs after the compute queued so far."""
+        if self._forked:
+            raise RuntimeError(FORKED)
         if type(job_id) is not int:
             job_id = as_int("job_id", job_id)
         if type(group) is not int:
@@ -203,6 +234,8 @@ class TransferWorker(ABC):
         """Queue a copy of the blocks of `slots`' chunks, in order from `skip_blocks` of the first
         chunk, into `device_blocks`; the last chunk may be used partially. `urgent` loads run in
         their own lane and do not wait behind queued loads."""
+        if self._forked:
+            raise RuntimeError(FORKED)
         if type(job_id) is not int:
             job_id = as_int("job_id", job_id)
         if type(group) is not int:
@@ -226,12 +259,22 @@ class TransferWorker(ABC):
             self._queue(job)
 
     def get_finished(self) -> list[TransferResult]:
-        """Results of jobs finished since the last call, each lane in submission order."""
+        """Results of jobs finished since the last call, each lane in submission order.
+
+        An interrupt (KeyboardInterrupt) during the call loses no result: the ones it took
+        from the backend wait for the next call, their jobs still held."""
+        fresh: list[TransferResult] = []
+        fresh_ids: set[int] = set()
         with self._lock:
-            results = self._collect()
-            for r in results:
-                self._unreported.discard(r.job_id)
-            return results
+            self._take_finished()
+        # Handed over in steps with no call and no loop, where CPython never raises an
+        # interrupt (it does as a function starts, after a call returns, at a loop's back
+        # edge) nor switches threads: the results are returned, or they stay for the next
+        # call. After the lock is released, because its release is a call.
+        results, ids = self._ready, self._ready_ids
+        self._ready, self._ready_ids = fresh, fresh_ids
+        self._unreported -= ids
+        return results
 
     def holds(self, job_id: int) -> bool:
         """Whether `job_id` is queued, running, or finished and not yet returned by
@@ -261,9 +304,20 @@ class TransferWorker(ABC):
         `_submit` raised). `_submit` leaves a job fully recorded or not at all: on a
         BaseException it keeps the records of a job its engine took, and drops the rest."""
 
-    @abstractmethod
     def _collect(self) -> list[TransferResult]:
-        """Take the finished results (called with the lock held)."""
+        """Take the finished results (called with the lock held), for `_take_finished`'s
+        default. An interrupt as it returns loses them: backends that can, override
+        `_take_finished` instead."""
+        raise NotImplementedError
+
+    def _take_finished(self) -> None:
+        """Move the finished results from the backend into `_ready`, and their ids into
+        `_ready_ids` (called with the lock held). An interrupt at any point must leave each
+        result either in the backend or in both, never in one only, and never in neither."""
+        taken = self._collect()
+        ids = {r.job_id for r in taken}
+        self._ready += taken  # these two steps have no call between them
+        self._ready_ids |= ids
 
     def _queue(self, job: Job) -> None:
         """`_submit` a planned job and count it unreported (called with the lock held). Counted

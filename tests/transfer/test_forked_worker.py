@@ -1,0 +1,128 @@
+"""A worker inherited by a forked child: its copy threads stayed in the parent. A submit there
+was queued and never run, and `wait` for it hung for good; both must raise RuntimeError saying
+why. `shutdown()` there returns, every time.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from kvtier.transfer import (
+    CPUTransferWorker,
+    HostPool,
+    KVCacheRegistration,
+    KVTensor,
+    NativeCPUTransferWorker,
+    TransferWorker,
+)
+from kvtier.transfer.native import library
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+
+
+def _in_child(check: Callable[[], bool]) -> None:
+    """Run `check` in a forked child (killed after 10 s: a hang); assert it returned True."""
+    pid = os.fork()
+    if pid == 0:
+        ok = False
+        try:
+            signal.alarm(10)
+            ok = check()
+        finally:
+            os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            code = os.waitstatus_to_exitcode(status)
+            assert code == 0, f"the child failed (exit {code}; -{int(signal.SIGALRM)}: it hung)"
+            return
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the child hung")
+
+
+def _worker(native: bool, injector: Callable[[int, str], object] | None = None) -> TransferWorker:
+    kv = torch.zeros(8, 256, dtype=torch.uint8)
+    reg = KVCacheRegistration([KVTensor(kv, 0)])
+    cls = NativeCPUTransferWorker if native else CPUTransferWorker
+    return cls(reg, HostPool(reg, 1, num_slots=4), fault_injector=injector)
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+def test_submit_and_wait_in_a_forked_child_raise(native: bool) -> None:
+    if native and library() is None:
+        pytest.skip("the compiled library is unavailable")
+    w = _worker(native)
+    try:
+        w.submit_store(1, [1], [1])
+        w.wait([1])
+
+        def check() -> bool:
+            refused = 0
+            calls: list[Callable[[], object]] = [
+                lambda: w.submit_store(2, [2], [2]),
+                lambda: w.submit_load(3, [1], [3]),
+                lambda: w.wait([2]),
+            ]
+            for call in calls:
+                try:
+                    call()
+                except RuntimeError as exc:
+                    refused += "forked" in str(exc)
+            return refused == 3 and not w.holds(2)
+
+        _in_child(check)
+        # The parent's worker is untouched.
+        w.submit_store(2, [2], [2])
+        w.wait([2])
+        assert [r.job_id for r in w.get_finished()] == [1, 2]
+    finally:
+        w.shutdown()
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+def test_shutdown_in_a_forked_child_returns_every_time(native: bool) -> None:
+    """The Python worker reports the jobs queued at the fork failed; the compiled one leaves
+    its engine, whose threads are the parent's, alone (a second stop, or the free when the
+    worker was collected after one, waited for good)."""
+    if native and library() is None:
+        pytest.skip("the compiled library is unavailable")
+    gate, running = threading.Event(), threading.Event()
+
+    def hold(job_id: int, direction: str) -> None:
+        if job_id == 1:
+            running.set()
+            gate.wait(30)
+
+    w = _worker(native, hold)
+    try:
+        w.submit_store(1, [1], [1])
+        assert running.wait(30)
+        w.submit_store(2, [2], [2])  # queued behind job 1 when the process forks
+
+        def check() -> bool:
+            nonlocal w
+            w.shutdown()
+            w.shutdown()  # returns too: nothing is left to wait for
+            results = [(r.job_id, r.success) for r in w.get_finished()]
+            del w
+            gc.collect()  # the compiled engine is not freed (nor waited for) here
+            return results == ([] if native else [(2, False)])
+
+        _in_child(check)
+        gate.set()
+        w.wait([1, 2])
+        assert [(r.job_id, r.success) for r in w.get_finished()] == [(1, True), (2, True)]
+    finally:
+        gate.set()
+        w.shutdown()
