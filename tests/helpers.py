@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dis
 import functools
+import os
+import signal
 import sys
+import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -329,3 +332,28 @@ def build_fake_libcuda(cc: str, out_dir: Path, source: Path, harnesses: Path) ->
              str(out_dir / "libcuda.so.1"), str(source)]  # fmt: skip
     out = subprocess.run(build, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
+
+
+def in_child(check: Callable[[], bool], what: str) -> None:
+    """Run `check` in a forked child and assert it returned True; the child is killed after
+    10 s of it (a hang), and the test fails naming `what` if it never ends."""
+    pid = os.fork()
+    if pid == 0:
+        ok = False
+        try:
+            signal.alarm(10)
+            ok = check()
+        finally:
+            os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            code = os.waitstatus_to_exitcode(status)
+            hung = -int(signal.SIGALRM)
+            assert code == 0, f"{what}: the child failed (exit {code}; {hung}: it hung)"
+            return
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail(f"{what}: the child never ended")

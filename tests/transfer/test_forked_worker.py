@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import gc
 import os
-import signal
 import threading
-import time
 from collections.abc import Callable
 
 import pytest
 import torch
 
+from helpers import in_child
 from kvtier.transfer import (
     CPUTransferWorker,
     HostPool,
@@ -26,29 +25,6 @@ from kvtier.transfer import (
 from kvtier.transfer.native import library
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-
-
-def _in_child(check: Callable[[], bool]) -> None:
-    """Run `check` in a forked child (killed after 10 s: a hang); assert it returned True."""
-    pid = os.fork()
-    if pid == 0:
-        ok = False
-        try:
-            signal.alarm(10)
-            ok = check()
-        finally:
-            os._exit(0 if ok else 1)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            code = os.waitstatus_to_exitcode(status)
-            assert code == 0, f"the child failed (exit {code}; -{int(signal.SIGALRM)}: it hung)"
-            return
-        time.sleep(0.02)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    pytest.fail("the child hung")
 
 
 def _worker(native: bool, injector: Callable[[int, str], object] | None = None) -> TransferWorker:
@@ -81,7 +57,7 @@ def test_submit_and_wait_in_a_forked_child_raise(native: bool) -> None:
                     refused += "forked" in str(exc)
             return refused == 3 and not w.holds(2)
 
-        _in_child(check)
+        in_child(check, "an inherited worker")
         # The parent's worker is untouched.
         w.submit_store(2, [2], [2])
         w.wait([2])
@@ -119,7 +95,7 @@ def test_shutdown_in_a_forked_child_returns_every_time(native: bool) -> None:
             gc.collect()  # the compiled engine is not freed (nor waited for) here
             return results == ([] if native else [(2, False)])
 
-        _in_child(check)
+        in_child(check, "an inherited worker")
         gate.set()
         w.wait([1, 2])
         assert [(r.job_id, r.success) for r in w.get_finished()] == [(1, True), (2, True)]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ import numpy.typing as npt
 import pytest
 import torch
 
+from helpers import in_child
 from kvtier.transfer import CPUTransferWorker, HostPool, KVCacheRegistration, KVTensor, native
 from kvtier.transfer import copier as copier_module
 from kvtier.transfer.copier import BlockCopier
@@ -86,25 +86,14 @@ def test_split_copies_still_run_in_a_forked_child(monkeypatch: pytest.MonkeyPatc
 
     store(1, [3, 1, 7, 5], [6, 0, 4, 2])  # scattered on both sides: split over two threads
     assert copier_module._pool is not None
-    pid = os.fork()
-    if pid == 0:  # the child: exit 0 once the same kind of copy has run
-        ok = False
-        try:
-            store(2, [2, 0, 6, 4], [7, 1, 5, 3])
-            # numpy, not torch ops: a forked child should not start torch's thread pools.
-            ok = np.array_equal(pool.rows[7].numpy(), t[2].reshape(-1).view(torch.uint8).numpy())
-        finally:
-            os._exit(0 if ok else 1)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            assert os.waitstatus_to_exitcode(status) == 0
-            return
-        time.sleep(0.05)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    pytest.fail("the forked child's copy never finished")
+
+    def child() -> bool:  # the same kind of copy runs in the forked child
+        store(2, [2, 0, 6, 4], [7, 1, 5, 3])
+        # numpy, not torch ops: a forked child should not start torch's thread pools.
+        want = t[2].reshape(-1).view(torch.uint8).numpy()
+        return bool(np.array_equal(pool.rows[7].numpy(), want))
+
+    in_child(child, "the forked child's copy")
 
 
 def _fresh_build(monkeypatch: pytest.MonkeyPatch, cache: str) -> None:
