@@ -88,6 +88,34 @@ def _token_count(req_id: str, name: str, value: object) -> int:
         raise ValueError(f"request {req_id!r}: {e}") from None
 
 
+def _device_blocks(req_id: str, group: int, ids: Sequence[int]) -> npt.NDArray[np.int64]:
+    """The device block ids a job uses, as int64, or a ValueError naming the request, the
+    group and the bad id: a float was truncated to another block (whose KV a store then
+    announced as this chunk's), and a negative id reached the worker, which failed the job."""
+    arr = np.asarray(ids)
+    if arr.size == 0:
+        return np.zeros(0, np.int64)
+    bad: object = None
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        if arr.ndim == 1 and arr.dtype.kind == "b":
+            bad = ids[0]
+        elif arr.ndim == 1:
+            bad = next((x for x in ids if isinstance(x, bool) or not _is_index(x)), ids)
+        else:
+            bad = ids
+    elif arr.min() < 0:
+        bad = ids[int(np.argmin(arr))]
+    if bad is not None:
+        raise ValueError(
+            f"request {req_id!r}: group {group} has device block id {bad!r}; expected integers >= 0"
+        )
+    return arr.astype(np.int64)  # a copy: the engine may reuse its block table
+
+
+def _is_index(x: object) -> bool:
+    return hasattr(type(x), "__index__")
+
+
 def _group_ids(groups: object) -> tuple[int, ...]:
     """`groups` as a tuple of distinct KV-cache group ids, or a ValueError naming it."""
     why = "expected a non-empty sequence of distinct KV-cache group ids"
@@ -172,9 +200,10 @@ class OffloadingScheduler:
         """Store jobs that failed on any worker."""
         self._wait_for: list[int] = []
         self._finished = FinishedRequests()
-        # Device blocks of loads failed at allocation, per request, until `take_finished`
-        # reports them: a preemption or finish before then gives the blocks back to the engine.
-        self._failed_at_alloc: dict[str, list[int]] = {}
+        # Device blocks of failed loads (at allocation, or reported failed), per request, until
+        # `take_finished` reports them: a preemption, or a finish that holds nothing, before
+        # then gives the blocks back to the engine, which may give them to other requests.
+        self._failed_blocks: dict[str, list[int]] = {}
 
     # -- request lifecycle ------------------------------------------------------------------
 
@@ -237,9 +266,9 @@ class OffloadingScheduler:
             if used:
                 self.manager.touch(used, req.ctx)
         self.manager.on_request_finished(req.ctx)
-        self._failed_at_alloc.pop(req_id, None)  # no job: the engine frees its blocks now
         if req.jobs:
-            return True
+            return True  # its blocks are held until `sending`, failed ones reported with it
+        self._failed_blocks.pop(req_id, None)  # the engine frees its blocks now
         del self._requests[req_id]
         return False
 
@@ -247,13 +276,14 @@ class OffloadingScheduler:
         """The engine freed a request's device blocks to run others: jobs that still use them
         are waited for before the next step, and the request's plans are dropped. Should such
         a load fail, its blocks are not in `failed_load_blocks` (other requests may hold them
-        by now), nor are those of a load failed at allocation and not yet taken
-        (`take_finished`); the request is still reported in `recving` and `failed_loads`."""
+        by now), nor are those of a load that failed (reported, or at allocation) and is not
+        yet taken (`take_finished`); the request is still reported in `recving` and
+        `failed_loads`."""
         req = self._get(req_id)
         self._cancel_unsent(req)
         # Every job left was sent; no new one starts for the request until they end.
         req.released_jobs.update(req.jobs)
-        self._failed_at_alloc.pop(req_id, None)
+        self._failed_blocks.pop(req_id, None)
         self._wait_for.extend(sorted(req.jobs))
         req.planned_load = None
 
@@ -337,12 +367,14 @@ class OffloadingScheduler:
         tpb, bpc = self.tokens_per_block, self.blocks_per_chunk
         first_block, end_block = start // tpb, (start + count) // tpb
         first_chunk, end_chunk = first_block // bpc, -(-end_block // bpc)
+        devices: list[npt.NDArray[np.int64]] = []
         for g, group in enumerate(self.groups):
             if len(block_ids[g]) < end_block:
                 raise ValueError(
                     f"request {req_id!r}: group {group} has {len(block_ids[g])} device blocks; "
                     f"the load needs {end_block}"
                 )
+            devices.append(_device_blocks(req_id, group, block_ids[g][first_block:end_block]))
         req.planned_load = None  # only now: a call refused above leaves the offer standing
         keys = [self._chunk_keys(req, first_chunk, end_chunk, g) for g in range(len(self.groups))]
         slots: list[npt.NDArray[np.int64]] = []
@@ -363,9 +395,7 @@ class OffloadingScheduler:
             req.load_failed = True
             self._finished.recving.add(req_id)
             self._finished.failed_loads.add(req_id)
-            self._failed_at_alloc[req_id] = [
-                b for g in range(len(self.groups)) for b in block_ids[g][first_block:end_block]
-            ]
+            self._failed_blocks[req_id] = [b for d in devices for b in d.tolist()]
             return
         for g, group in enumerate(self.groups):
             job = TransferJob(
@@ -374,7 +404,7 @@ class OffloadingScheduler:
                 req_id=req_id,
                 group=group,
                 slots=slots[g],
-                device_blocks=np.asarray(block_ids[g][first_block:end_block], dtype=np.int64),
+                device_blocks=devices[g],
                 skip_blocks=first_block - first_chunk * bpc,
             )
             self._track(req, job, keys[g])
@@ -387,7 +417,7 @@ class OffloadingScheduler:
         """Plan stores for newly completed chunks of the scheduled requests and hand the
         worker everything due this step."""
         tpc = self.tokens_per_chunk
-        due: dict[str, tuple[_Request, Sequence[Sequence[int]], int]] = {}
+        due: dict[str, tuple[_Request, list[npt.NDArray[np.int64]], int]] = {}
         for p in progress:
             # Checked before anything is planned: a bad count (a float would raise mid-plan)
             # must leave no slot reserved for the entries before it.
@@ -404,10 +434,10 @@ class OffloadingScheduler:
             if end_chunk > req.next_store_chunk:
                 # Every block table is checked before any store is planned: a bad entry
                 # raises with no slot reserved for the entries before it either.
-                self._check_block_table(req, p.block_ids, end_chunk)
-                due[p.req_id] = (req, p.block_ids, end_chunk)
-        for req, block_ids, end_chunk in due.values():
-            self._plan_stores(req, block_ids, req.next_store_chunk, end_chunk)
+                blocks = self._check_block_table(req, p.block_ids, end_chunk)
+                due[p.req_id] = (req, blocks, end_chunk)
+        for req, blocks, end_chunk in due.values():
+            self._plan_stores(req, blocks, req.next_store_chunk, end_chunk)
             req.next_store_chunk = end_chunk
         for job in self._unsent:
             self._jobs[job.job_id].sent = True
@@ -422,7 +452,8 @@ class OffloadingScheduler:
 
     def _check_block_table(
         self, req: _Request, block_ids: Sequence[Sequence[int]], end: int
-    ) -> None:
+    ) -> list[npt.NDArray[np.int64]]:
+        """Per group, the device blocks of the chunks from `req.next_store_chunk` to `end`."""
         bpc = self.blocks_per_chunk
         # Checked before any slot is reserved: a pending write never completed would answer
         # HIT_PENDING ("ask again") to every later request with this prefix, forever.
@@ -437,10 +468,17 @@ class OffloadingScheduler:
                     f"request {req.ctx.req_id!r}: group {group} has {len(block_ids[g])} device "
                     f"blocks; storing its first {end} chunks needs {end * bpc}"
                 )
+        first = req.next_store_chunk * bpc
+        return [
+            _device_blocks(req.ctx.req_id, group, block_ids[g][first : end * bpc])
+            for g, group in enumerate(self.groups)
+        ]
 
     def _plan_stores(
-        self, req: _Request, block_ids: Sequence[Sequence[int]], start: int, end: int
+        self, req: _Request, blocks: list[npt.NDArray[np.int64]], start: int, end: int
     ) -> None:
+        """Reserve and plan chunks `start` to `end`; `blocks[g]` holds group g's device blocks
+        of those chunks, from chunk `start` on."""
         bpc = self.blocks_per_chunk
         # Every group's keys in one call: a chunk hits only if every group holds it, and one
         # call makes room for all of them or for none. Called group by group, a later group
@@ -473,8 +511,7 @@ class OffloadingScheduler:
                 g_keys, g_slots = [out.keys_to_store[i] for i in picked], slots[picked]
             if not g_keys:
                 continue
-            chunks = np.fromiter((chunk_of[k][1] for k in g_keys), np.int64, len(g_keys))
-            blocks = np.asarray(block_ids[g], dtype=np.int64)
+            chunks = np.fromiter((chunk_of[k][1] - start for k in g_keys), np.int64, len(g_keys))
             idx = (chunks[:, None] * bpc + np.arange(bpc)).reshape(-1)
             job = TransferJob(
                 job_id=self._new_job_id(),
@@ -482,7 +519,7 @@ class OffloadingScheduler:
                 req_id=req.ctx.req_id,
                 group=group,
                 slots=g_slots,
-                device_blocks=blocks[idx],
+                device_blocks=blocks[g][idx],
             )
             self._track(req, job, g_keys)
 
@@ -581,8 +618,8 @@ class OffloadingScheduler:
     def take_finished(self) -> FinishedRequests:
         """Requests whose transfers ended since the last call."""
         finished, self._finished = self._finished, FinishedRequests()
-        failed_at_alloc, self._failed_at_alloc = self._failed_at_alloc, {}
-        for blocks in failed_at_alloc.values():
+        failed_blocks, self._failed_blocks = self._failed_blocks, {}
+        for blocks in failed_blocks.values():
             finished.failed_load_blocks.update(blocks)
         return finished
 
@@ -664,8 +701,13 @@ class OffloadingScheduler:
                     req.load_failed = True
                     # A preempted request's blocks may hold other requests' KV by now; it
                     # recomputes its own tokens anyway, having lost them at the preemption.
+                    # Kept per request until `take_finished`, as a failure at allocation is:
+                    # a preemption or finish before then gives the blocks back. (A rerun after
+                    # an interrupt may list them twice; `take_finished` makes a set.)
                     if spec.job_id not in req.released_jobs:
-                        self._finished.failed_load_blocks.update(spec.device_blocks.tolist())
+                        self._failed_blocks.setdefault(spec.req_id, []).extend(
+                            spec.device_blocks.tolist()
+                        )
                 # A load is one job per KV-cache group: the request is received only when the
                 # last of them ended, or the engine would read blocks another group still
                 # writes. While a load is in flight the request has no other jobs.
