@@ -303,6 +303,13 @@ def extract_blocks(
                 f"cache layer {i} is {keys.dtype} with (kv_heads, head_dim)=({keys.shape[1]}, "
                 f"{keys.shape[3]}); out_pages[{i}] is {out_pages[i].dtype} {tuple(expected)}"
             )
+        if values.shape != keys.shape or values.dtype != keys.dtype:
+            # A page holds K and V of one shape: V of another head size (latent attention's)
+            # or dtype would fail, or be cast, in the copy, after K was already written.
+            raise ValueError(
+                f"cache layer {i} holds K {tuple(keys.shape)} {keys.dtype} but V "
+                f"{tuple(values.shape)} {values.dtype}; expected V of K's shape and dtype"
+            )
         sources.append((keys, values, held_from))
     dev_ids = ids.to(out_pages[0].device)
     for page, (keys, values, held_from) in zip(out_pages, sources, strict=True):
@@ -364,7 +371,13 @@ def build_cache_from_blocks(
     num_pages = pages[0].shape[0]
     if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= num_pages):
         raise ValueError(f"block ids {rows.tolist()} out of range; expected 0..{num_pages - 1}")
-    cache = DynamicCache(config=config)
+    if config is None or standalone_decoder_layers(config) is not None:
+        # A decoder of an encoder-decoder family run alone: a cache built from its config
+        # would have the encoder's layer count (too few layers fail inside the model, too
+        # many make `extract_blocks` refuse the cache), so it grows a layer per layer run.
+        cache = DynamicCache()
+    else:
+        cache = DynamicCache(config=config)
     if num_tokens == 0:
         return cache
     target = pages[0].device if device is None else torch.device(device)
