@@ -98,6 +98,9 @@ class KVTierSchedulerSide:
         # Preemptions (vLLM's `Request.num_preemptions`) already handed to the scheduler, for
         # requests preempted at least once.
         self._preemptions: dict[str, int] = {}
+        # The token count a preempted request's lookups may reach, as last given to the
+        # scheduler (`_extend_lookup`).
+        self._lookup_limits: dict[str, int] = {}
         self._loaded_tokens = 0  # offered and accepted by vLLM, for the connector stats
         self._stats_mark = self._snapshot()
         logger.info(
@@ -146,16 +149,34 @@ class KVTierSchedulerSide:
         if request.num_preemptions:
             self._note_preemption(request)
             if not self.setup.rswa:
-                # A streaming session preempted in a later turn: its prompt has grown since
-                # add_request. (Under RSWA that turn's earlier output may be vLLM's null
-                # block, and the first turn's prompt stays the limit, as for stores.)
-                self.scheduler.extend_prompt(request.request_id, request.num_prompt_tokens)
+                self._extend_lookup(request)
         if self._load_failed and request.request_id in self._load_failed:
             return 0, False
         n = self.scheduler.get_num_new_matched_tokens(request.request_id, num_computed_tokens)
         if n is None:
             return None, False
         return n, n > 0
+
+    def _extend_lookup(self, request: Request) -> None:
+        """Let a preempted request's hit reach every token it had computed.
+
+        The scheduler loads no further than a request's prompt (less its last token). A
+        resumed request computed its generated tokens too, and their chunks may be in the
+        tier (stored with offload_prompt_only=False, or as another request's prompt): as
+        vLLM's own prefix cache and OffloadingConnector do, its hit may reach all its tokens
+        but the last. A streaming session's prompt has grown since add_request as well. With
+        a drafter proof the limit stays the prompt: the scheduler reads tokens beyond it as a
+        decoding tail, whose last chunk is not stored. Stores do not follow the limit:
+        offload_prompt_only caps them at vLLM's own prompt length (`build_connector_meta`).
+        (Not called under RSWA, where that turn's earlier output may be vLLM's null block and
+        the first turn's prompt stays the limit, as for stores.)"""
+        req_id = request.request_id
+        limit = request.num_prompt_tokens if self.setup.proof_chunks else request.num_tokens
+        # Never below a limit given before: a streaming session's next turn drops the last
+        # token sampled, and the scheduler refuses a limit that shrinks.
+        if limit > self._lookup_limits.get(req_id, 0):
+            self._lookup_limits[req_id] = limit
+            self.scheduler.extend_prompt(req_id, limit)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -255,6 +276,7 @@ class KVTierSchedulerSide:
             # go into the next step's wait_for instead.
             self._note_preemption(request)
             self._preemptions.pop(req_id, None)
+            self._lookup_limits.pop(req_id, None)
         self._load_failed.discard(req_id)
         hold = self.scheduler.request_finished(req_id)
         if hold and req_id not in self._loading:
