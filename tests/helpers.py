@@ -12,11 +12,14 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from kvtier.base import OffloadingEvent, OffloadKey, ReqContext, TransferResult, make_offload_key
+
+if TYPE_CHECKING:
+    from kvtier.transfer import TransferWorker
 
 
 def key(i: int, group: int = 0) -> OffloadKey:
@@ -357,3 +360,23 @@ def in_child(check: Callable[[], bool], what: str) -> None:
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     pytest.fail(f"{what}: the child never ended")
+
+
+def small_worker(
+    native: bool, fault_injector: Callable[[int, str], object] | None = None
+) -> TransferWorker:
+    """A CPU transfer worker (the compiled one if `native`) over one 8-block layer of 256-byte
+    blocks, with 8 host slots."""
+    import torch
+
+    from kvtier.transfer import (
+        CPUTransferWorker,
+        HostPool,
+        KVCacheRegistration,
+        KVTensor,
+        NativeCPUTransferWorker,
+    )
+
+    reg = KVCacheRegistration([KVTensor(torch.zeros(8, 256, dtype=torch.uint8), 0)])
+    cls = NativeCPUTransferWorker if native else CPUTransferWorker
+    return cls(reg, HostPool(reg, 1, num_slots=8), fault_injector=fault_injector)

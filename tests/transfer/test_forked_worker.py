@@ -11,34 +11,18 @@ import threading
 from collections.abc import Callable
 
 import pytest
-import torch
 
-from helpers import in_child
-from kvtier.transfer import (
-    CPUTransferWorker,
-    HostPool,
-    KVCacheRegistration,
-    KVTensor,
-    NativeCPUTransferWorker,
-    TransferWorker,
-)
+from helpers import in_child, small_worker
 from kvtier.transfer.native import library
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-
-
-def _worker(native: bool, injector: Callable[[int, str], object] | None = None) -> TransferWorker:
-    kv = torch.zeros(8, 256, dtype=torch.uint8)
-    reg = KVCacheRegistration([KVTensor(kv, 0)])
-    cls = NativeCPUTransferWorker if native else CPUTransferWorker
-    return cls(reg, HostPool(reg, 1, num_slots=4), fault_injector=injector)
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
 def test_submit_and_wait_in_a_forked_child_raise(native: bool) -> None:
     if native and library() is None:
         pytest.skip("the compiled library is unavailable")
-    w = _worker(native)
+    w = small_worker(native)
     try:
         w.submit_store(1, [1], [1])
         w.wait([1])
@@ -80,7 +64,7 @@ def test_shutdown_in_a_forked_child_returns_every_time(native: bool) -> None:
             running.set()
             gate.wait(30)
 
-    w = _worker(native, hold)
+    w = small_worker(native, hold)
     try:
         w.submit_store(1, [1], [1])
         assert running.wait(30)

@@ -11,31 +11,15 @@ from __future__ import annotations
 import gc
 
 import pytest
-import torch
 
 import kvtier.transfer.cpu_worker
 import kvtier.transfer.native_worker
 import kvtier.transfer.worker
-from helpers import interrupt_at
+from helpers import interrupt_at, small_worker
 from kvtier.base import TransferResult
-from kvtier.transfer import (
-    CPUTransferWorker,
-    HostPool,
-    KVCacheRegistration,
-    KVTensor,
-    NativeCPUTransferWorker,
-    TransferWorker,
-)
 from kvtier.transfer.native import library
 
 JOBS = [1, 2, 3]
-
-
-def _worker(native: bool) -> TransferWorker:
-    kv = torch.arange(8 * 64, dtype=torch.int32).view(8, 64)
-    reg = KVCacheRegistration([KVTensor(kv, 0)])
-    pool = HostPool(reg, 1, num_slots=8)
-    return NativeCPUTransferWorker(reg, pool) if native else CPUTransferWorker(reg, pool)
 
 
 @pytest.mark.parametrize(
@@ -58,7 +42,7 @@ def test_an_interrupted_get_finished_loses_no_result(
     filename = str(getattr(module, "__file__", ""))
     n = 0
     while True:
-        w = _worker(native)
+        w = small_worker(native)
         try:
             for j in JOBS:
                 w.submit_store(j, [j], [j])

@@ -12,10 +12,9 @@ import threading
 from collections.abc import Callable
 
 import pytest
-import torch
 
-from helpers import interrupt_once
-from kvtier.transfer import CPUTransferWorker, HostPool, KVCacheRegistration, KVTensor
+from helpers import interrupt_once, small_worker
+from kvtier.transfer import CPUTransferWorker
 
 
 def test_queued_jobs_are_reported_after_an_interrupted_shutdown(
@@ -34,8 +33,6 @@ def test_queued_jobs_are_reported_after_an_interrupted_shutdown(
 
     monkeypatch.setattr(atexit, "register", record)
     monkeypatch.setattr(atexit, "unregister", forget)
-    kv = torch.zeros(8, 256, dtype=torch.uint8)
-    reg = KVCacheRegistration([KVTensor(kv, 0)])
     gate, running = threading.Event(), threading.Event()
 
     def hold(job_id: int, direction: str) -> None:
@@ -43,7 +40,8 @@ def test_queued_jobs_are_reported_after_an_interrupted_shutdown(
             running.set()
             gate.wait(30)
 
-    w = CPUTransferWorker(reg, HostPool(reg, 1, num_slots=4), fault_injector=hold)
+    w = small_worker(False, hold)
+    assert isinstance(w, CPUTransferWorker)  # its copy thread and exit hook are checked
     try:
         w.submit_store(1, [1], [1])
         assert running.wait(30)

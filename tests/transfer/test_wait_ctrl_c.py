@@ -10,15 +10,8 @@ import signal
 import threading
 
 import pytest
-import torch
 
-from kvtier.transfer import (
-    CPUTransferWorker,
-    HostPool,
-    KVCacheRegistration,
-    KVTensor,
-    NativeCPUTransferWorker,
-)
+from helpers import small_worker
 from kvtier.transfer.native import library
 
 
@@ -28,8 +21,6 @@ def test_ctrl_c_interrupts_a_wait_for_a_running_job(native: bool) -> None:
         pytest.skip("the compiled library is unavailable")
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signals reach the main thread only")
-    kv = torch.zeros(8, 256, dtype=torch.uint8)
-    reg = KVCacheRegistration([KVTensor(kv, 0)])
     gate, running, released = threading.Event(), threading.Event(), threading.Event()
 
     def hold(job_id: int, direction: str) -> None:
@@ -37,8 +28,7 @@ def test_ctrl_c_interrupts_a_wait_for_a_running_job(native: bool) -> None:
         gate.wait(20)
         released.set()
 
-    cls = NativeCPUTransferWorker if native else CPUTransferWorker
-    w = cls(reg, HostPool(reg, 1, num_slots=4), fault_injector=hold)
+    w = small_worker(native, hold)
     main = threading.main_thread().ident
     assert main is not None
 
