@@ -368,6 +368,28 @@ def test_a_grown_prompt_is_looked_up_to_its_new_length() -> None:
         s.extend_prompt("b", 13)
 
 
+def test_full_prompt_hits_reach_the_prompts_last_token_and_read_false_looks_nothing_up() -> None:
+    """A 12-token prompt of 3 stored 4-token blocks: by default the hit leaves the last block
+    to compute (its last token gives the logits); an engine that recomputes that token itself
+    (`full_prompt_hits`) gets all three. `read=False` answers 0 and looks nothing up."""
+    m = CPUOffloadingManager(8)
+    hashes = block_hashes("a", 3)
+    stored = [make_offload_key(h, 0) for h in hashes]
+    assert m.prepare_store(stored, ReqContext("w")) is not None
+    m.complete_store(stored, ReqContext("w"), True)
+    for full, expected in ((False, 8), (True, 12)):
+        s = OffloadingScheduler(m, tokens_per_block=4, full_prompt_hits=full)
+        s.add_request("a", hashes, 12)
+        assert s.get_num_new_matched_tokens("a", 0) == expected
+        assert s.get_num_new_matched_tokens("a", 4) == expected - 4
+        hits = m.get_stats().hits
+        assert s.get_num_new_matched_tokens("a", 0, read=False) == 0
+        assert m.get_stats().hits == hits
+        assert not s.request_finished("a")
+    with pytest.raises(ValueError, match="full_prompt_hits='yes' is invalid; expected a bool"):
+        OffloadingScheduler(m, tokens_per_block=4, full_prompt_hits="yes")  # type: ignore[arg-type]
+
+
 class _TouchLog(LRUPolicy):
     """LRU that records every touch, to see what the connector reports as a use."""
 

@@ -143,6 +143,10 @@ class OffloadingScheduler:
     tokens after it: a chunk is loaded only if the next `proof_chunks` chunks of the request
     hit too (so those tokens match the request that stored it), and a decoding request's last
     `proof_chunks` computed chunks are not stored (a rejected draft may still rewrite them).
+    A hit stops short of a prompt's last token, which the engine must compute for its logits;
+    `full_prompt_hits` says the engine takes a hit of every prompt token and recomputes the
+    last one itself (vLLM after an asynchronous load), so a prompt that fills its last chunk
+    loads that chunk too.
     """
 
     def __init__(
@@ -155,6 +159,7 @@ class OffloadingScheduler:
         num_workers: int = 1,
         offload_prompt_only: bool = False,
         proof_chunks: int = 0,
+        full_prompt_hits: bool = False,
     ) -> None:
         for name, value, least in (
             ("tokens_per_block", tokens_per_block, 1),
@@ -167,10 +172,12 @@ class OffloadingScheduler:
                 raise ValueError(f"{name}={value!r} is invalid; expected {expected}")
         # Checked here, not at the first lookup, where a bad id would raise mid-request.
         group_ids = _group_ids(groups)
-        if not isinstance(offload_prompt_only, (bool, np.bool_)):
-            raise ValueError(
-                f"offload_prompt_only={offload_prompt_only!r} is invalid; expected a bool"
-            )
+        for flag, flag_value in (
+            ("offload_prompt_only", offload_prompt_only),
+            ("full_prompt_hits", full_prompt_hits),
+        ):
+            if not isinstance(flag_value, (bool, np.bool_)):
+                raise ValueError(f"{flag}={flag_value!r} is invalid; expected a bool")
         self.manager = manager
         self.tokens_per_block = tokens_per_block
         self.blocks_per_chunk = blocks_per_chunk
@@ -179,6 +186,8 @@ class OffloadingScheduler:
         self.num_workers = num_workers
         self.offload_prompt_only = bool(offload_prompt_only)
         self.proof_chunks = proof_chunks
+        # Prompt tokens a hit leaves for the engine to compute.
+        self._unhit_tail = 0 if full_prompt_hits else 1
         self._requests: dict[str, _Request] = {}
         self._jobs: dict[int, _Job] = {}
         self._next_job_id = 0
@@ -289,11 +298,15 @@ class OffloadingScheduler:
 
     # -- loads --------------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, req_id: str, num_computed_tokens: int) -> int | None:
+    def get_num_new_matched_tokens(
+        self, req_id: str, num_computed_tokens: int, *, read: bool = True
+    ) -> int | None:
         """Tokens beyond `num_computed_tokens` (the device's own prefix hit) that can be loaded.
 
         `None` means "ask again next step": a chunk is still being written or located, or the
-        request's own earlier transfers are still in flight.
+        request's own earlier transfers are still in flight. `read=False` is for a request
+        that must compute its whole prompt (prompt logprobs): 0 once its transfers are done,
+        and nothing is looked up, so the tier counts no hits it did not serve.
         """
         req = self._get(req_id)
         # A negative count would index chunks from the end of the request.
@@ -301,7 +314,7 @@ class OffloadingScheduler:
         req.planned_load = None
         if req.jobs:
             return None
-        if req.load_failed:
+        if req.load_failed or not read:
             return 0  # the engine recomputes; offering the same chunks again could loop
         tpc = self.tokens_per_chunk
         first_chunk = num_computed_tokens // tpc
@@ -313,8 +326,9 @@ class OffloadingScheduler:
             hit_chunks = min(first_chunk, self._num_chunks(req))
             for g in range(len(self.groups)):
                 self.manager.touch(self._chunk_keys(req, 0, hit_chunks, g), req.ctx)
-        # At least one prompt token must be computed by the engine to produce logits.
-        last_chunk = min(self._num_chunks(req), (req.num_prompt_tokens - 1) // tpc)
+        # At least one prompt token must be computed by the engine to produce logits: here, or
+        # (`full_prompt_hits`) by the engine's own recompute of a full hit's last token.
+        last_chunk = min(self._num_chunks(req), (req.num_prompt_tokens - self._unhit_tail) // tpc)
         end_chunk = first_chunk
         lookup = self.manager.lookup
         proof = self.proof_chunks

@@ -335,11 +335,30 @@ def test_failed_load_follows_vllm_policy(
     assert_no_leaks(engine)
 
 
-def test_offloading_connector_with_kvtier_policy(vllm_loaded: None) -> None:
+def offloading_connector_engine(extra: dict[str, Any]) -> Engine:
+    """An engine with vLLM's own OffloadingConnector. Its worker needs a GPU: each step
+    completes every job at once instead."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
         OffloadingWorkerMetadata,
     )
 
+    engine = make_engine("OffloadingConnector", extra, module_path=None, with_worker=False)
+
+    def step(settle: bool = True) -> Any:
+        so = engine.scheduler.schedule()
+        meta = so.kv_connector_metadata
+        done = OffloadingWorkerMetadata()
+        for job_id in [*meta.load_jobs, *meta.store_jobs]:
+            done.mark_completed(job_id)
+        engine.outputs.append(so)
+        _feed(engine, so, done, {job.req_id for job in meta.load_jobs.values()})
+        return so
+
+    engine.step = step  # type: ignore[method-assign]
+    return engine
+
+
+def test_offloading_connector_with_kvtier_policy(vllm_loaded: None) -> None:
     from kvtier.integrations.vllm.policy import KVTierPolicyAdapter
     from kvtier.policies import ARCPolicy
 
@@ -348,22 +367,10 @@ def test_offloading_connector_with_kvtier_policy(vllm_loaded: None) -> None:
         "cache_policy_module_path": "kvtier.integrations.vllm.policy",
         "eviction_policy": "kvtier_arc",
     }
-    engine = make_engine("OffloadingConnector", extra, module_path=None, with_worker=False)
+    engine = offloading_connector_engine(extra)
     manager = engine.scheduler.connector.connector_scheduler.manager
     assert isinstance(manager._policy, KVTierPolicyAdapter)
     assert isinstance(manager._policy.inner, ARCPolicy)
-
-    # vLLM's own worker needs a GPU; stand in with one that completes every job at once.
-    def step() -> None:
-        so = engine.scheduler.schedule()
-        meta = so.kv_connector_metadata
-        done = OffloadingWorkerMetadata()
-        for job_id in [*meta.load_jobs, *meta.store_jobs]:
-            done.mark_completed(job_id)
-        engine.outputs.append(so)
-        _feed(engine, so, done, {job.req_id for job in meta.load_jobs.values()})
-
-    engine.step = lambda settle=True: step()  # type: ignore[method-assign]
     engine.add("a", PROMPT)
     engine.run_until(["a"])
     assert engine.scheduler.reset_prefix_cache()

@@ -80,6 +80,10 @@ class KVTierSchedulerSide:
             # them prompt with their KV gone (vLLM's null block in the block table).
             offload_prompt_only=cfg.offload_prompt_only and setup.rswa,
             proof_chunks=setup.proof_chunks,
+            # vLLM recomputes the last token of a full hit loaded asynchronously (kvtier's
+            # loads always are), as its own OffloadingConnector relies on. Not under RSWA,
+            # whose prefix replay rewinds a hit by a window, nor with a drafter proof.
+            full_prompt_hits=not setup.rswa and not setup.proof_chunks,
         )
         self._live_prompt_only = cfg.offload_prompt_only and not setup.rswa
         self._requests: dict[str, Request] = {}
@@ -152,7 +156,11 @@ class KVTierSchedulerSide:
                 self._extend_lookup(request)
         if self._load_failed and request.request_id in self._load_failed:
             return 0, False
-        n = self.scheduler.get_num_new_matched_tokens(request.request_id, num_computed_tokens)
+        # Prompt logprobs, or a pooling task over every token: vLLM computes the whole prompt
+        # and drops any offer, which looked up would count as hits the tier never served.
+        n = self.scheduler.get_num_new_matched_tokens(
+            request.request_id, num_computed_tokens, read=not request.skip_reading_prefix_cache
+        )
         if n is None:
             return None, False
         return n, n > 0
