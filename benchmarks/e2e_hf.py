@@ -322,6 +322,11 @@ def main() -> None:
         ap.error(f"--device {args.device}: expected cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: no CUDA device is visible to torch {torch.__version__}")
+    if device.type == "cuda" and device.index is not None:
+        count = torch.cuda.device_count()
+        if device.index >= count:
+            # Else the model's move fails deep in torch, after the host-side set-up.
+            ap.error(f"--device {args.device}: torch sees {count} CUDA device(s), 0..{count - 1}")
     if device.type not in ("cpu", "cuda"):
         ap.error(f"--device {args.device}: expected cpu, cuda or cuda:N")
     try:

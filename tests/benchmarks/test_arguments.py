@@ -210,6 +210,20 @@ def test_a_bad_argument_is_refused_in_one_line_before_the_run(
         assert not Path(paths["OUT"]).exists()
 
 
+def test_e2e_hf_refuses_a_cuda_index_past_the_visible_devices(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As on a machine with two GPUs (stood in: there is none here). Before, `cuda:3` passed
+    the checks and the model's move failed deep in torch."""
+    module = _module("e2e_hf")
+    monkeypatch.setattr(module, "make_demo_model", _MustNotRun())
+    monkeypatch.setattr(module.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(module.torch.cuda, "device_count", lambda: 2)
+    err = refused_argv(module.main, ["e2e_hf.py", "--device", "cuda:3"], monkeypatch, capsys)
+    last = err.strip().splitlines()[-1]
+    assert last == "e2e_hf.py: error: --device cuda:3: torch sees 2 CUDA device(s), 0..1", err
+
+
 def test_the_json_check_leaves_no_file_and_keeps_an_existing_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -141,3 +141,14 @@ def test_bad_build_is_rejected(model: Any) -> None:
         build_cache_from_blocks([pages[0], pages[1][:2]], [[0]], 8)
     with pytest.raises(ValueError, match=r"expected \(num_blocks, 2, block_size"):
         build_cache_from_blocks([pages[0][:, 0]], [[0]], 8)
+
+
+def test_pages_of_another_layer_count_are_refused(model: Any) -> None:
+    """With the model's config, pages for fewer layers than its cache (here 1 of 2) were
+    accepted and failed inside the model's forward as a bare size mismatch; more layers
+    indexed past the cache's."""
+    pages = allocate_pages(model.config, 4, BS)
+    for wrong in ([pages[0]], [*pages, pages[0].clone()]):
+        with pytest.raises(ValueError, match=rf"pages holds {len(wrong)} layers; the model's"):
+            build_cache_from_blocks(wrong, [[0, 1]], 16, model.config)
+    assert build_cache_from_blocks(pages, [[0, 1]], 16, model.config).get_seq_length() == 16

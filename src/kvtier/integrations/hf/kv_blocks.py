@@ -378,6 +378,13 @@ def build_cache_from_blocks(
         cache = DynamicCache()
     else:
         cache = DynamicCache(config=config)
+        if cache.layers and len(cache.layers) != len(pages):
+            # Too few would fail inside the model's forward as a bare size mismatch; too many
+            # would index past the cache's layers.
+            raise ValueError(
+                f"pages holds {len(pages)} layers; the model's cache has {len(cache.layers)} "
+                f"({type(config).__name__}); expected one page buffer per cache layer"
+            )
     if num_tokens == 0:
         return cache
     target = pages[0].device if device is None else torch.device(device)
