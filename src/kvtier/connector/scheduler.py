@@ -283,11 +283,12 @@ class OffloadingScheduler:
 
     def request_preempted(self, req_id: str) -> None:
         """The engine freed a request's device blocks to run others: jobs that still use them
-        are waited for before the next step, and the request's plans are dropped. Should such
-        a load fail, its blocks are not in `failed_load_blocks` (other requests may hold them
-        by now), nor are those of a load that failed (reported, or at allocation) and is not
-        yet taken (`take_finished`); the request is still reported in `recving` and
-        `failed_loads`."""
+        are waited for before the next step, the request's plans are dropped, and once it runs
+        again its computed chunks are offered for storing from the first. Should a load
+        among the jobs waited for fail, its blocks are not in `failed_load_blocks` (other
+        requests may hold them by now), nor are those of a load that failed (reported, or at
+        allocation) and is not yet taken (`take_finished`); the request is still reported in
+        `recving` and `failed_loads`."""
         req = self._get(req_id)
         self._cancel_unsent(req)
         # Every job left was sent; no new one starts for the request until they end.
@@ -295,6 +296,10 @@ class OffloadingScheduler:
         self._failed_blocks.pop(req_id, None)
         self._wait_for.extend(sorted(req.jobs))
         req.planned_load = None
+        # Readmitted, it offers every chunk again (as vLLM's connector does): one turned away
+        # for room or by admission, or evicted since, gets another chance; held ones are
+        # skipped by the manager. A load on readmission moves the start past what it loads.
+        req.next_store_chunk = 0
 
     # -- loads --------------------------------------------------------------------------------
 
