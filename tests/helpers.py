@@ -380,3 +380,13 @@ def small_worker(
     reg = KVCacheRegistration([KVTensor(torch.zeros(8, 256, dtype=torch.uint8), 0)])
     cls = NativeCPUTransferWorker if native else CPUTransferWorker
     return cls(reg, HostPool(reg, 1, num_slots=8), fault_injector=fault_injector)
+
+
+MANAGER_KEY_CALLS: dict[str, Callable[[Any, Any], object]] = {
+    "touch": lambda m, k: m.touch(k, ReqContext("r1")),
+    "prepare_load": lambda m, k: m.prepare_load(k, ReqContext("r1")),
+    "complete_load": lambda m, k: m.complete_load(k, ReqContext("r1")),
+    "prepare_store": lambda m, k: m.prepare_store(k, ReqContext("r1")),
+    "complete_store": lambda m, k: m.complete_store(k, ReqContext("r1")),
+}
+"""The manager's five calls that take keys, each given `k` as its keys, for input checks."""

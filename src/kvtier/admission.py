@@ -54,6 +54,14 @@ def register_admission_policy(name: str, description: str) -> Callable[[_A], _A]
     """Class decorator: make an `AdmissionPolicy` available by `name`."""
 
     def decorate(cls: _A) -> _A:
+        if not (isinstance(cls, type) and issubclass(cls, AdmissionPolicy)):
+            raise TypeError(
+                f"admission policy {name!r}: {cls!r} is not a kvtier.admission.AdmissionPolicy "
+                "class"
+            )
+        if type(name) is not str or not name:
+            # `kvtier policies` sorts the names: one that is not a str broke the listing.
+            raise TypeError(f"admission policy name {name!r} is invalid; expected a non-empty str")
         if name in _REGISTRY and _REGISTRY[name] is not cls:
             raise ValueError(
                 f"admission policy {name!r} is already registered by {_REGISTRY[name]}"

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import pytest
 
-from helpers import key
+from helpers import MANAGER_KEY_CALLS, key
 from kvtier.base import ReqContext
 from kvtier.cpu import CPUOffloadingManager
 
@@ -24,13 +21,7 @@ def state(m: CPUOffloadingManager) -> tuple[object, ...]:
     )
 
 
-CALLS: dict[str, Callable[[CPUOffloadingManager, Any], object]] = {
-    "touch": lambda m, k: m.touch(k, CTX),
-    "prepare_load": lambda m, k: m.prepare_load(k, CTX),
-    "complete_load": lambda m, k: m.complete_load(k, CTX),
-    "prepare_store": lambda m, k: m.prepare_store(k, CTX),
-    "complete_store": lambda m, k: m.complete_store(k, CTX),
-}
+CALLS = MANAGER_KEY_CALLS
 
 
 @pytest.mark.parametrize("call", sorted(CALLS))

@@ -68,6 +68,32 @@ def _one_key_error(keys: object) -> TypeError:
 _NOT_KEY_LISTS = (bytes, bytearray, memoryview, str)
 
 
+def _key_list(keys: object) -> list[OffloadKey]:
+    """`keys` (any iterable of keys but a list or tuple) as a new list, or a TypeError naming
+    it: `list(None)` said only "'NoneType' object is not iterable"."""
+    if isinstance(keys, _NOT_KEY_LISTS):
+        raise _one_key_error(keys)
+    try:
+        it = iter(keys)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(
+            f"keys={keys!r:.80} has type {type(keys).__name__}; expected a collection of keys "
+            "(a list of OffloadKey)"
+        ) from None
+    return list(it)
+
+
+def _unhashable_key(keys: Iterable[object]) -> TypeError:
+    """The error for the first key of `keys` that cannot be a dict key: hashing it raised a
+    bare "unhashable type: 'bytearray'", naming neither the key nor what was expected."""
+    for key in keys:
+        try:
+            hash(key)
+        except TypeError:
+            return _not_bytes(key)
+    return TypeError(f"keys={keys!r:.80}: expected offload keys (bytes)")
+
+
 def _check_ctx(ctx: object) -> None:
     # The policies and admission read ctx.req_id and ctx.key_positions part-way through a
     # batch, after the manager changed its own state: a wrong ctx (a bare request id string,
@@ -137,14 +163,22 @@ class CPUOffloadingManager(OffloadingManager):
                 "only one of them (the admission policy sizes its own tracker)"
             )
         self.num_slots = num_slots
-        self._policy: CachePolicy = make_policy(cache_policy, num_slots)
+        try:
+            self._policy: CachePolicy = make_policy(cache_policy, num_slots)
+            self._ref: list[int] = [_FREE] * num_slots
+        except (MemoryError, OverflowError) as e:
+            # A bare MemoryError (or "cannot fit 'int' into an index-sized integer") named
+            # neither the value nor the likely mistake: a byte count passed as slots.
+            raise ValueError(
+                f"num_slots={num_slots} is too large: its bookkeeping does not fit in memory "
+                f"({type(e).__name__}); expected the number of chunk-sized host slots"
+            ) from e
         self._admission: AdmissionPolicy = admission
         self._admit_all = type(self._admission) is AlwaysAdmit
         # A plugin's answer is checked before it is acted on; the built-in ones are trusted.
         self._check_admitted = type(self._admission) not in (AlwaysAdmit, ReuseAdmission)
         self._check_victims = type(self._policy).__module__ not in _BUILTIN_POLICY_MODULES
         self._slot_of: dict[OffloadKey, int] = {}
-        self._ref: list[int] = [_FREE] * num_slots
         self._free: list[int] = []
         self._next_fresh = 0
         # Slots still read or written by transfers that were in flight at reset_cache().
@@ -209,15 +243,16 @@ class CPUOffloadingManager(OffloadingManager):
 
     def prepare_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> CPULoadStoreSpec:
         if not isinstance(keys, (list, tuple)):
-            if isinstance(keys, _NOT_KEY_LISTS):
-                raise _one_key_error(keys)
-            keys = list(keys)  # read twice below: a one-shot iterator would pin nothing
+            keys = _key_list(keys)  # read twice below: a one-shot iterator would pin nothing
         # Unused here, but complete_load refuses it: the pins would be released by nothing.
         _check_ctx(ctx)
         slot_of, ref = self._slot_of, self._ref
         slots: list[int] = []
         for key in keys:
-            slot = slot_of.get(key)
+            try:
+                slot = slot_of.get(key)
+            except TypeError:  # unhashable
+                raise _not_bytes(key) from None
             if slot is None or ref[slot] == _PENDING:
                 state = "absent" if slot is None else "still being written"
                 raise ValueError(f"cannot load key {_key_str(key)}: it is {state}")
@@ -227,19 +262,30 @@ class CPUOffloadingManager(OffloadingManager):
             if ref[slot] == _READY:
                 newly_pinned.append(key)
             ref[slot] += 1
-        self._policy.pin(newly_pinned)
+        try:
+            self._policy.pin(newly_pinned)
+        except BaseException:
+            # A policy that raised part-way (a plugin's bug) would leave these keys pinned
+            # here with no spec returned, so no complete_load would ever release them: their
+            # slots were lost for good. Undone (unpinning counts as a use in the policy; no
+            # ctx, so that positions it cannot read cannot fail the undo too).
+            for slot in slots:
+                ref[slot] -= 1
+            self._policy.unpin(newly_pinned, None)
+            raise
         self._num_pinned += len(newly_pinned)
         self._loads += len(slots)
         return CPULoadStoreSpec(slots)
 
     def complete_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
         if not isinstance(keys, (list, tuple)):
-            if isinstance(keys, _NOT_KEY_LISTS):
-                raise _one_key_error(keys)
-            keys = list(keys)
+            keys = _key_list(keys)
         _check_ctx(ctx)
         slot_of, ref = self._slot_of, self._ref
-        counts = Counter(keys) if len(set(keys)) != len(keys) else None
+        try:
+            counts = Counter(keys) if len(set(keys)) != len(keys) else None
+        except TypeError:
+            raise _unhashable_key(keys) from None
         for key in keys:
             slot = slot_of.get(key)
             needed = counts[key] if counts is not None else 1
@@ -269,9 +315,7 @@ class CPUOffloadingManager(OffloadingManager):
 
     def touch(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
         if not isinstance(keys, (list, tuple)):
-            if isinstance(keys, _NOT_KEY_LISTS):
-                raise _one_key_error(keys)
-            keys = list(keys)  # read twice: checked, then handed to the policy
+            keys = _key_list(keys)  # read twice: checked, then handed to the policy
         _check_ctx(ctx)
         for key in keys:
             if type(key) is not bytes:
@@ -287,9 +331,7 @@ class CPUOffloadingManager(OffloadingManager):
     ) -> PrepareStoreOutput | None:
         # Hot path of every engine step and of trace replays: kept flat on purpose.
         if not isinstance(keys, (list, tuple)):
-            if isinstance(keys, _NOT_KEY_LISTS):
-                raise _one_key_error(keys)
-            keys = list(keys)  # read again when evicting: a one-shot iterator would be empty
+            keys = _key_list(keys)  # read again when evicting: a one-shot iterator would be empty
         _check_ctx(ctx)
         slot_of = self._slot_of
         try:
@@ -330,12 +372,13 @@ class CPUOffloadingManager(OffloadingManager):
                 self._stores_no_room += num_new
                 return None
             present = [key for key in keys if key in slot_of] if num_new < len(keys) else ()
-            victims = policy.evict(num_to_evict, present)
+            if self._check_victims:
+                victims = self._checked_evict(num_to_evict, present)
+            else:
+                victims = policy.evict(num_to_evict, present)
             if victims is None:
                 self._stores_no_room += num_new
                 return None
-            if self._check_victims:
-                victims = self._checked_victims(victims, num_to_evict, present)
             evicted = victims
         if recorder is not None:
             try:
@@ -380,19 +423,28 @@ class CPUOffloadingManager(OffloadingManager):
         if not isinstance(success, (bool, np.bool_)):
             # "no" or None would silently pick a branch: announce unwritten bytes, or drop them.
             raise ValueError(f"complete_store got success={success!r}; expected a bool")
-        if isinstance(keys, _NOT_KEY_LISTS):
-            raise _one_key_error(keys)
         # A copy: read twice (a one-shot iterator would leave slots ready but unannounced and
         # never evictable), and the stored event must not alias the caller's list.
-        keys = list(keys)
+        keys = list(keys) if isinstance(keys, (list, tuple)) else _key_list(keys)
         _check_ctx(ctx)
         slot_of, ref = self._slot_of, self._ref
-        slots = [slot_of.get(key, -1) for key in keys]
+        try:
+            slots = [slot_of.get(key, -1) for key in keys]
+        except TypeError:
+            raise _unhashable_key(keys) from None
         for key, slot in zip(keys, slots, strict=True):
             if slot < 0 or ref[slot] != _PENDING:
                 raise ValueError(f"complete_store of key {_key_str(key)}: no store pending")
         if len(slots) > 1 and len(set(slots)) != len(slots):
-            raise ValueError("complete_store got the same key twice")
+            once: set[OffloadKey] = set()
+            for twice in keys:
+                if twice in once:
+                    break
+                once.add(twice)
+            raise ValueError(
+                f"complete_store got the same key twice ({_key_str(twice)}); expected each "
+                "pending key once"
+            )
         if success:
             # The policy first: should it raise part-way, it forgets the keys and they stay
             # pending here, rather than ready here but unknown to it, never evictable.
@@ -472,6 +524,36 @@ class CPUOffloadingManager(OffloadingManager):
         self._free += self._quarantined
         self._quarantined.clear()
 
+    def _checked_evict(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
+        """A plugin policy's `evict`, its answer checked. Should it raise, or answer None (no
+        room) after taking keys out, those keys were ready here but gone from the policy:
+        never evictable again, the pool that much smaller for good. They are put back."""
+        policy = self._policy
+        held = len(policy)
+        try:
+            victims = policy.evict(n, protected)
+        except BaseException:
+            self._restore_candidates()
+            raise
+        if victims is None:
+            left = len(policy)
+            if left != held:
+                self._restore_candidates()
+                raise ValueError(
+                    f"cache policy {policy!r} returned None (no room) but went from {held} "
+                    f"candidates to {left}; expected None to change nothing"
+                )
+            return None
+        return self._checked_victims(victims, n, protected)
+
+    def _restore_candidates(self) -> None:
+        # Back among the candidates, every ready key the policy dropped: out of the policy,
+        # they could never be evicted again. A scan of the tier, on error paths only.
+        slot_of, ref, policy = self._slot_of, self._ref, self._policy
+        policy.insert(
+            [k for k, slot in slot_of.items() if ref[slot] == _READY and k not in policy], None
+        )
+
     def _checked_victims(
         self, victims: object, n: int, protected: Collection[OffloadKey]
     ) -> list[OffloadKey]:
@@ -503,13 +585,8 @@ class CPUOffloadingManager(OffloadingManager):
             why = f"evicted {len(seen)} keys"
         if not why:
             return keys
-        # Back among the candidates, every ready key the policy dropped (what it returned, or
-        # what it took out and returned something else for): out of the policy, they could
-        # never be evicted again. A scan of the tier, on this error path only.
-        policy = self._policy
-        policy.insert(
-            [k for k, slot in slot_of.items() if ref[slot] == _READY and k not in policy], None
-        )
+        # What it returned, or what it took out and returned something else for.
+        self._restore_candidates()
         raise ValueError(
             f"cache policy {self._policy!r} {why}; expected {n} distinct ready keys of the tier, "
             "none pinned, being written or protected"

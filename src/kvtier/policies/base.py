@@ -87,6 +87,15 @@ def register_policy(name: str, description: str) -> Callable[[_P], _P]:
     """Class decorator: make a `CachePolicy` available by `name`."""
 
     def decorate(cls: _P) -> _P:
+        if not (isinstance(cls, type) and issubclass(cls, CachePolicy)):
+            # Else the manager was built around it and failed at its first store, on a
+            # missing `insert`; a "package.module:Class" path is refused the same way.
+            raise TypeError(
+                f"cache policy {name!r}: {cls!r} is not a kvtier.policies.CachePolicy class"
+            )
+        if type(name) is not str or not name:
+            # `kvtier policies` sorts the names: one that is not a str broke the listing.
+            raise TypeError(f"cache policy name {name!r} is invalid; expected a non-empty str")
         if name in _REGISTRY and _REGISTRY[name] is not cls:
             raise ValueError(f"cache policy {name!r} is already registered by {_REGISTRY[name]}")
         cls.name = name
