@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks #4 asks for on a GPU, for a machine that has one and a CUDA build of torch (this
 # script installs nothing: a CPU torch from scripts/setup.sh would hide the GPU). Runs from the
-# checkout with PYTHONPATH=src; writes each part's output and JSON under $OUT (default out/gpu).
+# checkout with PYTHONPATH=src; writes each part's output and JSON under $OUT (default out/gpu;
+# a relative OUT is from the directory it is run from).
 #
 #   bash scripts/gpu_check.sh tests     # the GPU tests (pytest -m gpu), a few minutes
 #   bash scripts/gpu_check.sh submit    # host and GPU time per job: compiled, coalesced, torch
@@ -11,6 +12,11 @@
 #
 # On an H200 machine the GPU tests took 20 s, submit 9 s, each bw run about 30 s and e2e 60 s.
 set -euo pipefail
+# A relative OUT is from the caller's directory, as demo.sh's paths are, not the checkout's.
+OUT="${OUT:-}"
+if [ -n "$OUT" ] && [ "${OUT#/}" = "$OUT" ]; then
+    OUT="$PWD/$OUT"
+fi
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out/gpu}"
 export PYTHONPATH="$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"

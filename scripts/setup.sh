@@ -2,10 +2,16 @@
 # Creates .venv (if missing) and installs kvtier with the CPU build of torch and its extras.
 # Sourced by test.sh and demo.sh; safe to re-run.
 set -euo pipefail
+VENV=${KVTIER_VENV:-}
+# A relative KVTIER_VENV is from the caller's directory, as the scripts' other paths are: read
+# from the repository root it named another, missing, environment, and one was created there.
+if [ -n "$VENV" ] && [ "${VENV#/}" = "$VENV" ]; then
+  VENV="$PWD/$VENV"
+fi
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 PY=${PYTHON:-python3}
-VENV=${KVTIER_VENV:-.venv}
+VENV=${VENV:-.venv}
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi

@@ -247,6 +247,7 @@ def _parse_pin_memory(raw: object) -> bool | None:
 
 
 _CPULIST_RE: Final = re.compile(r"\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*")
+_CPULIST_SPACES_RE: Final = re.compile(r" *([,-]) *")
 # Far above any machine's CPU count; it keeps a typo such as "0-4000000000" from expanding to
 # billions of ids.
 _MAX_CPU: Final = 2**16 - 1
@@ -259,7 +260,9 @@ def _parse_cpus(raw: object) -> tuple[int, ...] | None:
         return None
     cpus: list[int] = []
     if isinstance(raw, str):
-        text = raw.replace(" ", "")
+        # Spaces only beside the separators: removing them all read "2 3" as CPU 23 and
+        # "0-1 5" as CPUs 0 to 15.
+        text = _CPULIST_SPACES_RE.sub(r"\1", raw.strip())
         if not _CPULIST_RE.fullmatch(text):
             raise _Invalid(expected)
         try:
@@ -550,10 +553,12 @@ def _field_for(
 
 
 def _env_layer(env: Mapping[str, str]) -> tuple[dict[str, Any], str]:
+    # A key that is no string is kept, for _field_for to refuse as in every other layer (its
+    # `key.startswith` raised AttributeError here).
     return {
         key: value
         for key, value in env.items()
-        if key.startswith(ENV_PREFIX) and key not in _ENV_NOT_SETTINGS
+        if not isinstance(key, str) or (key.startswith(ENV_PREFIX) and key not in _ENV_NOT_SETTINGS)
     }, "environment"
 
 

@@ -44,7 +44,7 @@ VARIANTS = ("kvtier", "recompute")
 EXIT_HELP = (
     "exit status: 0 when kvtier's tokens equal recomputation's, 1 when they differ, "
     "2 on bad arguments or an output that cannot be written, 141 when the reader of "
-    "standard output goes away (| head)"
+    "standard output goes away (| head), 130 when interrupted (Ctrl-C)"
 )
 # The seeds torch.Generator.manual_seed accepts.
 SEED_RANGE = (-(2**63), 2**64 - 1)
@@ -63,13 +63,20 @@ class DemoOptions:
     model: Path | None = None
 
     def __post_init__(self) -> None:
+        # bool is an int subclass: turns=True ran one turn, seed=True named "seed True".
         for name in ("conversations", "turns", "system_tokens", "user_tokens", "new_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={value!r}; expected an int >= 1")
         low, high = SEED_RANGE
-        if not isinstance(self.seed, int) or not low <= self.seed <= high:
+        seed = self.seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or not low <= seed <= high:
             raise ValueError(f"--seed={self.seed!r}; expected an int from -2**63 to 2**64 - 1")
+        if isinstance(self.model, (str, os.PathLike)) and not isinstance(self.model, Path):
+            # A str path, as callers often hold one; is_dir() below raised AttributeError.
+            object.__setattr__(self, "model", Path(self.model))
+        elif self.model is not None and not isinstance(self.model, Path):
+            raise ValueError(f"--model {self.model!r}; expected a checkpoint directory path")
         if self.model is not None and not self.model.is_dir():
             raise ValueError(
                 f"--model {self.model} is not a directory; expected a local checkpoint"
@@ -136,12 +143,55 @@ def _load_model(opts: DemoOptions) -> tuple[Any, str]:
     return model, f"{opts.model.resolve()}:float32"
 
 
-def physical_memory() -> int | None:
-    """Bytes of RAM of this machine, where the OS says."""
+PROC_CGROUP = Path("/proc/self/cgroup")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def _cgroup_memory_limit() -> int | None:
+    """The lowest memory limit of this process's cgroup and its ancestors (v2 `memory.max`,
+    v1 `memory.limit_in_bytes`), or None where there is none: a container's limit, which
+    SC_PHYS_PAGES (the host's RAM) does not show, and past which the OOM killer ends the run
+    without a word (exit 137)."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, OSError, ValueError):
+        lines = PROC_CGROUP.read_text().splitlines()
+    except OSError:
         return None
+    limits: list[int] = []
+    for line in lines:
+        parts = line.split(":", 2)  # "id:controllers:path"
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":  # v2: "0::/path"
+            base, name = CGROUP_ROOT, "memory.max"
+            if not (base / "cgroup.controllers").is_file():
+                base = CGROUP_ROOT / "unified"  # v2 beside v1 (hybrid layout)
+        elif "memory" in controllers.split(","):
+            base, name = CGROUP_ROOT / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        directory = base / path.strip().lstrip("/")
+        while True:
+            # "max" (v2) is no limit; v1 writes a number near 2**63 for none, min() drops it.
+            with contextlib.suppress(OSError, ValueError):
+                limits.append(int((directory / name).read_text().strip()))
+            if directory == base or base not in directory.parents:
+                break
+            directory = directory.parent
+    return min(limits, default=None)
+
+
+def physical_memory() -> int | None:
+    """Bytes of memory this process may use: the machine's RAM, where the OS says, or its
+    cgroup's (a container's) memory limit where that is lower."""
+    try:
+        ram: int | None = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        ram = None
+    limit = _cgroup_memory_limit()
+    if limit is None:
+        return ram
+    return limit if ram is None else min(ram, limit)
 
 
 def _check_memory(opts: DemoOptions, model_config: Any) -> None:
@@ -220,7 +270,14 @@ def run_demo(opts: DemoOptions, on_request: Callable[[], None] = lambda: None) -
     start = time.perf_counter()
     model, namespace = _load_model(opts)
     _check_memory(opts, model.config)
-    vocab = int(model.config.vocab_size)
+    # A multimodal checkpoint's config (Gemma 3's) keeps these in its text config, as
+    # kv_layout reads them: `model.config.vocab_size` ended the run in an AttributeError.
+    text_config = (
+        model.config.get_text_config(decoder=True)
+        if hasattr(model.config, "get_text_config")
+        else model.config
+    )
+    vocab = int(text_config.vocab_size)
     rng = torch.Generator().manual_seed(opts.seed)
     system = torch.randint(0, vocab, (opts.system_tokens,), generator=rng)
     users = [
@@ -230,7 +287,7 @@ def run_demo(opts: DemoOptions, on_request: Callable[[], None] = lambda: None) -
     longest = max(opts.system_tokens + sum(u.numel() for u in conv) for conv in users)
     longest += opts.turns * opts.new_tokens
     # The model reads every token of the last conversation but its last reply's last one.
-    positions = getattr(model.config, "max_position_embeddings", None)
+    positions = getattr(text_config, "max_position_embeddings", None)
     if isinstance(positions, int) and longest - 1 > positions:
         raise ValueError(
             f"--model {opts.model}: the workload's longest conversation needs {longest - 1} "
@@ -413,13 +470,16 @@ def _check_writable(path: Path, model: Path | None = None) -> None:
     existed = path.exists()
     if existed and model is not None:
         _check_not_in_checkpoint(path, model)
+    # Through a dangling link, opening creates the link's target: that file is the one to
+    # remove, not the user's link (unlinking `path` deleted the link and left an empty target).
+    created = Path(os.path.realpath(path))
     try:
         with path.open("a"):
             pass
     except OSError as e:
         raise ValueError(f"--json {path}: cannot write there ({e.strerror or e})") from None
     if not existed:
-        path.unlink()
+        created.unlink()
 
 
 def _check_not_in_checkpoint(path: Path, model: Path) -> None:
@@ -492,10 +552,19 @@ def run(args: argparse.Namespace) -> int:
     to_stdout = json_name == "-"  # as `kvtier simulate --json -`: the JSON, not the table
     if json_name == "":
         raise ValueError("--json ''; expected a file path, or '-' for stdout")
+    # Path() drops a trailing separator: `--json out/` wrote a file named `out`.
+    if json_name is not None and json_name.endswith(tuple(s for s in (os.sep, os.altsep) if s)):
+        raise ValueError(
+            f"--json {json_name!r} ends in a path separator; expected a file path, e.g. "
+            f"{json_name}demo.json"
+        )
     if json_name is not None and not to_stdout:
         # Checked first: a run takes tens of seconds, and its results would be lost at the end.
         _check_writable(Path(json_name), opts.model)
     try:
+        # Both: transformers imports without torch, and the run's `import torch` then failed
+        # with a traceback and status 1, the status of "tokens differ".
+        import torch  # noqa: F401
         import transformers  # noqa: F401
     except ImportError:
         print(
