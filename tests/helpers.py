@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dis
 import functools
+import gc
 import os
 import signal
 import sys
@@ -390,3 +391,43 @@ MANAGER_KEY_CALLS: dict[str, Callable[[Any, Any], object]] = {
     "complete_store": lambda m, k: m.complete_store(k, ReqContext("r1")),
 }
 """The manager's five calls that take keys, each given `k` as its keys, for input checks."""
+
+
+def get_finished_interrupted(
+    w: Any, n: int, filename: str, jobs: Iterable[int]
+) -> tuple[list[TransferResult], list[str]]:
+    """`w.get_finished()` with a KeyboardInterrupt at the `n`-th point of `filename` where
+    Python can raise one (`interrupt_at`), then once more: every result of both calls, and
+    where the interrupt fired (empty: the call ran past fewer points). Each of `jobs` that the
+    interrupted call did not return must still be held. Earlier workers are collected first,
+    not inside the traced call: an exit-hook callback would take the interrupt, which Python
+    then ignores."""
+    fired: list[str] = []
+    got: list[TransferResult] = []
+    gc.collect()
+    try:
+        with interrupt_at(n, fired, filename):
+            got += w.get_finished()
+    except KeyboardInterrupt:
+        assert fired
+        seen = {r.job_id for r in got}
+        unheld = [j for j in jobs if j not in seen and not w.holds(j)]
+        assert not unheld, f"jobs {unheld} neither reported nor held (interrupted {fired[0]})"
+    got += w.get_finished()
+    return got, fired
+
+
+class FakeCudaEvent:
+    """The part of a torch.cuda.Event that the CUDA worker's torch-ops path reads, without a
+    GPU: done or not, or (`done` None) raising as torch does on a CUDA error."""
+
+    def __init__(self, done: bool | None) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        if self.done is None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return self.done
+
+    def elapsed_time(self, end: Any) -> float:
+        return 2.0

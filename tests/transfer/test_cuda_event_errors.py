@@ -8,25 +8,13 @@ from collections import deque
 from types import SimpleNamespace
 from typing import Any
 
+from helpers import FakeCudaEvent
 from kvtier.base import TransferResult
 from kvtier.transfer.cuda_worker import CUDATransferWorker, _Live, _Record
 
 
-class _Event:
-    def __init__(self, done: bool | None) -> None:
-        self.done = done  # None: the query raises, as torch does on a CUDA error
-
-    def query(self) -> bool:
-        if self.done is None:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return self.done
-
-    def elapsed_time(self, end: Any) -> float:
-        return 2.0
-
-
 def _record(job_id: int, end: bool | None, ok: bool = True) -> _Record:
-    return _Record(job_id, 64, ok, _Event(True), _Event(end), None)  # type: ignore[arg-type]
+    return _Record(job_id, 64, ok, FakeCudaEvent(True), FakeCudaEvent(end), None)  # type: ignore[arg-type]
 
 
 def test_an_end_event_that_raises_fails_its_job_and_keeps_the_results_before_it() -> None:

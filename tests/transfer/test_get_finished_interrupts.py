@@ -8,15 +8,12 @@ taken for good.) The interrupts of a submit are tests/transfer/test_interrupt.py
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 
 import kvtier.transfer.cpu_worker
 import kvtier.transfer.native_worker
 import kvtier.transfer.worker
-from helpers import interrupt_at, small_worker
-from kvtier.base import TransferResult
+from helpers import get_finished_interrupted, small_worker
 from kvtier.transfer.native import library
 
 JOBS = [1, 2, 3]
@@ -47,18 +44,7 @@ def test_an_interrupted_get_finished_loses_no_result(
             for j in JOBS:
                 w.submit_store(j, [j], [j])
             w.wait(JOBS)
-            fired: list[str] = []
-            got: list[TransferResult] = []
-            # Earlier workers collected now, not inside the traced call: their exit-hook
-            # callback (in worker.py) would take the interrupt, which Python then ignores.
-            gc.collect()
-            try:
-                with interrupt_at(n, fired, filename):
-                    got += w.get_finished()
-            except KeyboardInterrupt:
-                assert fired
-                assert all(w.holds(j) for j in JOBS if j not in {r.job_id for r in got})
-            got += w.get_finished()
+            got, fired = get_finished_interrupted(w, n, filename, JOBS)
             where = fired[0] if fired else "nowhere"
             assert sorted(r.job_id for r in got) == JOBS, f"interrupted {where}"
             assert all(r.success and r.bytes == 256 for r in got), where

@@ -38,6 +38,20 @@ LANES = ("store", "load", "urgent")
 MAX_COALESCE_DEPTH = 8
 """cudaengine.c's KVT_DEPTH_MAX."""
 _POLL = 256
+"""Results fetched per engine call."""
+
+_SIGNATURES: dict[str, tuple[list[type], type | None]] = {
+    "kvt_cuda_peek": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_size_t),
+    "kvt_cuda_drop": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], None),
+}
+"""cudaengine.c's functions that only this module calls (native.py sets the others')."""
+
+
+def _with_signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
+    for name, (args, result) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, result
+    return lib
 
 
 class _Table(NamedTuple):
@@ -127,7 +141,7 @@ class CUDAEngine:
             )
         if not handle:
             raise RuntimeError(f"the CUDA copy engine failed to start: {err.value.decode()}")
-        self._lib = lib
+        self._lib = _with_signatures(lib)
         self.handle: int = handle
         """The engine's address (the submit extension takes it)."""
         self._device_index = device.index if device.index is not None else 0
@@ -150,8 +164,13 @@ class CUDAEngine:
             self.tables[g] = (made[0], made[1])
         torch.cuda.synchronize(device)  # the tables' uploads, before any kernel reads them
         self._poll_buffer = (EngineResult * _POLL)()
+        self.poll_size = _POLL
+        """The most results one `peek` returns: fewer means the engine had no more."""
+        self._peeked_drained = False
+        """Whether the latest `peek` read `_drained` (the engine was freed) or the engine."""
         self._drained: list[EngineResult] = []
-        """Results left when the engine was freed (at interpreter exit), for `poll`."""
+        """Results left when the engine was freed (at interpreter exit), for `poll` and
+        `peek`."""
         self._finalizer = weakref.finalize(
             self, _close, lib, handle, (self.tables, streams), self._drained
         )
@@ -217,16 +236,40 @@ class CUDAEngine:
         )  # fmt: skip
 
     def poll(self) -> list[tuple[int, bool, float]]:
-        """Finished jobs as (job_id, ok, seconds), each lane in submission order."""
+        """Finished jobs as (job_id, ok, seconds), each lane in submission order, taken from
+        the engine at once (an interrupt as this returns loses them: the worker's
+        `get_finished` uses `peek` and `drop`)."""
         if not self._finalizer.alive:  # freed at exit: what `_close` collected, once
             rest, self._drained[:] = self._drained[:], []
             return [(r.job_id, bool(r.ok), float(r.seconds)) for r in rest]
         out = []
         while True:
-            k = self._lib.kvt_cuda_poll(self.handle, self._poll_buffer, _POLL)
+            k = self._lib.kvt_cuda_poll(self.handle, self._poll_buffer, self.poll_size)
             out += [(r.job_id, bool(r.ok), float(r.seconds)) for r in self._poll_buffer[:k]]
-            if k < _POLL:
+            if k < self.poll_size:
                 return out
+
+    def peek(self) -> list[EngineResult]:
+        """`poll`'s first step: up to `poll_size` finished jobs' results, each lane's in
+        submission order, left in the engine until `drop`. Python can raise an interrupt
+        (Ctrl-C) as any call returns, and results `poll` had taken were lost with it: the
+        caller drops them once it holds them. A peek repeated before the drop returns them
+        again first. They are views of a buffer the next peek overwrites."""
+        if not self._finalizer.alive:  # freed at exit: what `_close` collected
+            self._peeked_drained = True
+            return self._drained[: self.poll_size]
+        self._peeked_drained = False
+        k = self._lib.kvt_cuda_peek(self.handle, self._poll_buffer, self.poll_size)
+        return self._poll_buffer[:k]
+
+    def drop(self, k: int) -> None:
+        """Remove the first `k` results of the latest `peek` (all of them, or the first few)."""
+        if self._peeked_drained:
+            del self._drained[:k]
+        elif k and self._finalizer.alive:
+            # (Freed since the peek, `_close` kept those results in `_drained` with the rest:
+            # the caller skips the ones it holds.)
+            self._lib.kvt_cuda_drop(self.handle, self._poll_buffer, k)
 
     def wait(self, lane: int, seq: int) -> int:
         """Block until `lane`'s job `seq` (counted from 1) is launched and its copies have

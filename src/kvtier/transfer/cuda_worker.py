@@ -269,10 +269,7 @@ class CUDATransferWorker(TransferWorker):
         ext = submit_extension() if self._engine is not None else None
         self._ext_submit = ext.submit if ext is not None else None
         self._live: dict[int, _Live] = {}
-        self._given_up: list[TransferResult] = []
-        """Results taken when a sync failed at shutdown, for the next `get_finished`."""
-        self._abandoned: set[int] = set()
-        """Jobs reported failed after a sync failed, whose results the engine may still give."""
+        """Jobs queued on the compiled path whose results are not yet in `_ready`."""
         self._next_seq = [1] * len(LANES)
         self._staging = IdStaging()  # used under self._lock
         self._lanes: dict[str, _Lane] = {}
@@ -504,26 +501,64 @@ class CUDATransferWorker(TransferWorker):
             return self._events.pop()
         return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
 
+    def _take_finished(self) -> None:
+        """Move the finished results into `_ready` (lock held), losing none to an interrupt:
+        nothing leaves the engine before the worker holds it (`CUDAEngine.peek`, then `drop`),
+        and each result goes into `_ready` with its job's removal from `_live` in steps with
+        no call between them. A call cut short leaves the results it moved in the engine, and
+        the next one skips them (no longer live) and drops them."""
+        engine = self._engine
+        if engine is None:
+            self._take_records(self._ready, self._ready_ids)
+            return
+        freed = not engine.alive  # before the peeks: they then return all it ever will
+        live, ready, ready_ids = self._live, self._ready, self._ready_ids
+        while True:
+            seen = engine.peek()
+            for r in seen:
+                job_id = r.job_id
+                job = live.get(job_id)
+                if job is None:
+                    continue  # moved by a call cut short before its drop, or failed already
+                one, ids = (job_result(job_id, bool(r.ok), job.nbytes, r.seconds),), {job_id}
+                # No call from here to the loop's end: an interrupt comes before or after.
+                ready += one
+                ready_ids |= ids
+                del live[job_id]
+            engine.drop(len(seen))
+            if len(seen) < engine.poll_size:
+                break
+        if freed and live:
+            # Freed at exit after a sync that failed (`cuda_engine._close`): the engine will
+            # never report these, and their copies cannot be known to have finished.
+            self._fail_live()
+
     def _collect(self) -> list[TransferResult]:
-        results = []
-        if self._engine is not None:
-            results, self._given_up = self._given_up, []
-            freed = not self._engine.alive  # before the poll: it then returns all it will
-            for job_id, ok, seconds in self._engine.poll():
-                if job_id in self._abandoned:  # already reported failed
-                    self._abandoned.discard(job_id)
-                    continue
-                live = self._live.pop(job_id)
-                results.append(job_result(job_id, ok, live.nbytes, seconds))
-            if freed and self._live:
-                # Freed at exit after a sync that failed (`cuda_engine._close`): the engine
-                # will never report these, and their copies cannot be known to have finished.
-                results += self._fail_unfinished()
+        """Every finished result at once (lock held), as the base class's hook takes them. An
+        interrupt as it returns loses them: `get_finished` uses `_take_finished` instead."""
+        results: list[TransferResult] = []
+        if self._engine is None:
+            self._take_records(results, set())
             return results
+        for job_id, ok, seconds in self._engine.poll():
+            live = self._live.pop(job_id, None)
+            if live is not None:  # None: reported failed already (`_fail_live`)
+                results.append(job_result(job_id, ok, live.nbytes, seconds))
+        return results
+
+    def _take_records(self, ready: list[TransferResult], ready_ids: set[int]) -> None:
+        """The torch-ops path's finished jobs into `ready`, their ids into `ready_ids`, each
+        lane's in submission order (lock held). A result goes in with its job's removal from
+        `_by_id` in steps with no call between them, and its record leaves the lane after: a
+        call cut short in between leaves a record no longer in `_by_id`, which the next call
+        drops without reporting it again."""
         for lane in self._lanes.values():
             records = lane.records
             while records:
                 r = records[0]
+                if r.job_id not in self._by_id:
+                    records.popleft()  # reported; its events and buffer are not reused
+                    continue
                 try:
                     if not r.end.query():  # type: ignore[no-untyped-call]
                         break
@@ -534,17 +569,20 @@ class CUDATransferWorker(TransferWorker):
                     # Its events and index buffer are not reused.
                     logger.exception("transfer job %d failed: its end event reports an error",
                                      r.job_id)  # fmt: skip
-                    records.popleft()
-                    results.append(TransferResult(r.job_id, False, 0, 0.0))
+                    one, ids = (TransferResult(r.job_id, False, 0, 0.0),), {r.job_id}
+                    ready += one  # these three steps have no call between them
+                    ready_ids |= ids
                     del self._by_id[r.job_id]
+                    records.popleft()
                     continue
+                one, ids = (job_result(r.job_id, r.ok, r.nbytes, seconds),), {r.job_id}
+                ready += one  # these three steps have no call between them
+                ready_ids |= ids
+                del self._by_id[r.job_id]
                 records.popleft()
-                results.append(job_result(r.job_id, r.ok, r.nbytes, seconds))
                 self._events += (r.start, r.end)
                 if r.indices is not None:
                     self._indices.give(r.indices)
-                del self._by_id[r.job_id]
-        return results
 
     def wait(self, job_ids: Iterable[int]) -> None:
         """Block until every job in `job_ids` has finished (ids not in flight are ignored)."""
@@ -574,13 +612,18 @@ class CUDATransferWorker(TransferWorker):
         for event in events:
             event.synchronize()
 
-    def _fail_unfinished(self) -> list[TransferResult]:
-        """The jobs still live as failed, each lane in submission order (lock held); the
-        engine's later results for them are dropped."""
+    def _fail_live(self) -> None:
+        """Report the jobs still live failed, each lane in submission order, into `_ready` at
+        once (lock held). The engine's later results for them are skipped: they are no longer
+        live, and no job is queued after this (the worker is shut down, or its engine freed)."""
         left = sorted(self._live.items(), key=lambda item: (item[1].lane, item[1].seq))
-        self._abandoned.update(self._live)
-        self._live.clear()
-        return [TransferResult(job_id, False, 0, 0.0) for job_id, _ in left]
+        failed = [TransferResult(job_id, False, 0, 0.0) for job_id, _ in left]
+        ids = {job_id for job_id, _ in left}
+        none: dict[int, _Live] = {}
+        # No call from here on: an interrupt comes before these steps or after them.
+        self._ready += failed
+        self._ready_ids |= ids
+        self._live = none
 
     def shutdown(self) -> None:
         """Wait for every launched copy (CUDA work cannot be cancelled) and refuse new jobs.
@@ -600,7 +643,8 @@ class CUDATransferWorker(TransferWorker):
             # Returning with the jobs held would leave them unreported, or reported done later
             # with copies that were never known to finish; waiting more could hang.
             with self._lock:
-                self._given_up = self._collect()
-                self._given_up += self._fail_unfinished()
-                failed = [r.job_id for r in self._given_up if not r.success]
+                before = len(self._ready)
+                self._take_finished()
+                self._fail_live()
+                failed = [r.job_id for r in self._ready[before:] if not r.success]
             logger.error("kvtier: shutdown: %s; jobs %s are reported failed", exc, failed)

@@ -116,6 +116,7 @@ typedef struct {
     uint64_t first, last;  /* seqs of its batch's first and last jobs; 0 until launched */
     uint64_t batch_bytes;  /* on a batch's first job: the batch's bytes */
     uint64_t batch_jobs;   /* and its jobs */
+    double batch_ms;       /* and its GPU time, once a peek has timed it */
     uint64_t compute_stream;
     CUevent compute;       /* recorded on the caller's compute stream at submit */
     CUevent start, end;    /* created on the slot's first use, reused after */
@@ -140,7 +141,7 @@ typedef struct { /* a ring of the lane's jobs in submission order */
     uint64_t prev_last; /* the last job of the latest batch launched (0: none yet) */
     uint64_t flight[KVT_DEPTH_MAX]; /* last jobs of the batches the launcher saw queued */
     size_t nflight;
-    double batch_ms;        /* the batch being polled: its GPU time */
+    double batch_ms;        /* the batch being polled (its first job dropped): its GPU time */
     uint64_t batch_bytes, batch_jobs;
     /* launching: the lane's thread's, or the submitter's without coalescing */
     pthread_t thread;
@@ -851,51 +852,107 @@ uint64_t kvt_cuda_accepted(kvt_cuda *c, int lane) {
     return seq;
 }
 
-/* Move up to `max` finished jobs into `out`, each lane's in submission order. A job whose
- * event reports an error (a failed copy poisons the context) is reported failed. So is every
- * launched job when the engine's context cannot be made current: its event cannot be asked,
- * and a poll that returned nothing then left those jobs unreported for good (as a launch
- * thread that cannot enter fails its jobs unlaunched). A batch's GPU time is shared among its
- * jobs by their bytes. */
-size_t kvt_cuda_poll(kvt_cuda *c, kvt_result *out, size_t max) {
+/* Copy up to `max` finished jobs' results into `out`, each lane's in submission order, leaving
+ * them in the engine (under the mutex; `entry`: enter()'s result). A job whose event reports
+ * an error (a failed copy poisons the context) is reported failed. So is every launched job
+ * when the engine's context cannot be made current: its event cannot be asked, and a poll
+ * that returned nothing then left those jobs unreported for good (as a launch thread that
+ * cannot enter fails its jobs unlaunched). A batch's GPU time is shared among its jobs by
+ * their bytes; its first job keeps it for drop(), since a later peek may report the rest. */
+static size_t peek(kvt_cuda *c, CUresult entry, kvt_result *out, size_t max) {
     size_t k = 0;
-    CUcontext prev;
-    CUresult entry = enter(c, &prev);
-    pthread_mutex_lock(&c->mu);
     for (int i = 0; i < KVT_LANES; i++) {
         kvt_lane *l = &c->lanes[i];
-        while (l->launched && k < max) {
-            kvt_record *rec = &l->r[l->head];
+        double batch_ms = l->batch_ms;
+        uint64_t batch_bytes = l->batch_bytes, batch_jobs = l->batch_jobs;
+        for (size_t j = 0; j < l->launched && k < max; j++) {
+            uint64_t seq = l->first_seq + j;
+            kvt_record *rec = at_seq(l, seq);
             CUevent end = at_seq(l, rec->last)->end;
             CUresult r = entry == CUDA_SUCCESS ? c->cu.event_query(end) : entry;
             if (r == CUDA_ERROR_NOT_READY)
                 break;
-            if (rec->first == l->first_seq) { /* the batch's first job: time the batch */
+            if (rec->first == seq) { /* the batch's first job: time the batch */
                 float ms = 0;
+                /* A borrowed start is the end event of the slot before: the previous batch's
+                 * last job, in the ring or (for the oldest job) kept by submit's growth. */
                 CUevent start =
-                    rec->borrowed ? l->r[(l->head + l->cap - 1) % l->cap].end : rec->start;
+                    rec->borrowed ? l->r[(l->head + j + l->cap - 1) % l->cap].end : rec->start;
                 /* No time rather than a wrong one: an event that cannot be timed, or a
                  * stale start that makes the time negative. */
                 if (r == CUDA_SUCCESS && (c->cu.event_elapsed(&ms, start, end) != CUDA_SUCCESS ||
                                           !(ms >= 0)))
                     ms = 0;
-                l->batch_ms = ms;
+                rec->batch_ms = batch_ms = ms;
+                batch_bytes = rec->batch_bytes, batch_jobs = rec->batch_jobs;
+            }
+            double share = batch_bytes ? (double)rec->nbytes / (double)batch_bytes
+                                       : 1.0 / (double)(batch_jobs ? batch_jobs : 1);
+            int ok = rec->ok && r == CUDA_SUCCESS;
+            out[k++] = (kvt_result){rec->id, ok, i, ok ? batch_ms * share / 1e3 : 0};
+        }
+    }
+    return k;
+}
+
+/* Remove the results `seen[0..k)`, which the latest peek returned, from the engine: per lane,
+ * as many of its oldest jobs as `seen` holds of that lane (under the mutex). Jobs that
+ * finished since that peek stay, for the next one. */
+static void drop(kvt_cuda *c, const kvt_result *seen, size_t k) {
+    size_t n[KVT_LANES] = {0};
+    for (size_t i = 0; i < k; i++)
+        if (seen[i].lane >= 0 && seen[i].lane < KVT_LANES)
+            n[seen[i].lane]++;
+    for (int i = 0; i < KVT_LANES; i++) {
+        kvt_lane *l = &c->lanes[i];
+        for (size_t m = n[i] < l->launched ? n[i] : l->launched; m > 0; m--) {
+            kvt_record *rec = &l->r[l->head];
+            if (rec->first == l->first_seq) { /* the batch's later jobs are timed by it */
+                l->batch_ms = rec->batch_ms;
                 l->batch_bytes = rec->batch_bytes, l->batch_jobs = rec->batch_jobs;
             }
-            double share = l->batch_bytes ? (double)rec->nbytes / (double)l->batch_bytes
-                                          : 1.0 / (double)(l->batch_jobs ? l->batch_jobs : 1);
-            int ok = rec->ok && r == CUDA_SUCCESS;
-            out[k++] = (kvt_result){rec->id, ok, i, ok ? l->batch_ms * share / 1e3 : 0};
             l->head = (l->head + 1) % l->cap;
             l->len--;
             l->launched--;
             l->first_seq++;
         }
     }
+}
+
+/* Move up to `max` finished jobs into `out`, each lane's in submission order (see peek). */
+size_t kvt_cuda_poll(kvt_cuda *c, kvt_result *out, size_t max) {
+    CUcontext prev;
+    CUresult entry = enter(c, &prev);
+    pthread_mutex_lock(&c->mu);
+    size_t k = peek(c, entry, out, max);
+    drop(c, out, k);
     pthread_mutex_unlock(&c->mu);
     if (entry == CUDA_SUCCESS)
         leave(c, prev);
     return k;
+}
+
+/* kvt_cuda_poll in two steps: copy the results (kvt_cuda_peek), then remove them
+ * (kvt_cuda_drop, given what that peek returned) once the caller holds them for good. Python
+ * can raise an interrupt (Ctrl-C) as any call returns: results taken in one step were lost
+ * with it, and their jobs never reported (cuda_worker.py). Peeks and drops are serialised by
+ * the caller, with its submits; a peek repeated before the drop returns the same results
+ * first. */
+size_t kvt_cuda_peek(kvt_cuda *c, kvt_result *out, size_t max) {
+    CUcontext prev;
+    CUresult entry = enter(c, &prev);
+    pthread_mutex_lock(&c->mu);
+    size_t k = peek(c, entry, out, max);
+    pthread_mutex_unlock(&c->mu);
+    if (entry == CUDA_SUCCESS)
+        leave(c, prev);
+    return k;
+}
+
+void kvt_cuda_drop(kvt_cuda *c, const kvt_result *seen, size_t k) {
+    pthread_mutex_lock(&c->mu);
+    drop(c, seen, k);
+    pthread_mutex_unlock(&c->mu);
 }
 
 /* Block until `lane`'s job `seq` has finished, or return at once if it has been polled:

@@ -25,6 +25,8 @@ int kvt_cuda_submit_ids(kvt_cuda *c, const kvt_submit_ctx *x, int lane, uint64_t
                         int64_t id, const int64_t *blocks, size_t nblocks, const int64_t *slots,
                         size_t nslots, size_t skip);
 size_t kvt_cuda_poll(kvt_cuda *c, kvt_result *out, size_t max);
+size_t kvt_cuda_peek(kvt_cuda *c, kvt_result *out, size_t max);
+void kvt_cuda_drop(kvt_cuda *c, const kvt_result *seen, size_t k);
 int kvt_cuda_submit_ext(void *c, const kvt_submit_ctx *x, int64_t id, int lane,
                         uint64_t compute, const int64_t *blocks, size_t nblocks,
                         const int64_t *slots, size_t nslots, size_t skip);
@@ -441,6 +443,57 @@ static void check_merge(void) {
     rig_down(&r, "merge");
 }
 
+/* A's first `n` results equal B's (ids, lanes, outcomes and times). */
+static int same_results(const kvt_result *a, const kvt_result *b, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (a[i].id != b[i].id || a[i].ok != b[i].ok || a[i].lane != b[i].lane ||
+            a[i].seconds != b[i].seconds)
+            return 0;
+    return 1;
+}
+
+/* kvt_cuda_peek leaves results in the engine until kvt_cuda_drop (the worker drops them once
+ * it holds them: an interrupt between the two must lose none). Eleven jobs, ten of them one
+ * batch, taken a few at a time: a second peek returns the same, a drop of part of a peek
+ * leaves the rest for the next, and each job is still timed by its own share of its batch
+ * (the batch's time kept once its first job is dropped). */
+static void check_peek_drop(void) {
+    rig r;
+    rig_up(&r, 4096, 4096, 0, 0);
+    kvt_result res[4], again[4], all[16];
+    int64_t id = 0;
+    first_job_held(&r, &id, "peek");
+    submit_pairs(&r, &id, 10);
+    fake_hold(STREAMS[0], 0);
+    if (kvt_cuda_sync(r.c))
+        FAIL("peek: sync failed");
+    size_t got = 0;
+    for (size_t round = 0; got < 11 && round < 40; round++) {
+        size_t k = kvt_cuda_peek(r.c, res, 1 + round % 3);
+        if (kvt_cuda_peek(r.c, again, 4) < k || !same_results(res, again, k))
+            FAIL("peek: a second peek did not return the first one's results (round %zu)",
+                 round);
+        size_t keep = round % 2 ? k : (k + 1) / 2; /* a part: the rest stays in the engine */
+        kvt_cuda_drop(r.c, res, keep);
+        if (got + keep > 11)
+            FAIL("peek: more than 11 results");
+        memcpy(all + got, res, keep * sizeof *res);
+        got += keep;
+    }
+    if (got != 11 || kvt_cuda_peek(r.c, res, 4) != 0 || kvt_cuda_poll(r.c, res, 4) != 0)
+        FAIL("peek: %zu of 11 results, or results left after every drop", got);
+    for (size_t i = 0; i < got; i++)
+        if (all[i].id != (int64_t)i)
+            FAIL("peek: result %zu is job %lld", i, (long long)all[i].id);
+    check_seconds(all, got, 2.0 * 8192, "peek");
+    kvt_cuda_drop(r.c, all, got); /* nothing left: drops nothing */
+    int64_t b[2] = {0, 1}, s = 0;
+    store(&r, id, b, 2, &s);
+    if (kvt_cuda_sync(r.c) || kvt_cuda_poll(r.c, res, 4) != 1 || res[0].id != id)
+        FAIL("peek: a later job was not reported after the drops");
+    rig_down(&r, "peek");
+}
+
 /* A refused merged launch fails every job in it (they wrote nothing), and not the next. */
 static void check_merged_failure(void) {
     rig r;
@@ -627,7 +680,7 @@ static void check_random(size_t d, uint64_t seed) {
     depth = d;
     rig r;
     rig_up(&r, 4096, 2048, 0, 0);
-    kvt_result res[64];
+    kvt_result res[64], again[64];
     for (int op = 0; op < 3000 && w.njobs < MAXJOBS; op++) {
         unsigned c = (unsigned)(rnd() % 100);
         job_t *j = &w.jobs[w.njobs];
@@ -669,8 +722,27 @@ static void check_random(size_t d, uint64_t seed) {
             for (size_t k = 0; k < j->nb; k++)
                 w.y_busy[j->blocks[k]] = 1;
             w.njobs++;
-        } else if (c < 88) {
+        } else if (c < 84) {
             apply(&w, res, kvt_cuda_poll(r.c, res, 1 + rnd() % 64), "random");
+        } else if (c < 88) { /* a peek, then a drop of part of it, as an interrupted worker */
+            size_t k = kvt_cuda_peek(r.c, res, 1 + rnd() % 64);
+            size_t k2 = kvt_cuda_peek(r.c, again, 64);
+            /* Each lane's results come again first (others may have finished since). */
+            for (int l = 0; l < 3; l++) {
+                size_t a = 0, b = 0;
+                for (size_t i = 0; i < k; i++) {
+                    if (res[i].lane != l)
+                        continue;
+                    while (b < k2 && again[b].lane != l)
+                        b++;
+                    if (b == k2 ? k2 < 64 : !same_results(res + i, again + b, 1))
+                        FAIL("random: peek %zu of lane %d differs the second time", a, l);
+                    a++, b++;
+                }
+            }
+            size_t keep = rnd() % (k + 1);
+            kvt_cuda_drop(r.c, res, keep);
+            apply(&w, res, keep, "random peek");
         } else if (c < 92 && w.njobs) { /* wait for a job (held streams released first) */
             job_t *t = &w.jobs[rnd() % (uint64_t)w.njobs];
             for (int l = 0; l < 3; l++)
@@ -761,6 +833,7 @@ int main(void) {
     shared_checks();
     depth = 1;
     check_merge();
+    check_peek_drop();
     check_merged_failure();
     check_two_computes();
     check_wait_unlaunched();
