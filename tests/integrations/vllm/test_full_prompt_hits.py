@@ -21,6 +21,7 @@ from test_vllm import (
     expect_loaded,
     kvtier_side,
     offloading_connector_engine,
+    step_until_running,
     vllm_loaded,
 )
 
@@ -48,10 +49,10 @@ def test_a_prompt_of_whole_blocks_loads_every_block(vllm_loaded: None) -> None:
     engine.step()
     assert b.status.name == "WAITING_FOR_REMOTE_KVS"
     assert b.num_computed_tokens == len(FULL)
-    engine.step()
-    engine.step()
-    # vLLM rewound the full hit by one token and recomputed it to sample from its logits.
-    assert b.status.name == "RUNNING" and b.num_output_tokens == 1
+    step_until_running(engine, "b")
+    # vLLM rewound the full hit by one token: its first step recomputes that token alone, to
+    # sample from its logits.
+    assert engine.outputs[-1].num_scheduled_tokens == {"b": 1}
     expect_loaded(engine, "b", FULL, len(FULL))
     engine.run_until(["b"])
     assert b.num_output_tokens == 3
