@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -154,6 +154,43 @@ def token_value(tokens: list[int], position: int, layer: int) -> float:
     return float(h + layer * 7)
 
 
+def prefix_values(tokens: list[int], n: int) -> list[int]:
+    """`token_value` less its layer term for positions 0..n-1, in one pass."""
+    out = []
+    h = 0
+    for t in tokens[:n]:
+        h = (h * 1_000_003 + t + 1) % 16_777_213
+        out.append(h)
+    return out
+
+
+def assert_computed_kv(
+    kv_caches: dict[str, torch.Tensor],
+    group_of_layer: dict[str, int],
+    table: Sequence[Sequence[int]],
+    tokens: list[int],
+    n: int,
+    what: str,
+) -> None:
+    """The first `n` positions of a request with `tokens` and device block `table` (per group)
+    hold the stand-in forward's KV in every layer; else an AssertionError naming `what` (the
+    request), the layer, the position and the block."""
+    values = torch.tensor(prefix_values(tokens, n), dtype=torch.float64)
+    for name, t in kv_caches.items():
+        layer = int(name.split(".")[2])
+        want = (values + layer * 7).to(t.dtype)
+        blocks = table[group_of_layer[name]]
+        for b in range((n + BLOCK_SIZE - 1) // BLOCK_SIZE):
+            lo, hi = b * BLOCK_SIZE, min(n, (b + 1) * BLOCK_SIZE)
+            ok = t[blocks[b], :, : hi - lo, :] == want[lo:hi].view(1, -1, 1)
+            if not bool(ok.all()):
+                bad = lo + int((~ok).nonzero()[0][1])
+                raise AssertionError(
+                    f"{what}: {name} position {bad} of {n} computed (block {blocks[b]}) holds "
+                    "wrong KV"
+                )
+
+
 def worker_output(w: Any, finished_req_ids: set[str]) -> Any:
     """What a worker-side connector hands back after a step, as vLLM's model runner collects
     it (`_get_kv_connector_output`): transfer results, load errors and worker metadata."""
@@ -184,6 +221,27 @@ def make_request(req_id: str, prompt: list[int], max_tokens: int, **kwargs: Any)
         None,
         block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
         **kwargs,
+    )
+
+
+def finish_worker_step(w: Any, so: Any, req_ids: list[str], sampled: list[list[int]]) -> Any:
+    """The end of a step on the worker side `w` (its `KVConnectorOutput`, then its metadata
+    cleared) and the step's `ModelRunnerOutput`."""
+    kv = worker_output(w, so.finished_req_ids)
+    w.clear_connector_metadata()
+    return runner_output(req_ids, sampled, kv)
+
+
+def runner_output(req_ids: list[str], sampled: list[list[int]], kv: Any) -> Any:
+    """The `ModelRunnerOutput` of a step that ran `req_ids`, sampling `sampled[i]` for the
+    i-th, with the worker side's `KVConnectorOutput` `kv`."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        kv_connector_output=kv,
     )
 
 
@@ -223,7 +281,7 @@ class Engine:
         so each job is reported exactly one step after it was submitted (deterministic tests
         on a shared, busy machine); `settle=False` leaves them to the copy thread.
         """
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import KVConnectorOutput
 
         earlier = list(self.kvtier_worker()._jobs) if self.worker is not None else []
         so = self.scheduler.schedule()
@@ -246,12 +304,7 @@ class Engine:
             req = self.scheduler.requests[req_id]
             done_prefill = req.num_computed_tokens >= req.num_tokens
             sampled.append([self.sampled_token] if done_prefill else [])
-        out = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=kv_out,
-        )
+        out = runner_output(req_ids, sampled, kv_out)
         engine_outputs = self.scheduler.update_from_output(so, out)
         for eo in engine_outputs.values():
             if eo.scheduler_stats is not None:
@@ -318,10 +371,6 @@ def make_engine(
     connector with registered CPU KV tensors; `kv_cache_config` replaces the
     `num_groups` full-attention groups that are built by default, and `configure` may
     change the `VllmConfig` before either half is built."""
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.structured_output import StructuredOutputManager
 
     vllm_config = make_vllm_config(
         connector,
@@ -337,7 +386,22 @@ def make_engine(
         configure(vllm_config)
     if kv_cache_config is None:
         kv_cache_config = make_kv_cache_config(num_gpu_blocks, num_groups)
-    scheduler = Scheduler(
+    scheduler, worker, kv_caches = build_halves(vllm_config, kv_cache_config, with_worker)
+    return Engine(scheduler, worker, kv_caches, groups_of_layers(kv_cache_config))
+
+
+def build_halves(
+    vllm_config: Any, kv_cache_config: Any, with_worker: bool = True, scheduler_class: Any = None
+) -> tuple[Any, Any, dict[str, torch.Tensor]]:
+    """vLLM's scheduler (`scheduler_class`, default `Scheduler`), which builds the scheduler
+    side of the configured connector, and the worker side with CPU KV tensors registered
+    (None, and no tensors, without `with_worker`)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    scheduler = (scheduler_class or Scheduler)(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
@@ -352,7 +416,27 @@ def make_engine(
         )
         kv_caches = make_kv_caches(kv_cache_config)
         worker.register_kv_caches(kv_caches)
-    group_of_layer = {
-        n: g for g, grp in enumerate(kv_cache_config.kv_cache_groups) for n in grp.layer_names
-    }
-    return Engine(scheduler, worker, kv_caches, group_of_layer)
+    return scheduler, worker, kv_caches
+
+
+def groups_of_layers(kv_cache_config: Any) -> dict[str, int]:
+    """Each layer's KV-cache group."""
+    return {n: g for g, grp in enumerate(kv_cache_config.kv_cache_groups) for n in grp.layer_names}
+
+
+class ZeroAfterFence:
+    """Wraps a worker connector's `handle_preemptions`: once `armed`, the device KV is zeroed
+    right after the next fence, since the blocks a reset freed are fair game from then on."""
+
+    def __init__(self, worker: Any, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._handle = worker.handle_preemptions
+        self._kv_caches = kv_caches
+        self.armed = False
+        worker.handle_preemptions = self
+
+    def __call__(self, meta: Any) -> None:
+        self._handle(meta)
+        if self.armed:
+            self.armed = False
+            for t in self._kv_caches.values():
+                t.zero_()

@@ -23,12 +23,12 @@ if importlib.util.find_spec("vllm") is None:
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine import (
     BLOCK_SIZE,
+    build_halves,
+    finish_worker_step,
     make_kv_cache_config,
-    make_kv_caches,
     make_request,
     make_vllm_config,
     token_value,
-    worker_output,
 )
 
 SAMPLED = 7
@@ -48,27 +48,15 @@ class AsyncEngine:
     """The real AsyncScheduler, a worker-side connector on CPU tensors, and a batch queue of 2."""
 
     def __init__(self, extra: dict[str, Any], num_blocks: int = 64) -> None:
-        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-        from vllm.v1.structured_output import StructuredOutputManager
 
         cfg = make_vllm_config("KVTierConnector", extra, num_blocks, "kvtier.integrations.vllm")
         cfg.scheduler_config.async_scheduling = True
         assert cfg.max_concurrent_batches == 2
         kv_cache_config = make_kv_cache_config(num_blocks)
-        self.scheduler: Any = AsyncScheduler(
-            vllm_config=cfg,
-            kv_cache_config=kv_cache_config,
-            structured_output_manager=StructuredOutputManager(cfg),
-            block_size=BLOCK_SIZE,
-            log_stats=True,
+        self.scheduler, self.worker, self.kv_caches = build_halves(
+            cfg, kv_cache_config, scheduler_class=AsyncScheduler
         )
-        self.worker: Any = KVConnectorFactory.create_connector(
-            config=cfg, role=KVConnectorRole.WORKER, kv_cache_config=kv_cache_config
-        )
-        self.kv_caches = make_kv_caches(kv_cache_config)
-        self.worker.register_kv_caches(self.kv_caches)
         self.queue: deque[tuple[Any, Any]] = deque()
         self.finished: set[str] = set()
 
@@ -83,7 +71,6 @@ class AsyncEngine:
         return known + [SAMPLED] * max(0, n - len(known))
 
     def _execute(self, so: Any) -> Any:
-        from vllm.v1.outputs import ModelRunnerOutput
 
         w, sched = self.worker, self.scheduler
         w.bind_connector_metadata(so.kv_connector_metadata)
@@ -106,14 +93,7 @@ class AsyncEngine:
             sampled.append([] if req.is_prefill_chunk else [SAMPLED])
         w.wait_for_save()
         w.worker_side.transfer.wait(list(w.worker_side._jobs))
-        kv = worker_output(w, so.finished_req_ids)
-        w.clear_connector_metadata()
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=kv,
-        )
+        return finish_worker_step(w, so, req_ids, sampled)
 
     def _process_oldest(self) -> None:
         so, out = self.queue.popleft()

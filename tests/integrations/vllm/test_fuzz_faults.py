@@ -17,32 +17,21 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import pytest
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install 'kvtier[vllm]')", allow_module_level=True)
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine import BLOCK_SIZE, Engine, make_engine
+from engine import BLOCK_SIZE, Engine, ZeroAfterFence, assert_computed_kv, make_engine
 from test_vllm import _swap_transfer, assert_no_leaks, vllm_loaded
 
 __all__ = ["vllm_loaded"]  # the module-scoped fixture, shared with test_vllm
 
 SEEDS = range(40)
-
-
-def _prefix_values(tokens: list[int], n: int) -> list[int]:
-    """engine.token_value's hash for positions 0..n-1, in one pass."""
-    out = []
-    h = 0
-    for t in tokens[:n]:
-        h = (h * 1_000_003 + t + 1) % 16_777_213
-        out.append(h)
-    return out
 
 
 def check_running(engine: Engine) -> None:
@@ -56,22 +45,14 @@ def check_running(engine: Engine) -> None:
         n = req.num_computed_tokens
         if n == 0:
             continue
-        values = torch.tensor(_prefix_values(list(req.all_token_ids), n), dtype=torch.float64)
-        table = sched.kv_cache_manager.get_block_ids(req.request_id)
-        for name, t in engine.kv_caches.items():
-            layer = int(name.split(".")[2])
-            want = (values + layer * 7).to(t.dtype)
-            blocks = table[engine.group_of_layer[name]]
-            for b in range((n + BLOCK_SIZE - 1) // BLOCK_SIZE):
-                lo, hi = b * BLOCK_SIZE, min(n, (b + 1) * BLOCK_SIZE)
-                got = t[blocks[b], :, : hi - lo, :]
-                ok = got == want[lo:hi].view(1, -1, 1)
-                if not bool(ok.all()):
-                    bad = lo + int((~ok).nonzero()[0][1])
-                    raise AssertionError(
-                        f"request {req.request_id}: {name} position {bad} of {n} computed "
-                        f"(block {blocks[b]}) holds wrong KV"
-                    )
+        assert_computed_kv(
+            engine.kv_caches,
+            engine.group_of_layer,
+            sched.kv_cache_manager.get_block_ids(req.request_id),
+            list(req.all_token_ids),
+            n,
+            f"request {req.request_id}",
+        )
 
 
 class Fuzz:
@@ -101,9 +82,7 @@ class Fuzz:
         self.p_slow = rng.choice([0.0, 0.3, 0.6])
         _swap_transfer(self.engine, self._inject)
         w = self.engine.worker
-        self._handle = w.handle_preemptions
-        w.handle_preemptions = self._handle_then_reuse
-        self.zero_pending = False
+        self.zero = ZeroAfterFence(w, self.engine.kv_caches)
         # Up to (num_gpu_blocks - 2) blocks a request, so each one fits alone.
         self.max_len = (self.num_gpu_blocks - 2) * BLOCK_SIZE
         self.prefixes = [
@@ -122,14 +101,6 @@ class Fuzz:
         p = self.p_fail_load if kind == "load" else self.p_fail_store
         if p and r.random() < p:
             raise RuntimeError(f"injected {kind} failure")
-
-    def _handle_then_reuse(self, meta: Any) -> None:
-        """After the fence, the device blocks freed by a reset are fair game: zero them."""
-        self._handle(meta)
-        if self.zero_pending:
-            self.zero_pending = False
-            for t in self.engine.kv_caches.values():
-                t.zero_()
 
     def add(self) -> None:
         rng = self.rng
@@ -165,7 +136,7 @@ class Fuzz:
         if ok:
             self.resets += 1
             if rng.random() < 0.8:
-                self.zero_pending = True
+                self.zero.armed = True
 
     def step(self) -> None:
         self.engine.step()

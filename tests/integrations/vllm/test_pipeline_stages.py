@@ -20,7 +20,14 @@ if importlib.util.find_spec("vllm") is None:
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import engine as stand_in
-from engine import BLOCK_SIZE, make_request, make_vllm_config, token_value, worker_output
+from engine import (
+    BLOCK_SIZE,
+    make_request,
+    make_vllm_config,
+    runner_output,
+    token_value,
+    worker_output,
+)
 from test_vllm import MODULE, vllm_loaded
 
 __all__ = ["vllm_loaded"]  # the module-scoped fixture, shared with test_vllm
@@ -58,7 +65,6 @@ class PipelineEngine:
         return request
 
     def step(self) -> Any:
-        from vllm.v1.outputs import ModelRunnerOutput
 
         so = self.scheduler.schedule()
         req_ids = list(so.num_scheduled_tokens)
@@ -78,14 +84,7 @@ class PipelineEngine:
             for r in req_ids:
                 req = self.scheduler.requests[r]
                 sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
-            outputs.append(
-                ModelRunnerOutput(
-                    req_ids=req_ids,
-                    req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                    sampled_token_ids=sampled,
-                    kv_connector_output=kv_out,
-                )
-            )
+            outputs.append(runner_output(req_ids, sampled, kv_out))
         out = self.aggregator.aggregate(outputs, output_rank=len(outputs) - 1)
         for eo in self.scheduler.update_from_output(so, out).values():
             self.finished.update(o.request_id for o in eo.outputs if o.finish_reason)

@@ -24,6 +24,7 @@ from engine import (
     make_engine,
     make_kv_cache_config,
     make_vllm_config,
+    runner_output,
     step_until_output,
     token_value,
 )
@@ -455,7 +456,7 @@ def test_kvaware_counts_a_loaded_chunk_once_for_the_request_that_loaded_it(
 
 
 def _feed(engine: Engine, so: Any, worker_meta: Any, recving: set[str]) -> None:
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.outputs import KVConnectorOutput
 
     req_ids = list(so.num_scheduled_tokens)
     sampled = [
@@ -465,13 +466,10 @@ def _feed(engine: Engine, so: Any, worker_meta: Any, recving: set[str]) -> None:
         else []
         for r in req_ids
     ]
-    out = ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={r: i for i, r in enumerate(req_ids)},
-        sampled_token_ids=sampled,
-        kv_connector_output=KVConnectorOutput(
-            finished_recving=recving, kv_connector_worker_meta=worker_meta
-        ),
+    out = runner_output(
+        req_ids,
+        sampled,
+        KVConnectorOutput(finished_recving=recving, kv_connector_worker_meta=worker_meta),
     )
     for eo in engine.scheduler.update_from_output(so, out).values():
         for o in eo.outputs:
@@ -532,7 +530,7 @@ def test_each_worker_reports_a_job_once(vllm_loaded: None) -> None:
 def test_a_refused_report_leaves_both_halves_agreeing(vllm_loaded: None) -> None:
     """Reports are applied one worker at a time, each with the connector's own count of the
     load's reports: a refused worker leaves no load counted by one half and not the other."""
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.outputs import KVConnectorOutput
 
     from kvtier.integrations.vllm.metadata import KVTierWorkerMetadata
 
@@ -543,11 +541,10 @@ def test_a_refused_report_leaves_both_halves_agreeing(vllm_loaded: None) -> None
         so = engine.scheduler.schedule()
         meta = so.kv_connector_metadata
         req_ids = list(so.num_scheduled_tokens)
-        out = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[[7] for _ in req_ids],
-            kv_connector_output=KVConnectorOutput(
+        out = runner_output(
+            req_ids,
+            [[7] for _ in req_ids],
+            KVConnectorOutput(
                 finished_recving={j.req_id for j in meta.step.loads},
                 finished_sending=set(meta.held),
                 kv_connector_worker_meta=KVTierWorkerMetadata(report(meta.step)),

@@ -16,7 +16,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install 'kvtier[vllm]')", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine import BLOCK_SIZE, Engine, make_engine, worker_output
+from engine import BLOCK_SIZE, Engine, make_engine, runner_output, worker_output
 from test_pipeline_stages import PROMPT_A, make_pipeline, stage_kv_cache_config
 from test_vllm import (
     EXTRA,
@@ -35,7 +35,6 @@ def _step(engine: Engine, *, repeat: int = 1, save: bool = True, settle: bool = 
     connector calls of the step that many times with the same metadata; `save=False` leaves
     out `wait_for_save` and `clear_connector_metadata`, as vLLM's non-last pipeline stage
     does with speculative decoding."""
-    from vllm.v1.outputs import ModelRunnerOutput
 
     w = engine.worker
     side = engine.kvtier_worker()
@@ -60,12 +59,7 @@ def _step(engine: Engine, *, repeat: int = 1, save: bool = True, settle: bool = 
     for req_id in req_ids:
         req = engine.scheduler.requests[req_id]
         sampled.append([engine.sampled_token] if req.num_computed_tokens >= req.num_tokens else [])
-    out = ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={r: i for i, r in enumerate(req_ids)},
-        sampled_token_ids=sampled,
-        kv_connector_output=kv_out,
-    )
+    out = runner_output(req_ids, sampled, kv_out)
     for eo in engine.scheduler.update_from_output(so, out).values():
         engine.finished.update(o.request_id for o in eo.outputs if o.finish_reason is not None)
     return so
