@@ -431,3 +431,20 @@ class FakeCudaEvent:
 
     def elapsed_time(self, end: Any) -> float:
         return 2.0
+
+
+def outputs_under_hash_seeds(code: str, seeds: Iterable[str]) -> set[str]:
+    """The distinct stdouts of `python -c code` run once per PYTHONHASHSEED in `seeds`: one
+    output means nothing it prints depends on Python's per-process str and bytes hashes."""
+    import subprocess
+
+    return {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in seeds
+    }

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 from itertools import islice
 from pathlib import Path
 
 import pytest
 
+from helpers import outputs_under_hash_seeds
 from kvtier.base import OffloadKey, ReqContext, make_offload_key
 from kvtier.policies import CachePolicy, KVAwarePolicy, make_policy, registered_policies
 from kvtier.policies.kvaware import FrequencySketch, key_hash
@@ -70,16 +68,7 @@ def test_key_hash_is_the_same_in_every_process() -> None:
         "from kvtier.base import make_offload_key; from kvtier.policies.kvaware import key_hash;"
         "print(key_hash(make_offload_key((7).to_bytes(8, 'big'), 0)))"
     )
-    outs = {
-        subprocess.run(
-            [sys.executable, "-c", code],
-            env={**os.environ, "PYTHONHASHSEED": seed},
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        for seed in ("1", "2")
-    }
+    outs = outputs_under_hash_seeds(code, ("1", "2"))
     assert outs == {f"{key_hash(key(7))}\n"}
 
 

@@ -39,6 +39,14 @@ _MODES = (
 # gives every call one request id, cannot grow the tables without bound.
 _LIVE_REQUESTS = 512
 _LIVE_KEYS = 1024
+# Ids of requests finished lately (strings only). An engine's store or load of a request may
+# complete after the request ended (`on_request_finished`); such a late report must not make
+# the request live again: its counted keys are kept apart and dropped first, and its
+# `key_positions` table is not kept, so finished requests neither hold memory nor push the
+# live ones' counted keys out. The last min(2 * capacity, 4096) finished requests are
+# remembered (2 per slot: every per-key table's bound); a report later than that is taken for
+# a live request's, as before.
+_FINISHED = 4096
 # The mode the policy runs in until a shadow has earned more hits: plain LRU, so that a trace
 # whose evidence never arrives (or arrives late) is served no worse than by LRU.
 _START = 4
@@ -128,6 +136,10 @@ class KVAwarePolicy(CachePolicy):
         self._counted: OrderedDict[str, set[OffloadKey]] = OrderedDict()
         self._counted_req: str | None = None
         self._counted_keys: set[OffloadKey] = set()
+        # The same for reports that arrived after their request finished, and those requests.
+        self._counted_late: OrderedDict[str, set[OffloadKey]] = OrderedDict()
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._finished_max = min(_FINISHED, 2 * capacity)
         self._counted_max = max(2 * capacity, _LIVE_KEYS)
         self._admit_all = _admit_all if mode == "adaptive" else mode == "open"
         self._tail_first = _tail_first if mode == "adaptive" else True
@@ -242,11 +254,13 @@ class KVAwarePolicy(CachePolicy):
             tail = max(positions, key=positions.__getitem__)
         self._tail_req, self._tail_pos = req_id, positions
         self._tail_len, self._tail_key = n, tail
-        tails = self._tails
-        tails[req_id] = (positions, n, tail)
-        tails.move_to_end(req_id)
-        if len(tails) > _LIVE_REQUESTS:
-            tails.popitem(last=False)
+        if req_id not in self._finished:
+            # A finished request's table is not kept: nothing would drop it again.
+            tails = self._tails
+            tails[req_id] = (positions, n, tail)
+            tails.move_to_end(req_id)
+            if len(tails) > _LIVE_REQUESTS:
+                tails.popitem(last=False)
         return tail
 
     def _is_tail(self, key: OffloadKey, ctx: ReqContext | None) -> bool:
@@ -308,12 +322,16 @@ class KVAwarePolicy(CachePolicy):
             self._replica._admit_all, self._replica._tail_first, self._replica._counts = flags
 
     def _switch_request(self, req_id: str) -> None:
-        table = self._counted
-        keys = table.get(req_id)
+        live, late = self._counted, self._counted_late
+        keys = live.get(req_id)
         if keys is None:
-            if len(table) >= _LIVE_REQUESTS:
-                table.popitem(last=False)
-            keys = table[req_id] = set()
+            keys = late.get(req_id)
+            if keys is None:
+                # 512 requests in all; a finished request's late reports are dropped first.
+                if len(live) + len(late) >= _LIVE_REQUESTS:
+                    (late if late else live).popitem(last=False)
+                table = late if req_id in self._finished else live
+                keys = table[req_id] = set()
         self._counted_req, self._counted_keys = req_id, keys
 
     def _replay(self, key: OffloadKey, count: int, tail_key: OffloadKey | None) -> int:
@@ -394,8 +412,9 @@ class KVAwarePolicy(CachePolicy):
                 seen(key, ctx)
             elif key in credit:
                 if ctx is not None:
-                    counted = self._counted.get(ctx.req_id)
-                    repeat = counted is not None and key in counted
+                    if ctx.req_id != self._counted_req:
+                        self._switch_request(ctx.req_id)
+                    repeat = key in self._counted_keys
                 else:
                     repeat = once is not None and key in once
                 # Counted before it leaves its bucket: should the count raise (a context it
@@ -581,6 +600,8 @@ class KVAwarePolicy(CachePolicy):
         self._tail_len = 0
         self._tails.clear()
         self._counted.clear()
+        self._counted_late.clear()
+        self._finished.clear()
         self._counted_req, self._counted_keys = None, set()
         if self._owns_sketch:
             self._sketch.clear()
@@ -596,13 +617,20 @@ class KVAwarePolicy(CachePolicy):
             self._since_switch = 0
 
     def on_request_finished(self, ctx: ReqContext) -> None:
-        self._tails.pop(ctx.req_id, None)
-        if ctx.req_id == self._tail_req:
+        req_id = ctx.req_id
+        self._tails.pop(req_id, None)
+        if req_id == self._tail_req:
             self._tail_req = self._tail_key = self._tail_pos = None
             self._tail_len = 0
-        self._counted.pop(ctx.req_id, None)
-        if ctx.req_id == self._counted_req:
+        self._counted.pop(req_id, None)
+        self._counted_late.pop(req_id, None)
+        if req_id == self._counted_req:
             self._counted_req, self._counted_keys = None, set()
+        finished = self._finished
+        finished[req_id] = None
+        finished.move_to_end(req_id)
+        if len(finished) > self._finished_max:
+            finished.popitem(last=False)
 
     def table_sizes(self) -> dict[str, int]:
         """Per-key tables (window, credits, pinned, each shadow's keys), the credit buckets
@@ -612,15 +640,20 @@ class KVAwarePolicy(CachePolicy):
             "credits": len(self._credit),
             "buckets": len(self._buckets),
             "pinned": len(self._pinned),
-            # Keys of live requests, bounded by the engine's requests rather than the capacity.
-            "request_keys_live": sum(map(len, self._counted.values())),
+            # Keys of live requests (and late reports of finished ones), bounded by the
+            # engine's requests rather than the capacity.
+            "request_keys_live": sum(map(len, self._counted.values()))
+            + sum(map(len, self._counted_late.values())),
             "request_tails": len(self._tails),
+            "request_finished": len(self._finished),
         }
         if self._models is not None:
             for i, model in enumerate(self._models):
                 sizes[f"shadow{i}"] = len(model)
             if self._replica is not None:
                 sizes["replica"] = len(self._replica)
+        if self._owns_sketch:
+            # Every mode has one ("filter" and "open" too); shadows share their owner's.
             sizes["sketch_counters"] = len(self._sketch)
         return sizes
 
