@@ -8,6 +8,7 @@ import gc
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -448,3 +449,17 @@ def outputs_under_hash_seeds(code: str, seeds: Iterable[str]) -> set[str]:
         ).stdout
         for seed in seeds
     }
+
+
+class HeldJob:
+    """A fault injector that holds job `job_id` in its copy until `gate` is set; `running` is
+    set once that copy has started."""
+
+    def __init__(self, job_id: int = 1) -> None:
+        self.job_id = job_id
+        self.gate, self.running = threading.Event(), threading.Event()
+
+    def __call__(self, job_id: int, direction: str) -> None:
+        if job_id == self.job_id:
+            self.running.set()
+            self.gate.wait(30)

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import gc
 import os
-import threading
 from collections.abc import Callable
 
 import pytest
 
-from helpers import in_child, small_worker
+from helpers import HeldJob, in_child, small_worker
 from kvtier.transfer.native import library
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
@@ -57,13 +56,8 @@ def test_shutdown_in_a_forked_child_returns_every_time(native: bool) -> None:
     worker was collected after one, waited for good)."""
     if native and library() is None:
         pytest.skip("the compiled library is unavailable")
-    gate, running = threading.Event(), threading.Event()
-
-    def hold(job_id: int, direction: str) -> None:
-        if job_id == 1:
-            running.set()
-            gate.wait(30)
-
+    hold = HeldJob()
+    gate, running = hold.gate, hold.running
     w = small_worker(native, hold)
     try:
         w.submit_store(1, [1], [1])

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from helpers import interrupt_once, small_worker
+from helpers import HeldJob, interrupt_once, small_worker
 from kvtier.transfer import CPUTransferWorker
 
 
@@ -33,13 +33,8 @@ def test_queued_jobs_are_reported_after_an_interrupted_shutdown(
 
     monkeypatch.setattr(atexit, "register", record)
     monkeypatch.setattr(atexit, "unregister", forget)
-    gate, running = threading.Event(), threading.Event()
-
-    def hold(job_id: int, direction: str) -> None:
-        if job_id == 1:
-            running.set()
-            gate.wait(30)
-
+    hold = HeldJob()
+    gate, running = hold.gate, hold.running
     w = small_worker(False, hold)
     assert isinstance(w, CPUTransferWorker)  # its copy thread and exit hook are checked
     try:

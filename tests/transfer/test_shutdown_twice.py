@@ -11,6 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from helpers import HeldJob
 from kvtier.transfer import (
     CPUTransferWorker,
     HostPool,
@@ -40,12 +41,8 @@ WORKERS: dict[str, Make] = {
 
 @pytest.mark.parametrize("worker", list(WORKERS))
 def test_a_second_shutdown_waits_for_the_first(worker: str) -> None:
-    reached, gate = threading.Event(), threading.Event()
-
-    def hook(job_id: int, direction: str) -> None:
-        if job_id == 1:
-            reached.set()
-            gate.wait(30)
+    hook = HeldJob()
+    reached, gate = hook.running, hook.gate
 
     reg = KVCacheRegistration(make_layout("flash", torch.float16))
     pool = HostPool(reg, 1, num_slots=4)

@@ -40,19 +40,6 @@ MAX_COALESCE_DEPTH = 8
 _POLL = 256
 """Results fetched per engine call."""
 
-_SIGNATURES: dict[str, tuple[list[type], type | None]] = {
-    "kvt_cuda_peek": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_size_t),
-    "kvt_cuda_drop": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], None),
-}
-"""cudaengine.c's functions that only this module calls (native.py sets the others')."""
-
-
-def _with_signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
-    for name, (args, result) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, result
-    return lib
-
 
 class _Table(NamedTuple):
     number: int
@@ -78,8 +65,8 @@ def _close(lib: ctypes.CDLL, handle: int, keep: object, drained: list[EngineResu
     # before the tables they read (in `keep`) are freed.
     rc = lib.kvt_cuda_sync(handle)
     if rc:
-        # They may still run: their tables are never freed. The jobs `poll` cannot report
-        # below stay unreported by the engine; the worker reports them failed.
+        # They may still run: their tables are never freed. The jobs the poll below cannot
+        # report stay unreported by the engine; the worker reports them failed.
         logger.error(
             "kvtier: waiting for CUDA copies failed as the engine was freed (CUresult %d); "
             "jobs not finished by then are reported failed",
@@ -87,7 +74,7 @@ def _close(lib: ctypes.CDLL, handle: int, keep: object, drained: list[EngineResu
         )
         _KEPT.append(keep)
     # At interpreter exit this runs while the worker lives, and a later exit handler may still
-    # collect its results: keep them, for `poll`, rather than free them with the engine.
+    # collect its results: keep them, for `peek`, rather than free them with the engine.
     buf = (EngineResult * _POLL)()
     while k := lib.kvt_cuda_poll(handle, buf, _POLL):
         drained += [EngineResult(r.job_id, r.ok, r.lane, r.seconds) for r in buf[:k]]
@@ -141,7 +128,7 @@ class CUDAEngine:
             )
         if not handle:
             raise RuntimeError(f"the CUDA copy engine failed to start: {err.value.decode()}")
-        self._lib = _with_signatures(lib)
+        self._lib = lib
         self.handle: int = handle
         """The engine's address (the submit extension takes it)."""
         self._device_index = device.index if device.index is not None else 0
@@ -169,8 +156,7 @@ class CUDAEngine:
         self._peeked_drained = False
         """Whether the latest `peek` read `_drained` (the engine was freed) or the engine."""
         self._drained: list[EngineResult] = []
-        """Results left when the engine was freed (at interpreter exit), for `poll` and
-        `peek`."""
+        """Results left when the engine was freed (at interpreter exit), for `peek`."""
         self._finalizer = weakref.finalize(
             self, _close, lib, handle, (self.tables, streams), self._drained
         )
@@ -186,7 +172,7 @@ class CUDAEngine:
     @property
     def alive(self) -> bool:
         """False once the engine is freed (at interpreter exit, by its finalizer): every other
-        call but `poll`, `wait` and `sync` would then touch freed memory."""
+        call but `peek`, `drop`, `wait` and `sync` would then touch freed memory."""
         return self._finalizer.alive
 
     def compute_stream(self) -> int:
@@ -235,25 +221,11 @@ class CUDAEngine:
             )
         )  # fmt: skip
 
-    def poll(self) -> list[tuple[int, bool, float]]:
-        """Finished jobs as (job_id, ok, seconds), each lane in submission order, taken from
-        the engine at once (an interrupt as this returns loses them: the worker's
-        `get_finished` uses `peek` and `drop`)."""
-        if not self._finalizer.alive:  # freed at exit: what `_close` collected, once
-            rest, self._drained[:] = self._drained[:], []
-            return [(r.job_id, bool(r.ok), float(r.seconds)) for r in rest]
-        out = []
-        while True:
-            k = self._lib.kvt_cuda_poll(self.handle, self._poll_buffer, self.poll_size)
-            out += [(r.job_id, bool(r.ok), float(r.seconds)) for r in self._poll_buffer[:k]]
-            if k < self.poll_size:
-                return out
-
     def peek(self) -> list[EngineResult]:
-        """`poll`'s first step: up to `poll_size` finished jobs' results, each lane's in
-        submission order, left in the engine until `drop`. Python can raise an interrupt
-        (Ctrl-C) as any call returns, and results `poll` had taken were lost with it: the
-        caller drops them once it holds them. A peek repeated before the drop returns them
+        """Up to `poll_size` finished jobs' results, each lane's in submission order, left in
+        the engine until `drop`: Python can raise an interrupt (Ctrl-C) as any call returns,
+        and results taken out in the same call would be lost with it, so the caller drops
+        them once it holds them. A peek repeated before the drop returns them
         again first. They are views of a buffer the next peek overwrites."""
         if not self._finalizer.alive:  # freed at exit: what `_close` collected
             self._peeked_drained = True
@@ -284,7 +256,7 @@ class CUDAEngine:
     def sync(self) -> None:
         """Block until every queued copy has finished. Raises RuntimeError naming the CUresult
         where the driver's wait failed (a poisoned or lost context, say): copies may then
-        still run, and every job stays queued, for `poll` to report once."""
+        still run, and every job stays queued, for `peek` to report once."""
         if not self._finalizer.alive:  # freed at exit (`_close` synced it): nothing is queued
             return
         if rc := self._lib.kvt_cuda_sync(self.handle):

@@ -533,19 +533,6 @@ class CUDATransferWorker(TransferWorker):
             # never report these, and their copies cannot be known to have finished.
             self._fail_live()
 
-    def _collect(self) -> list[TransferResult]:
-        """Every finished result at once (lock held), as the base class's hook takes them. An
-        interrupt as it returns loses them: `get_finished` uses `_take_finished` instead."""
-        results: list[TransferResult] = []
-        if self._engine is None:
-            self._take_records(results, set())
-            return results
-        for job_id, ok, seconds in self._engine.poll():
-            live = self._live.pop(job_id, None)
-            if live is not None:  # None: reported failed already (`_fail_live`)
-                results.append(job_result(job_id, ok, live.nbytes, seconds))
-        return results
-
     def _take_records(self, ready: list[TransferResult], ready_ids: set[int]) -> None:
         """The torch-ops path's finished jobs into `ready`, their ids into `ready_ids`, each
         lane's in submission order (lock held). A result goes in with its job's removal from

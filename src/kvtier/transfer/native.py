@@ -124,6 +124,8 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "kvt_cuda_submit": ([_P, _INT, _U64, _I64, _INT, _INT, _U64, _P, _P, _SZ], _INT),
     "kvt_cuda_submit_ids": ([_P, _P, _INT, _U64, _I64, _P, _SZ, _P, _SZ, _SZ], _INT),
     "kvt_cuda_poll": ([_P, _P, _SZ], _SZ),
+    "kvt_cuda_peek": ([_P, _P, _SZ], _SZ),
+    "kvt_cuda_drop": ([_P, _P, _SZ], None),
     "kvt_cuda_coalesce": ([_P, _SZ], _INT),
     "kvt_cuda_last_error": ([_P], _INT),
     "kvt_cuda_accepted": ([_P, _INT], _U64),
