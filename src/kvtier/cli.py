@@ -12,6 +12,7 @@ import errno
 import io
 import os
 import sys
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -81,6 +82,10 @@ STDOUT = "standard output"
 # reports for a command that SIGPIPE ended (`yes | head`), as 130 (128 + SIGINT) is what an
 # interrupted command exits with. Not 1, which `kvtier demo` uses for "tokens differ".
 BROKEN_PIPE = 141
+
+# An uncaught exception: sysexits.h's EX_SOFTWARE, apart from every status a command gives
+# as its answer.
+INTERNAL_ERROR = 70
 
 
 @contextlib.contextmanager
@@ -268,13 +273,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kvtier: interrupted", file=sys.stderr)
         return 130
-    except RuntimeError as e:
+    except Exception as e:
         # Imported only now: commands that never replay do not pay for the simulator.
         from kvtier.sim.runner import ReplayError
 
-        if not isinstance(e, ReplayError):
-            raise
-        # The run failed, not its arguments: 1, not argparse's 2.
-        print(f"kvtier {args.command}: error: {e}", file=sys.stderr)
-        return 1
+        if isinstance(e, ReplayError):
+            # The run failed, not its arguments: 1, not argparse's 2.
+            print(f"kvtier {args.command}: error: {e}", file=sys.stderr)
+            return 1
+        # A bug, not a verdict: Python's own status for an uncaught exception is 1, which
+        # `kvtier demo` uses for "tokens differ" and `kvtier simulate` for a failed replay.
+        traceback.print_exc()
+        print(
+            f"kvtier {args.command}: internal error (exit {INTERNAL_ERROR}): "
+            f"{type(e).__name__}; please report it with the traceback above",
+            file=sys.stderr,
+        )
+        return INTERNAL_ERROR
     return status

@@ -44,7 +44,8 @@ VARIANTS = ("kvtier", "recompute")
 EXIT_HELP = (
     "exit status: 0 when kvtier's tokens equal recomputation's, 1 when they differ, "
     "2 on bad arguments or an output that cannot be written, 141 when the reader of "
-    "standard output goes away (| head), 130 when interrupted (Ctrl-C)"
+    "standard output goes away (| head), 130 when interrupted (Ctrl-C), 70 when it crashes "
+    "(a bug: the traceback is on stderr)"
 )
 # The seeds torch.Generator.manual_seed accepts.
 SEED_RANGE = (-(2**63), 2**64 - 1)
