@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import reprlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,6 +111,26 @@ def _device_blocks(req_id: str, group: int, ids: Sequence[int]) -> npt.NDArray[n
             f"request {req_id!r}: group {group} has device block id {bad!r}; expected integers >= 0"
         )
     return arr.astype(np.int64)  # a copy: the engine may reuse its block table
+
+
+def _block_table(req_id: str, block_ids: Sequence[Sequence[int]], num_groups: int) -> list[int]:
+    """The length of each group's device block ids in `block_ids`, or a ValueError naming the
+    request and the table: a flat list of one group's ids, or None, raised a bare TypeError
+    ("object of type 'int' has no len()") that named neither."""
+    try:
+        lengths = [len(ids) for ids in block_ids]
+    except TypeError:
+        lengths = None
+    if lengths is None or isinstance(block_ids, (str, bytes)):
+        raise ValueError(
+            f"request {req_id!r}: block_ids={reprlib.repr(block_ids)} is invalid; expected one "
+            f"sequence of device block ids per KV-cache group ({num_groups})"
+        )
+    if len(lengths) != num_groups:
+        raise ValueError(
+            f"request {req_id!r}: got block ids for {len(lengths)} groups; expected {num_groups}"
+        )
+    return lengths
 
 
 def _is_index(x: object) -> bool:
@@ -377,20 +398,16 @@ class OffloadingScheduler:
                 f"request {req_id!r}: num_external_tokens={num_external_tokens} does not match "
                 f"the {req.planned_load[1] if req.planned_load else 0} tokens offered"
             )
-        if len(block_ids) != len(self.groups):
-            raise ValueError(
-                f"request {req_id!r}: got block ids for {len(block_ids)} groups; "
-                f"expected {len(self.groups)}"
-            )
+        lengths = _block_table(req_id, block_ids, len(self.groups))
         start, count, generation = req.planned_load
         tpb, bpc = self.tokens_per_block, self.blocks_per_chunk
         first_block, end_block = start // tpb, (start + count) // tpb
         first_chunk, end_chunk = first_block // bpc, -(-end_block // bpc)
         devices: list[npt.NDArray[np.int64]] = []
         for g, group in enumerate(self.groups):
-            if len(block_ids[g]) < end_block:
+            if lengths[g] < end_block:
                 raise ValueError(
-                    f"request {req_id!r}: group {group} has {len(block_ids[g])} device blocks; "
+                    f"request {req_id!r}: group {group} has {lengths[g]} device blocks; "
                     f"the load needs {end_block}"
                 )
             devices.append(_device_blocks(req_id, group, block_ids[g][first_block:end_block]))
@@ -438,6 +455,12 @@ class OffloadingScheduler:
         tpc = self.tokens_per_chunk
         due: dict[str, tuple[_Request, list[npt.NDArray[np.int64]], int]] = {}
         for p in progress:
+            if not isinstance(p, StepProgress):
+                # A tuple (or a dict's key) raised a bare AttributeError that named neither.
+                raise ValueError(
+                    f"progress entry {reprlib.repr(p)} is a {type(p).__name__}; expected a "
+                    "StepProgress(req_id, block_ids, num_computed_tokens)"
+                )
             # Checked before anything is planned: a bad count (a float would raise mid-plan)
             # must leave no slot reserved for the entries before it.
             computed = _token_count(p.req_id, "num_computed_tokens", p.num_computed_tokens)
@@ -476,15 +499,11 @@ class OffloadingScheduler:
         bpc = self.blocks_per_chunk
         # Checked before any slot is reserved: a pending write never completed would answer
         # HIT_PENDING ("ask again") to every later request with this prefix, forever.
-        if len(block_ids) != len(self.groups):
-            raise ValueError(
-                f"request {req.ctx.req_id!r}: got block ids for {len(block_ids)} groups; "
-                f"expected {len(self.groups)}"
-            )
+        lengths = _block_table(req.ctx.req_id, block_ids, len(self.groups))
         for g, group in enumerate(self.groups):
-            if len(block_ids[g]) < end * bpc:
+            if lengths[g] < end * bpc:
                 raise ValueError(
-                    f"request {req.ctx.req_id!r}: group {group} has {len(block_ids[g])} device "
+                    f"request {req.ctx.req_id!r}: group {group} has {lengths[g]} device "
                     f"blocks; storing its first {end} chunks needs {end * bpc}"
                 )
         first = req.next_store_chunk * bpc

@@ -14,6 +14,10 @@ from kvtier.connector.metadata import JobKind, StepMetadata, TransferJob
 
 logger = logging.getLogger(__name__)
 
+# StepMetadata remembered for a second feeding: the current step's, and a few before it for a
+# caller that starts a step before it finishes the previous one.
+_RECENT_STEPS = 4
+
 
 class TransferBackend(Protocol):
     """What the worker half needs from a transfer worker (`kvtier.transfer.TransferWorker`)."""
@@ -66,13 +70,23 @@ class OffloadingWorker:
         # transfer worker queued them all the same (it reports those). Decided there, not in
         # the exception handler, where a second interrupt could lose the report.
         self._unsettled: set[int] = set()
+        # The last few StepMetadata fed, each with the ids of its jobs handed over. A job
+        # returned by get_finished leaves `_submitted`, so without this the same metadata fed
+        # again (an error path that repeats a step) would run it a second time: a store
+        # copying blocks the engine has since reused into a slot that may hold another chunk
+        # by now (served as that chunk), a load overwriting another request's blocks, and a
+        # second report that makes the scheduler half refuse its whole batch. Kept per
+        # metadata object, not per id: ids repeat across schedulers fed to one worker.
+        self._recent: list[tuple[StepMetadata, set[int]]] = []
 
     def start_step(self, meta: StepMetadata) -> None:
         """Wait for `meta.wait_for`, then submit the step's loads."""
         if meta.wait_for:
             self.transfer.wait(meta.wait_for)
-        for job in meta.loads:
-            self._submit(job)
+        if meta.loads:
+            fed = self._fed(meta)
+            for job in meta.loads:
+                self._submit(job, fed)
 
     def wait_for_loads(self, meta: StepMetadata) -> None:
         """Block until the step's loads are done (their results still come from get_finished)."""
@@ -81,8 +95,10 @@ class OffloadingWorker:
 
     def finish_step(self, meta: StepMetadata) -> None:
         """Submit the step's stores; call after the forward pass that produced their KV."""
-        for job in meta.stores:
-            self._submit(job)
+        if meta.stores:
+            fed = self._fed(meta)
+            for job in meta.stores:
+                self._submit(job, fed)
 
     def get_finished(self) -> list[TransferResult]:
         """Jobs finished since the last call, for the scheduler half's `on_worker_results`."""
@@ -97,8 +113,19 @@ class OffloadingWorker:
             submitted.discard(r.job_id)
         return finished
 
-    def _submit(self, job: TransferJob) -> None:
-        if job.job_id in self._submitted:
+    def _fed(self, meta: StepMetadata) -> set[int]:
+        """Ids of `meta`'s jobs already handed over (to be added to), by identity."""
+        for m, ids in self._recent:
+            if m is meta:
+                return ids
+        ids = set()
+        self._recent.append((meta, ids))
+        if len(self._recent) > _RECENT_STEPS:
+            del self._recent[0]
+        return ids
+
+    def _submit(self, job: TransferJob, fed: set[int]) -> None:
+        if job.job_id in self._submitted or job.job_id in fed:
             logger.warning(
                 "kvtier: %s job %d of request %s was already submitted; not submitted again",
                 job.kind.value,
@@ -111,7 +138,10 @@ class OffloadingWorker:
         # recomputed. Raising instead would strand the step's later jobs, never submitted and
         # never reported, with their pins and pending writes held forever.
         try:
-            self._submitted.add(job.job_id)  # inside: an interrupt may come as add returns
+            # Inside: an interrupt may come as an add returns. `fed` first: a job in it and
+            # not in `_submitted` is still reported once, by `_settle`.
+            fed.add(job.job_id)
+            self._submitted.add(job.job_id)
             if job.kind is JobKind.LOAD:
                 self.transfer.submit_load(
                     job.job_id, job.slots, job.device_blocks, job.group, job.skip_blocks
