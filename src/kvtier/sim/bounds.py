@@ -17,7 +17,7 @@ import heapq
 import time
 from collections.abc import Hashable, Sequence
 
-from kvtier.base import OffloadKey
+from kvtier.base import OffloadKey, checked_int
 from kvtier.sim.replay import STORE_ON, DevicePrefixCache
 from kvtier.sim.result import RunResult
 from kvtier.sim.trace import Trace
@@ -28,8 +28,9 @@ def belady(stream: Sequence[Hashable], capacity: int) -> tuple[bytearray, int, i
 
     Returns `(hit flags per access, stores, evictions)`. Every miss may be stored or bypassed.
     """
-    if capacity < 1:
-        raise ValueError(f"capacity={capacity} is invalid; expected a positive block count")
+    # A float (2.5) replayed as the next whole block count (3) and was reported as given; a
+    # bool as 1 block. The manager refuses both for every other policy.
+    capacity = checked_int("capacity", capacity)
     n = len(stream)
     # next_use[t]: position of the next access to stream[t]; n + t when there is none, which
     # ranks never-again blocks farthest and keeps every heap entry unique and decodable.
@@ -104,6 +105,7 @@ def opt_result(
             "opt is exact only where every miss may be stored at once (flat, or engine with "
             f"eager stores); store_on={store_on!r} is not supported"
         )
+    capacity = checked_int("capacity", capacity)  # before the row reports it
     start = time.perf_counter()
     reqs = trace.requests
     dev = device_prefix_hits(trace, device_blocks) if mode == "engine" else [0] * len(reqs)

@@ -223,6 +223,18 @@ def _check_output(flag: str, name: str | None) -> None:
     """Refuse an output path that cannot be written, before any replay."""
     if name is None or (name == "-" and flag != "--plot"):
         return
+    try:
+        _check_output_path(flag, name)
+    except OSError as e:
+        # A name too long to look up (ENAMETOOLONG) was reported as a bare errno line that
+        # named neither the flag nor what was expected.
+        raise ValueError(
+            f"{flag}={name!r} is invalid; {e.strerror or e}, expected a file path that can be "
+            "written"
+        ) from None
+
+
+def _check_output_path(flag: str, name: str) -> None:
     path = Path(name)
     if path.is_dir():
         raise ValueError(f"{flag}={name!r} is invalid; it is a directory, expected a file path")
@@ -249,6 +261,17 @@ def _check_output(flag: str, name: str | None) -> None:
             plot_format(name)
         except PlotUnavailable as e:
             raise ValueError(str(e)) from None
+
+
+def _stdout_as_dash(name: str | None) -> str | None:
+    """`"-"` for a path that is the file stdout writes to, else `name`."""
+    if name is None or name == "-" or os.path.realpath(name) == os.devnull:
+        return name  # /dev/null discards, whatever else also writes there
+    try:
+        out, st = os.fstat(sys.stdout.fileno()), os.stat(name)
+    except (OSError, ValueError, AttributeError):  # no such file, or stdout has no descriptor
+        return name
+    return "-" if (st.st_dev, st.st_ino) == (out.st_dev, out.st_ino) else name
 
 
 def _check_distinct_outputs(outputs: tuple[tuple[str, str | None], ...]) -> None:
@@ -355,6 +378,9 @@ def _run(args: argparse.Namespace) -> int:
     if jobs < 1:
         raise ValueError(f"--jobs={jobs} is invalid; expected >= 1")
     tracker, per_slot = _tracker_size(args.max_tracker_size)
+    # `--json /dev/stdout` (or the file stdout is redirected to) is stdout: written as `-`, so
+    # the table stays off it and `--csv -` beside it is refused, rather than mixed in.
+    args.json, args.csv = (_stdout_as_dash(name) for name in (args.json, args.csv))
     outputs = (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot))
     for flag, name in outputs:
         _check_output(flag, name)

@@ -13,7 +13,7 @@ from typing import Any, Final
 
 import msgspec
 
-from kvtier.base import OffloadKey, make_offload_key
+from kvtier.base import OffloadKey, checked_int, make_offload_key
 from kvtier.hashing import HASH_ALGORITHMS, BlockHasher
 from kvtier.sim.trace import Request, Trace, TraceFormatError
 
@@ -41,6 +41,13 @@ def _lines(path: Path) -> Generator[tuple[int, dict[str, Any]], None, None]:
                 obj = _decode.decode(raw)
             except msgspec.DecodeError as e:
                 raise TraceFormatError(f"{path}:{lineno}: not valid JSON ({e})") from None
+            except UnicodeDecodeError as e:
+                # msgspec raises it bare for a bad byte inside a string (`e.object`), which
+                # named neither the file nor the line.
+                raise TraceFormatError(
+                    f"{path}:{lineno}: not valid UTF-8 (byte {e.object[e.start]:#04x} in a "
+                    f"string: {e.reason}); expected UTF-8 JSON"
+                ) from None
             except RecursionError:
                 # Valid JSON, but nested deeper than the decoder can follow.
                 raise TraceFormatError(
@@ -83,7 +90,12 @@ def read_mooncake(
     ids give equal keys. The last block may be partial, as in the published traces:
     `(len(hash_ids) - 1) * block_tokens < input_length <= len(hash_ids) * block_tokens`.
     """
-    path = Path(path)
+    # Checked now, not at the first line: a bad size was reported as line 1 not fitting it.
+    block_tokens = checked_int("block_tokens", block_tokens)
+    return _read_mooncake(Path(path), block_tokens, group_idx)
+
+
+def _read_mooncake(path: Path, block_tokens: int, group_idx: int) -> Iterator[Request]:
     keys: dict[int, OffloadKey] = {}  # one bytes object per id: less memory, cached hashes
     for lineno, obj in _lines(path):
         where = f"{path}:{lineno}"

@@ -136,17 +136,17 @@ class PlotUnavailable(RuntimeError):
     """matplotlib is not installed."""
 
 
-def _pyplot() -> Any:
+def _figure_cls() -> Any:
+    """matplotlib's `Figure`. Not pyplot: it would switch the caller's backend to Agg (a
+    notebook's plots stop showing) and keep every figure a failed save left open."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        # `import a.b` also looks `a` up; `from a.b import` may find `a.b` cached without it.
+        import matplotlib.figure
     except ImportError as e:
         raise PlotUnavailable(
             "--plot needs matplotlib; install it with `pip install kvtier[plot]`"
         ) from e
-    return plt
+    return matplotlib.figure.Figure
 
 
 def plot_format(path: str | Path) -> str:
@@ -156,7 +156,7 @@ def plot_format(path: str | Path) -> str:
     `.png` to a name without one). Raises `ValueError` for a missing or unknown extension and
     `PlotUnavailable` without matplotlib.
     """
-    _pyplot()
+    _figure_cls()
     from matplotlib.backend_bases import FigureCanvasBase
 
     # pgf needs a LaTeX install, which would fail only once the replays are done.
@@ -176,8 +176,8 @@ def plot_miss_ratio(results: Sequence[RunResult], path: str | Path, *, title: st
     The format is the one `path`'s extension names (see `plot_format`).
     """
     fmt = plot_format(path)
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig = _figure_cls()(figsize=(7, 4.5))
+    ax = fig.subplots()
     infinite = [r for r in results if r.policy == "infinite"]
     policies = dict.fromkeys(r.policy for r in results if r.policy != "infinite")
     for policy in policies:
@@ -194,5 +194,5 @@ def plot_miss_ratio(results: Sequence[RunResult], path: str | Path, *, title: st
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    # The canvas for `fmt` is picked per call: no backend is set for the process.
     fig.savefig(path, dpi=120, format=fmt)
-    plt.close(fig)

@@ -106,6 +106,10 @@ def run_one(
     progress: ProgressFn | None = None,
 ) -> RunResult:
     """One replay: a registered cache policy, `"opt"`, or `"infinite"` at `capacity` blocks."""
+    if policy != "infinite":  # which ignores it (a slot per block), 0 for an empty trace
+        # A plain int: a numpy count reached the row as given (where it outgrew the trace, and
+        # always for opt), which json.dump refuses; a float was replayed rounded up as OPT's.
+        capacity = checked_int("capacity", capacity)
     if policy == "opt":
         result = opt_result(
             trace,
