@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from kvtier.base import TransferResult
+from kvtier.base import TransferResult, checked_int
 from kvtier.transfer.copier import BlockCopier
 from kvtier.transfer.host_pool import HostPool
 from kvtier.transfer.native import row_copier
@@ -35,6 +35,30 @@ _WAIT_SLICE_S = 0.05
 
 DEFAULT_STAGE_BYTES = 1 << 20
 """Scratch for copies whose both sides are scattered: small enough to stay in a core's L2."""
+
+
+def check_registration(registration: object) -> None:
+    """Refuse a registration of the wrong type by name (a list of `KVTensor`s, say): it died
+    on a missing attribute."""
+    if not isinstance(registration, KVCacheRegistration):
+        raise TypeError(
+            f"registration must be a KVCacheRegistration, got {type(registration).__name__}"
+        )
+
+
+def check_parts(registration: object, pool: object) -> None:
+    """`check_registration`, and refuse a pool of the wrong type by name too."""
+    check_registration(registration)
+    if not isinstance(pool, HostPool):
+        raise TypeError(f"pool must be a HostPool, got {type(pool).__name__}")
+
+
+def check_stage_bytes(value: object) -> int:
+    """`stage_bytes` as a positive int (numpy's and 0-d integer tensors too, never a bool)."""
+    try:
+        return checked_int("stage_bytes", value, 1)
+    except ValueError:
+        raise ValueError(f"stage_bytes={value!r} must be a positive int") from None
 
 
 class RowCopier(Protocol):
@@ -153,7 +177,11 @@ class CPUTransferWorker(TransferWorker):
         stage_bytes: int = DEFAULT_STAGE_BYTES,
         fault_injector: FaultInjector | None = None,
     ) -> None:
+        # Checked here as the factory checks them: built directly, a worker took stage_bytes=0
+        # or -5 silently, and an injector that is not callable failed every job.
+        check_parts(registration, pool)
         self._check_device(registration)
+        stage_bytes = check_stage_bytes(stage_bytes)
         super().__init__(registration, pool, fault_injector)
         self._copier: RowCopier = self._make_copier(stage_bytes)
         self._jobs = _JobQueue(self._lock, weakref.ref(self))
@@ -169,6 +197,7 @@ class CPUTransferWorker(TransferWorker):
 
     @classmethod
     def _check_device(cls, registration: KVCacheRegistration) -> None:
+        check_registration(registration)  # the compiled worker calls this first
         kind, name = cls._DEVICE
         if registration.device.type != kind:
             raise ValueError(

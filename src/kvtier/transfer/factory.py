@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvtier.base import checked_int
-from kvtier.transfer.cpu_worker import CPUTransferWorker
+from kvtier.transfer.cpu_worker import CPUTransferWorker, check_parts, check_stage_bytes
 from kvtier.transfer.host_pool import HostPool
 from kvtier.transfer.native import library
 from kvtier.transfer.native_worker import NativeCPUTransferWorker
 from kvtier.transfer.registration import KVCacheRegistration
-from kvtier.transfer.worker import FaultInjector, TransferWorker, check_pool
+from kvtier.transfer.worker import FaultInjector, TransferWorker, check_fault_injector, check_pool
 
 if TYPE_CHECKING:
     from kvtier.config import KVTierConfig
@@ -40,6 +39,7 @@ def make_transfer_worker(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is unknown; expected one of {BACKENDS}")
+    check_parts(registration, pool)
     _check_options(kwargs)
     if backend == "auto":
         backend = "cuda" if registration.device.type == "cuda" else "cpu"
@@ -86,6 +86,7 @@ def transfer_worker_from_config(
 
     # Checked here, outside the wrapping below: not the configuration's fault.
     _check_options({"fault_injector": fault_injector})
+    check_parts(registration, pool)
     check_pool(registration, pool)
     settings = {
         "transfer_backend": config.transfer_backend,
@@ -112,14 +113,8 @@ def transfer_worker_from_config(
 def _check_options(kwargs: dict[str, Any]) -> None:
     """Check the values of options that some backends drop unread."""
     if "stage_bytes" in kwargs:
-        stage = kwargs["stage_bytes"]
-        try:  # numpy's integers and 0-d tensors too, as elsewhere in the transfer API
-            kwargs["stage_bytes"] = checked_int("stage_bytes", stage, 1)
-        except ValueError:
-            raise ValueError(f"stage_bytes={stage!r} must be a positive int") from None
-    injector = kwargs.get("fault_injector")
-    if injector is not None and not callable(injector):
-        raise ValueError(f"fault_injector={injector!r} must be a callable or None")
+        kwargs["stage_bytes"] = check_stage_bytes(kwargs["stage_bytes"])
+    check_fault_injector(kwargs.get("fault_injector"))
     if not kwargs.keys() & {"compiled", "coalesce_depth", "copy_mode"}:
         return
     # Imported only here: a CPU-only run that passes no CUDA option never loads it.

@@ -11,10 +11,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import os
 import sys
 import warnings
 import weakref
 
+import numpy as np
 import torch
 
 from kvtier.base import checked_int
@@ -49,6 +51,9 @@ class HostPool:
                 f"registration must be a KVCacheRegistration, got {type(registration).__name__}"
             )
         blocks_per_chunk = _positive_int("blocks_per_chunk", blocks_per_chunk)
+        if pin is not None and not isinstance(pin, (bool, np.bool_)):
+            # bool() would read pin="no" or pin=0.5 as a request to pin.
+            raise ValueError(f"pin={pin!r} must be True, False or None (pin when CUDA is there)")
         if (num_slots is None) == (byte_budget is None):
             raise ValueError(
                 f"give exactly one of num_slots={num_slots!r} and byte_budget={byte_budget!r}"
@@ -72,7 +77,11 @@ class HostPool:
         # MAP_POPULATE faults every page in now: a first write into a never-touched page costs a
         # kernel fault and zero-fill (a 4 MiB store into fresh slots took 10-20x longer than
         # into used ones), which would otherwise land on the first requests to reach each slot.
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        # MAP_PRIVATE, as any process memory: a MAP_SHARED pool stayed shared with a forked
+        # child, whose own worker's stores then overwrote the parent's slots, and the parent
+        # served those bytes as its own. (It also maps 2-8x faster here.) A pinned pool is
+        # not inherited at all (`_pin`).
+        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
         try:
             self._mmap: mmap.mmap | None = mmap.mmap(-1, self.nbytes, flags=flags)
         except OSError as exc:
@@ -86,10 +95,16 @@ class HostPool:
         """The pool as a uint8 `(num_slots, slot_bytes)` tensor."""
         want_pin = torch.cuda.is_available() if pin is None else bool(pin)
         self.pinned = want_pin and self._pin()
+        self.forked = False
+        """True in a forked child for a pinned pool, whose memory the child does not have."""
+        if self.pinned:
+            _pinned_pools.add(self)
         # A pool dropped without close() must still be unregistered before its memory is
         # unmapped: CUDA would otherwise keep the range registered, and the next pool mapped at
         # the same address could not be pinned.
-        self._finalizer = weakref.finalize(self, _unregister, self.address) if self.pinned else None
+        self._finalizer = (
+            weakref.finalize(self, _unregister, self.address, os.getpid()) if self.pinned else None
+        )
         if self._finalizer is not None:
             self._finalizer.atexit = False  # process exit frees it; CUDA may be torn down by then
 
@@ -136,6 +151,12 @@ class HostPool:
             if err != 0:
                 _clear_cuda_error()
                 raise RuntimeError(f"cudaHostRegister returned error {err}")
+            # Not inherited by a forked child: its copy-on-write would give the first writer
+            # after the fork a new page, and where the driver does not pin pages for fork (old
+            # kernels or drivers) that writer could be this process, with the device still
+            # reading and writing the child's page: slots served with stale bytes.
+            if self._mmap is not None and hasattr(mmap, "MADV_DONTFORK"):
+                self._mmap.madvise(mmap.MADV_DONTFORK)
         except Exception as exc:
             warnings.warn(
                 f"could not pin the {self.nbytes}-byte host pool ({exc}); using pageable memory, "
@@ -161,7 +182,23 @@ class HostPool:
         )
 
 
-def _unregister(address: int) -> None:
+_pinned_pools: weakref.WeakSet[HostPool] = weakref.WeakSet()
+
+
+def _forked_child() -> None:
+    """Mark the pinned pools a forked child inherited: their memory is not mapped here
+    (MADV_DONTFORK), so a worker built on one is refused rather than fault on it."""
+    for pool in list(_pinned_pools):
+        pool.forked = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked_child)
+
+
+def _unregister(address: int, pid: int) -> None:
+    if os.getpid() != pid:
+        return  # a forked child's copy of the pool: nothing of it is registered, or mapped, here
     cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
     err = int(cudart.cudaHostUnregister(address))
     if err != 0:

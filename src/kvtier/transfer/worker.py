@@ -72,10 +72,26 @@ def _int_ids(values: IdsLike) -> npt.NDArray[np.integer] | None:
     return arr
 
 
+def check_fault_injector(injector: object) -> None:
+    """Refuse an injector that cannot be called: each job would call it, and fail."""
+    if injector is not None and not callable(injector):
+        raise ValueError(f"fault_injector={injector!r} must be a callable or None")
+
+
 def check_pool(registration: KVCacheRegistration, pool: HostPool) -> None:
     """Refuse a host pool built for another registration: its slots have another layout."""
+    if not isinstance(pool, HostPool):  # every worker: it died on a missing attribute
+        raise TypeError(f"pool must be a HostPool, got {type(pool).__name__}")
     if pool.registration is not registration:
-        raise ValueError("pool was built for a different KVCacheRegistration")
+        raise ValueError(
+            "pool was built for a different KVCacheRegistration; expected a HostPool built "
+            "for this worker's registration"
+        )
+    if pool.forked:
+        raise RuntimeError(
+            "this pinned host pool was created before the process forked and its memory is "
+            "not mapped here; create a HostPool in this process"
+        )
 
 
 _EMPTY = np.empty(0, dtype=np.int64)
@@ -181,6 +197,7 @@ class TransferWorker(ABC):
         fault_injector: FaultInjector | None = None,
     ) -> None:
         check_pool(registration, pool)
+        check_fault_injector(fault_injector)
         self.registration = registration
         self.pool = pool
         self.blocks_per_chunk = pool.blocks_per_chunk
