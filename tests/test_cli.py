@@ -171,6 +171,11 @@ def test_advise(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
         (["--max-tracker-size", "infx"], "--max-tracker-size='infx' is invalid"),
         (["--max-tracker-size", "1e400x"], "--max-tracker-size='1e400x' is invalid"),
         (["--max-tracker-size", "nanx"], "--max-tracker-size='nanx' is invalid"),
+        (["--max-tracker-size", "5x"], "--max-tracker-size='5x' has no effect with --store"),
+        (
+            ["--store-threshold", "1", "--max-tracker-size", "100"],
+            "has no effect with --store-threshold=1; expected --store-threshold 2 or more",
+        ),
         (
             ["--model-shape", "llama-3-8b", "--capacities", "0.5B"],
             "capacity '0.5B' is not a whole number of bytes",

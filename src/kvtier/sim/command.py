@@ -97,9 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-tracker-size",
-        default="64000",
+        default=None,
         help="bound of the admission tracker: a key count, or Nx for N keys per slot of the "
-        "run's capacity (default 64000)",
+        "run's capacity (default 64000); only with --store-threshold 2 or more",
     )
     p.add_argument(
         "--model-shape",
@@ -377,7 +377,13 @@ def _run(args: argparse.Namespace) -> int:
     jobs = args.jobs if args.jobs is not None else default_jobs()
     if jobs < 1:
         raise ValueError(f"--jobs={jobs} is invalid; expected >= 1")
-    tracker, per_slot = _tracker_size(args.max_tracker_size)
+    tracker, per_slot = _tracker_size(args.max_tracker_size or "64000")
+    if args.max_tracker_size is not None and args.store_threshold < 2:
+        # Else it was read and ignored: the row shows no tracker, the reader a bound applied.
+        raise ValueError(
+            f"--max-tracker-size={args.max_tracker_size!r} has no effect with --store-threshold="
+            f"{args.store_threshold}; expected --store-threshold 2 or more (reuse admission)"
+        )
     # `--json /dev/stdout` (or the file stdout is redirected to) is stdout: written as `-`, so
     # the table stays off it and `--csv -` beside it is refused, rather than mixed in.
     args.json, args.csv = (_stdout_as_dash(name) for name in (args.json, args.csv))
