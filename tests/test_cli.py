@@ -153,7 +153,11 @@ def test_advise(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ("args", "message"),
     [
         (["--policies", "lfu9"], "policy 'lfu9' is unknown"),
-        (["--capacities", "ten"], "capacity 'ten' is invalid"),
+        (["--capacities", "ten"], "--capacities: capacity 'ten' is invalid"),
+        (
+            ["--mode", "engine", "--device-capacity", "0.5"],
+            "--device-capacity: capacity '0.5' is invalid",
+        ),
         (["--capacities", "8GiB"], "give --model-shape"),
         (["--model-shape", "gpt-9"], "model shape 'gpt-9'"),
         (["--store-threshold", "-1"], "--store-threshold=-1"),

@@ -170,6 +170,24 @@ def _policies(spec: str | None) -> list[str]:
     return list(dict.fromkeys(n for n in names if n != "infinite"))
 
 
+def _capacity(
+    flag: str,
+    text: str,
+    *,
+    unique_blocks: int,
+    block_bytes: int | None,
+    allow_zero: bool = False,
+) -> int:
+    """`parse_capacity(text)`'s block count; an error names `flag`, as both flags take the
+    same forms and a message naming only the value left the reader to guess which."""
+    try:
+        return parse_capacity(
+            text, unique_blocks=unique_blocks, block_bytes=block_bytes, allow_zero=allow_zero
+        )[0]
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+
+
 def _tracker_size(spec: str) -> tuple[int, float | None]:
     """`"64000"` -> (64000, None); `"5x"` -> (64000, 5.0)."""
     try:
@@ -411,7 +429,7 @@ def _run(args: argparse.Namespace) -> int:
     capacities: list[int] = []
     if not args.advise:
         capacities = [
-            parse_capacity(c.strip(), unique_blocks=unique, block_bytes=block_bytes)[0]
+            _capacity("--capacities", c.strip(), unique_blocks=unique, block_bytes=block_bytes)
             # `is None`, not `or`: an empty `--capacities ''` is an error, not the defaults.
             for c in (DEFAULT_CAPACITIES if args.capacities is None else args.capacities).split(",")
             if c.strip()
@@ -423,12 +441,13 @@ def _run(args: argparse.Namespace) -> int:
     device_blocks = 0
     if args.mode == "engine":
         # An empty device is valid: engine mode then equals flat mode.
-        device_blocks = parse_capacity(
+        device_blocks = _capacity(
+            "--device-capacity",
             "1%" if args.device_capacity is None else args.device_capacity,
             unique_blocks=unique,
             block_bytes=block_bytes,
             allow_zero=True,
-        )[0]
+        )
     opts = ReplayOptions(
         mode=args.mode,
         store_threshold=args.store_threshold,
