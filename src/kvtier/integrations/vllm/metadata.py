@@ -17,9 +17,10 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> workers: the step's jobs, the finished requests whose blocks vLLM holds
     until the workers report their stores done (`finished_sending`), the host tier's slot
     count as the scheduler sized it (0: not given), which every worker's pool must hold, and
-    the loads that failed on the scheduler side before any job ran (request id -> device
-    blocks they left without valid KV), which every worker reports as failed loads: vLLM
-    hears of a load's end only from its workers."""
+    the loads that ended on the scheduler side before any job ran (failed at allocation, or
+    dropped unsent as their request finished; request id -> device blocks they left without
+    valid KV), which every worker reports as failed loads: vLLM hears of a load's end only
+    from its workers."""
 
     step: StepMetadata
     held: list[str] = field(default_factory=list)

@@ -99,6 +99,10 @@ class KVTierSchedulerSide:
         # Loads failed at allocation, for the next step's workers to report (request id ->
         # the device blocks the load would have filled).
         self._failed_at_alloc: dict[str, list[int]] = {}
+        # Requests whose load was planned since the last build_connector_meta, which sends it:
+        # vLLM plans a deferred load from update_from_output, and an abort may come before the
+        # next step (`request_finished`).
+        self._unsent_loads: set[str] = set()
         # Preemptions (vLLM's `Request.num_preemptions`) already handed to the scheduler, for
         # requests preempted at least once.
         self._preemptions: dict[str, int] = {}
@@ -204,6 +208,8 @@ class KVTierSchedulerSide:
         if req_id in finished.failed_loads:
             self._failed_at_alloc[req_id] = sorted(finished.failed_load_blocks)
             self._load_failed.add(req_id)
+        else:
+            self._unsent_loads.add(req_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierConnectorMetadata:
         """Turn one scheduler step into kvtier's step metadata."""
@@ -231,6 +237,7 @@ class KVTierSchedulerSide:
                 computed = request.num_prompt_tokens
             progress.append(StepProgress(req_id, _LazyBlockIds(get, req_id), computed))
         step = sched.build_step_metadata(progress)
+        self._unsent_loads.clear()  # every job planned is in `step` now
         for job in step.loads:
             self._loads[job.job_id] = [job.req_id, self.setup.num_workers]
             self._loading[job.req_id] = self._loading.get(job.req_id, 0) + 1
@@ -286,6 +293,12 @@ class KVTierSchedulerSide:
             self._preemptions.pop(req_id, None)
             self._lookup_limits.pop(req_id, None)
         self._load_failed.discard(req_id)
+        if req_id in self._unsent_loads:
+            # The scheduler drops the load no worker has seen, but vLLM, which planned it, frees
+            # the request's blocks only once a worker reports the load ended: the workers
+            # report it (failed, with no block to recompute: the request is gone).
+            self._unsent_loads.discard(req_id)
+            self._failed_at_alloc[req_id] = []
         hold = self.scheduler.request_finished(req_id)
         if hold and req_id not in self._loading:
             self._held.append(req_id)

@@ -157,9 +157,18 @@ def resolve_setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Vl
         )
     _, tokens_per_hash = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     if tokens_per_hash != tokens_per_block:
+        # With several KV-cache groups the hash size is vLLM's prefix_match_unit when set (a
+        # user's setting, which the message must name), else the groups' common block size.
+        unit = vllm_config.cache_config.prefix_match_unit
+        cause = (
+            f"prefix_match_unit={unit} (vLLM --prefix-match-unit) sets the hashed block; "
+            f"expected it unset or {tokens_per_block}"
+            if unit is not None and unit != tokens_per_block
+            else "expected every KV-cache group to hash its own device blocks"
+        )
         raise ConfigError(
             f"vLLM hashes blocks of {tokens_per_hash} tokens but KV blocks hold "
-            f"{tokens_per_block}; kvtier needs one block hash per device block"
+            f"{tokens_per_block}; kvtier needs one block hash per device block: {cause}"
         )
     if config.chunk_tokens is not None and "block_size" in extra:
         blocks, rest = divmod(config.chunk_tokens, tokens_per_block)
