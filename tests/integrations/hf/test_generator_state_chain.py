@@ -123,20 +123,3 @@ def test_failures_between_calls_leave_exact_state_and_stats(model: Any) -> None:
         check()
     with pytest.raises(RuntimeError, match="closed"):
         gen.generate_one(base, 2)
-
-
-def test_a_model_in_training_mode_with_dropout_is_refused() -> None:
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
-        bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    model = transformers.GPT2LMHeadModel(config)  # built from a config: training mode
-    prompt = _ids(20, 4)
-    with KVTierGenerator(model, block_size=BS, max_blocks=8) as gen:
-        with pytest.raises(ValueError, match=r"training mode and transformer\.drop .*p=0\.1"):
-            gen.generate_one(prompt, 3)
-        assert gen.stats.requests == 0
-        assert_generator_clean(gen)
-        model.eval()
-        result = gen.generate_one(prompt, 3)
-        assert torch.equal(result.tokens, generate_greedy(model, prompt.unsqueeze(0), 3).tokens[0])

@@ -114,6 +114,36 @@ def _unconvertible(prompt: object) -> Exception:
     )
 
 
+def _bool_id(items: Sequence[object]) -> tuple[int, object] | None:
+    """The position (in the flattened ids) and value of the first bool among a list's ids.
+
+    Nested lists count (a `(1, seq_len)` prompt as `[[5, True]]`), and so do tensors of a bool
+    dtype (`[5, torch.tensor(True)]`): torch reads every one of them as an id, 0 or 1."""
+    return _scan_bools(items)[1]
+
+
+def _scan_bools(items: Sequence[object]) -> tuple[int, tuple[int, object] | None]:
+    """(ids in `items`, the first bool's position and value or None), for `_bool_id`."""
+    if set(map(type, items)) <= {int}:
+        return len(items), None  # the common case, at C speed: plain ints only
+    pos = 0
+    for t in items:
+        if isinstance(t, (list, tuple)):
+            n, found = _scan_bools(t)
+            if found is not None:
+                return pos, (pos + found[0], found[1])
+            pos += n
+        elif isinstance(t, (bool, np.bool_)):
+            return pos, (pos, t)
+        elif isinstance(t, (torch.Tensor, np.ndarray)):
+            if t.dtype in (torch.bool, np.bool_):
+                return pos, (pos, t)
+            pos += int(t.size if isinstance(t, np.ndarray) else t.numel())
+        else:
+            pos += 1
+    return pos, None
+
+
 def _prompt_ids(prompt: Sequence[int] | torch.Tensor) -> torch.Tensor:
     """One prompt's token ids as a 1-D int64 CPU tensor (hashing reads them with numpy, and a
     prompt may come on the model's GPU); a (1, seq_len) row counts as one prompt."""
@@ -121,8 +151,13 @@ def _prompt_ids(prompt: Sequence[int] | torch.Tensor) -> torch.Tensor:
         ids = torch.as_tensor(prompt)
     except (TypeError, ValueError, RuntimeError, OverflowError):
         raise _unconvertible(prompt) from None
-    if isinstance(prompt, (list, tuple)) and any(isinstance(t, bool) for t in prompt):
-        raise _unconvertible(prompt)  # torch reads [5, True] as the ids 5, 1
+    if isinstance(prompt, (list, tuple)):
+        found = _bool_id(prompt)
+        if found is not None:  # torch reads [5, True] as the ids 5, 1
+            pos, value = found
+            raise TypeError(
+                f"prompt has token id {value!r} at position {pos}; expected integer token ids"
+            )
     if ids.ndim == 0:
         # generate([5, 7]) would otherwise run each id as a one-token prompt.
         raise ValueError(
@@ -139,6 +174,13 @@ def _prompt_ids(prompt: Sequence[int] | torch.Tensor) -> torch.Tensor:
         )
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise TypeError(f"prompt has dtype {ids.dtype}; expected integer token ids")
+    if ids.device.type == "meta":
+        # It has no values to hash or run: torch's "Cannot copy out of meta tensor" names
+        # neither the prompt nor what would do.
+        raise ValueError(
+            "prompt is a tensor on the meta device, which holds no token ids; expected a "
+            "tensor on the CPU or the model's device"
+        )
     if ids.dtype == torch.uint64:
         # int64 would wrap an id past 2**63 - 1 to a negative one, and name that instead.
         values = ids.reshape(-1).tolist()
@@ -160,9 +202,19 @@ def _active_dropout(model: Any) -> str | None:
             continue
         if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
             return f"{name} ({type(module).__name__}, p={module.p})"
-        rate = getattr(module, "attention_dropout", None)  # sdpa's dropout_p in training
+        # Most models apply dropout functionally, `F.dropout(x, p=self.dropout,
+        # training=self.training)`, with the rate a plain float attribute: OPT, XGLM and
+        # BioGPT (0.1 by default) have no Dropout module at all; sdpa's `attention_dropout`,
+        # MPT's `attn_dropout_p`, BioGPT's `layerdrop` (skips whole layers) likewise.
+        for attr, rate in vars(module).items():
+            if "drop" in attr and isinstance(rate, float) and rate > 0:
+                return f"{name or type(module).__name__} ({attr}={rate})"
+    # Falcon reads its residual dropout from the config in the forward pass.
+    config = getattr(model, "config", None)
+    for attr in ("hidden_dropout", "dropout"):
+        rate = getattr(config, attr, None)
         if isinstance(rate, float) and rate > 0:
-            return f"{name} (attention_dropout={rate})"
+            return f"{type(model).__name__} (config.{attr}={rate})"
     return None
 
 
@@ -316,7 +368,6 @@ class KVTierGenerator:
         self._held: dict[str, range] = {}
         self._req_ids = itertools.count()
         self._closed = False
-        self._vocab_size = input_vocab_size(model)
         self._learned_positions = learned_position_rows(model)
         self._rope_switch = rope_switch_length(model)
 
@@ -333,9 +384,19 @@ class KVTierGenerator:
             req_id = f"hf-{next(self._req_ids)}"
             hashes = self.hasher.hash_blocks(ids.numpy())
             scheduler = self.scheduler
-            scheduler.add_request(req_id, hashes, ids.numel())
+            try:
+                scheduler.add_request(req_id, hashes, ids.numel())
+            except BaseException:
+                # The scheduler tracks the request before it tells the cache policy
+                # (`on_new_request`), which may raise: end it, or it stays tracked for good.
+                # The original error is the one to see: "not tracked" (refused before) or a
+                # second error of the policy's is dropped.
+                with contextlib.suppress(Exception):
+                    scheduler.request_finished(req_id)
+                raise
             blocks = range(0)  # none yet
             stores: StepMetadata | None = None
+            load: StepMetadata | None = None
             try:
                 hit = scheduler.get_num_new_matched_tokens(req_id, 0)
                 while hit is None:  # a chunk of this prefix is still being written
@@ -350,9 +411,9 @@ class KVTierGenerator:
                 blocks = self._allocate(need)
                 scheduler.update_state_after_alloc(req_id, [blocks], hit)
                 if hit:
-                    meta = scheduler.build_step_metadata()
-                    self.worker.start_step(meta)
-                    self.worker.wait_for_loads(meta)
+                    load = scheduler.build_step_metadata()
+                    self.worker.start_step(load)
+                    self.worker.wait_for_loads(load)
                     self._collect()
                     if req_id in self._last_failed_loads:
                         hit = 0  # never use the blocks of a failed load: recompute them
@@ -394,10 +455,10 @@ class KVTierGenerator:
                     if stores is not None:
                         self.worker.finish_step(stores)  # skips the ones it already has
                 finally:
-                    self._release(req_id, blocks)
+                    self._release(req_id, blocks, (load, stores))
                 raise
             ttft = out.first_token_time - start
-            self._release(req_id, blocks)
+            self._release(req_id, blocks, (load, stores))
             s = self.stats
             s.requests += 1
             s.prompt_tokens += ids.numel()
@@ -413,6 +474,10 @@ class KVTierGenerator:
 
         Every prompt is checked before the first runs, so a bad one changes nothing; a flat
         list of ids is refused (each id would otherwise run as a one-token prompt)."""
+        # Checked once, before the prompts: an empty list of them would otherwise take any
+        # max_new_tokens (0, -1, "x"), and a closed generator, without a word.
+        self._check_open()
+        max_new_tokens = checked_int("max_new_tokens", max_new_tokens)
         if isinstance(prompts, torch.Tensor) and prompts.ndim < 2:
             raise ValueError(
                 f"prompts is a tensor of shape {tuple(prompts.shape)}; expected a list of "
@@ -466,10 +531,7 @@ class KVTierGenerator:
     ) -> tuple[torch.Tensor, int, int]:
         """The prompt's ids, `max_new_tokens` and the blocks the request needs, or the error a
         prompt the generator cannot run gets before any work."""
-        if self._closed:
-            # Its transfer worker is gone: every load and store would fail, one logged error
-            # each, and the generator would quietly recompute everything.
-            raise RuntimeError("this KVTierGenerator is closed; create a new one to generate")
+        self._check_open()
         ids = _prompt_ids(prompt)
         dropout = _active_dropout(self.model)
         if dropout is not None:
@@ -478,7 +540,9 @@ class KVTierGenerator:
                 "its KV would not be reproducible, and kvtier would store it for later prompts; "
                 "expected model.eval()"
             )
-        vocab = self._vocab_size
+        # Read at each call, not once when built: `resize_token_embeddings` after that (new
+        # special tokens) had the new ids refused as outside a vocabulary of the old size.
+        vocab = input_vocab_size(self.model)
         if vocab is not None and (int(ids.max()) >= vocab or int(ids.min()) < 0):
             # The embedding lookup would fail inside the model: on CUDA a device-side assert
             # that leaves the context unusable, on the CPU an IndexError naming neither.
@@ -511,6 +575,12 @@ class KVTierGenerator:
             )
         return ids, max_new_tokens, need
 
+    def _check_open(self) -> None:
+        if self._closed:
+            # Its transfer worker is gone: every load and store would fail, one logged error
+            # each, and the generator would quietly recompute everything.
+            raise RuntimeError("this KVTierGenerator is closed; create a new one to generate")
+
     _last_failed_loads: frozenset[str] = frozenset()
     _reports_lost = False
 
@@ -529,12 +599,28 @@ class KVTierGenerator:
         self._free[start : start + n] = False
         return range(start, start + n)
 
-    def _release(self, req_id: str, blocks: range) -> None:
-        """End the request: its blocks are free now, or when its stores end."""
-        if self.scheduler.request_finished(req_id):
-            self._held[req_id] = blocks
-        else:
-            self._free[blocks.start : blocks.stop] = True
+    def _release(
+        self, req_id: str, blocks: range, steps: Iterable[StepMetadata | None] = ()
+    ) -> None:
+        """End the request: its blocks are free now, or when its transfers (the jobs of
+        `steps`, the request's load and stores) end."""
+        held = True
+        try:
+            held = self.scheduler.request_finished(req_id)
+        except BaseException:
+            # The scheduler marks the request finished before it calls the cache policy
+            # (`touch`, `on_request_finished`), which may raise: it then reports the request
+            # in `sending` once its jobs in flight end, and never if none is. Without this,
+            # the blocks were never freed, and that report raised KeyError in `_settle`.
+            in_flight = set(self.scheduler.job_ids_in_flight())
+            jobs = {j.job_id for m in steps if m is not None for j in (*m.loads, *m.stores)}
+            held = not in_flight.isdisjoint(jobs)
+            raise
+        finally:
+            if held:
+                self._held[req_id] = blocks
+            else:
+                self._free[blocks.start : blocks.stop] = True
         self._collect()
 
     def _first_fit(self, n: int) -> int | None:

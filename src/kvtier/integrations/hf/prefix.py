@@ -70,6 +70,12 @@ def _check_ids(model: Any, input_ids: torch.Tensor) -> None:
         )
     if input_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"input_ids has dtype {input_ids.dtype}; expected int64 token ids")
+    if input_ids.device.type == "meta":
+        # No values: the vocabulary check below would fail on a bare `.item()` error.
+        raise ValueError(
+            "input_ids is a tensor on the meta device, which holds no token ids; expected a "
+            "tensor on the model's device"
+        )
     vocab = input_vocab_size(model)
     if vocab is not None:
         outside = (input_ids < 0) | (input_ids >= vocab)
@@ -176,6 +182,13 @@ def _check_cache_fits(model: Any, cache: Cache, batch: int) -> None:
     float32 model: logits off by ~1e-2 from recompute) or fail inside attention with a bare
     dtype error; another batch fails inside the model as a size mismatch.
     """
+    if not isinstance(cache, Cache):
+        # A legacy tuple of (K, V) pairs failed on a bare "'tuple' object has no attribute
+        # 'layers'".
+        raise TypeError(
+            f"cache is a {type(cache).__name__}; expected a transformers Cache (a DynamicCache, "
+            "build_cache_from_blocks(...) or PagedKVBuffer.cache(...)), or None to recompute"
+        )
     model_dtype = getattr(model, "dtype", None)
     for i, layer in enumerate(cache.layers):
         keys = getattr(layer, "keys", None)
