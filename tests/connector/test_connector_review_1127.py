@@ -4,6 +4,7 @@ reported, and block tables of the wrong shape."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -152,3 +153,49 @@ def test_a_step_entry_that_is_not_a_step_progress_is_a_clear_error(entry: object
         s.build_step_metadata([good, entry])  # type: ignore[list-item]
     assert m.get_stats().pending_writes == 0  # nothing planned for the entry before it
     assert len(s.build_step_metadata([good]).stores) == 1
+
+
+# -- a cache policy raising as a request ends ---------------------------------------------------
+
+
+@pytest.mark.parametrize("hook", ["touch", "on_request_finished"])
+def test_a_policy_raising_as_a_request_ends_leaves_no_request_tracked(hook: str) -> None:
+    """The scheduler marked the request finished, then called the policy; when that raised,
+    a request with no job left stayed tracked for good (nothing else ends it), and one tracked
+    request per such error piled up."""
+    from kvtier.policies.lru import LRUPolicy
+
+    class Raising(LRUPolicy):
+        armed = False
+
+        def touch(self, keys: Any, ctx: Any) -> None:
+            if self.armed and hook == "touch":
+                raise RuntimeError("policy bug in touch")
+            super().touch(keys, ctx)
+
+        def on_request_finished(self, ctx: Any) -> None:
+            if self.armed and hook == "on_request_finished":
+                raise RuntimeError("policy bug in on_request_finished")
+
+    manager = CPUOffloadingManager(8, Raising)
+    policy = manager.policy
+    assert isinstance(policy, Raising)
+    s = OffloadingScheduler(manager, tokens_per_block=TPB)
+    # A stored prefix, so the ending request has reused chunks to touch.
+    s.add_request("a", _hashes(2), 9)
+    meta = s.build_step_metadata([StepProgress("a", [[0, 1, 2]], 8)])
+    s.on_worker_results([TransferResult(j.job_id, True) for j in meta.stores])
+    assert s.request_finished("a") is False
+    s.add_request("b", _hashes(2), 9)
+    n = s.get_num_new_matched_tokens("b", 0)
+    assert n == 2 * TPB
+    s.update_state_after_alloc("b", [[4, 5, 6]], n)
+    loads = s.build_step_metadata()
+    s.on_worker_results([TransferResult(j.job_id, True) for j in loads.loads])
+    s.take_finished()
+    policy.armed = True
+    with pytest.raises(RuntimeError, match="policy bug"):
+        s.request_finished("b")
+    assert s.num_requests() == 0 and s.num_jobs_in_flight() == 0
+    with pytest.raises(ValueError, match="'b'"):
+        s.request_finished("b")  # ended: not tracked any more

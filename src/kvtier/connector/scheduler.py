@@ -291,16 +291,23 @@ class OffloadingScheduler:
         # Commit the request's use of the prefix it reused at its end (tail before head, so the
         # head is the most recent). Chunks it only stored are not uses: a frequency-aware
         # policy such as ARC would otherwise count every new chunk as reused.
-        for g in range(len(self.groups)):
-            used = self._chunk_keys(req, 0, min(req.reused_chunks, self._num_chunks(req)), g)
-            if used:
-                self.manager.touch(used, req.ctx)
-        self.manager.on_request_finished(req.ctx)
-        if req.jobs:
-            return True  # its blocks are held until `sending`, failed ones reported with it
-        self._failed_blocks.pop(req_id, None)  # the engine frees its blocks now
-        del self._requests[req_id]
-        return False
+        try:
+            try:
+                for g in range(len(self.groups)):
+                    n = min(req.reused_chunks, self._num_chunks(req))
+                    used = self._chunk_keys(req, 0, n, g)
+                    if used:
+                        self.manager.touch(used, req.ctx)
+            finally:
+                self.manager.on_request_finished(req.ctx)
+        finally:
+            # Even when a cache policy raised above (a plugin's bug): a finished request with
+            # no job left was otherwise tracked for good, as nothing else ends it.
+            if not req.jobs:
+                self._failed_blocks.pop(req_id, None)  # the engine frees its blocks now
+                del self._requests[req_id]
+        # With jobs, its blocks are held until `sending`, failed ones reported with it.
+        return bool(req.jobs)
 
     def request_preempted(self, req_id: str) -> None:
         """The engine freed a request's device blocks to run others: jobs that still use them
