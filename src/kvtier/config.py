@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import os
 import re
 import tomllib
@@ -230,10 +231,15 @@ def _parse_cache_policy(raw: object) -> str:
         raise _Invalid(expected)
     spec = raw.strip()
     try:
-        get_policy_cls(spec)
+        cls = get_policy_cls(spec)
     except (ValueError, TypeError) as e:
         # A registry miss is fully described by `expected`; an import failure needs its cause.
         raise _Invalid(f"{expected} ({e})" if ":" in spec else expected) from None
+    if inspect.isabstract(cls):
+        # Else accepted here and refused by the manager's constructor ("Can't instantiate
+        # abstract class"), an error that names neither this key nor where it was set.
+        missing = ", ".join(sorted(cls.__abstractmethods__))
+        raise _Invalid(f"{expected}; {spec!r} is abstract, without {missing}")
     return spec
 
 
@@ -533,7 +539,10 @@ def _field_for(
         # set one field twice, with the environment's order picking the winner.
         suffix = key[len(ENV_PREFIX) :]
         name = suffix.lower() if suffix.isupper() else ""
+        # The variables that are not settings too: a typo of one (KVTIER_NATIVECOPY) was
+        # told "did you mean 'KVTIER_CPU_BYTES'?", a setting it has nothing to do with.
         known = [_ENV_CONFIG_FILE] + [ENV_PREFIX + n.upper() for n in _PARSERS]
+        known += sorted(_ENV_NOT_SETTINGS - {_ENV_CONFIG_FILE})
     else:
         name = key
         known = list(_PARSERS)

@@ -140,7 +140,9 @@ def _as_token_array(token_ids: Sequence[int] | npt.NDArray[np.integer]) -> npt.N
                         f"token_ids[{i}]={tok!r} is a bool; expected integer token ids "
                         f"0..{_MAX_TOKEN}"
                     )
-    elif not np.issubdtype(arr.dtype, np.integer):
+    elif arr.dtype.kind not in "iu":
+        # The kind, not issubdtype: numpy's timedelta64 is an integer subtype, and its ids
+        # hashed as plain ints ([timedelta64(1)] as [1]) or failed inside int().
         if not is_array:
             # float64 or object from a list: a float or str among the ids, an int beyond
             # uint64, or ints numpy cannot hold in one dtype ([np.uint64(1), np.int64(2)]).
@@ -163,7 +165,9 @@ def _refuse_token(token_ids: Iterable[object], dtype: np.dtype[Any]) -> None:
     ids that fit an int64); return if there is none."""
     for i, tok in enumerate(token_ids):
         error: type[Exception]
-        if isinstance(tok, (bool, np.bool_)) or not isinstance(tok, (int, np.integer)):
+        if isinstance(tok, (bool, np.bool_, np.timedelta64)) or not isinstance(
+            tok, (int, np.integer)
+        ):
             error, why = TypeError, f"a {type(tok).__name__}"
         elif not 0 <= tok <= _MAX_TOKEN:
             error, why = ValueError, "out of range"
