@@ -544,7 +544,18 @@ class CPUOffloadingManager(OffloadingManager):
                     f"candidates to {left}; expected None to change nothing"
                 )
             return None
-        return self._checked_victims(victims, n, protected)
+        checked = self._checked_victims(victims, n, protected)
+        left = len(policy)
+        if left != held - n:
+            # Right victims, but other candidates dropped too (never evictable again: the pool
+            # that much smaller for good), or victims kept (a key gone from the tier, which a
+            # later evict would name). Refused before anything is evicted, the dropped put back.
+            self._restore_candidates()
+            raise ValueError(
+                f"cache policy {policy!r} returned {n} victims but went from {held} candidates "
+                f"to {left}; expected {held - n}"
+            )
+        return checked
 
     def _restore_candidates(self) -> None:
         # Back among the candidates, every ready key the policy dropped: out of the policy,
