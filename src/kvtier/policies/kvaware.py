@@ -269,7 +269,12 @@ class KVAwarePolicy(CachePolicy):
     def _seen(self, key: OffloadKey, ctx: ReqContext | None) -> int:
         """Count an access of `key`, feed the shadows if it is sampled; its recent count. A key
         is counted once per request (`ctx`); a repeat only reads the count."""
-        h = hash(int.from_bytes(key, "big")) if type(key) is bytes else hash(key)
+        # As key_hash (a bytes subclass included), inline: this runs on every access.
+        h = (
+            hash(int.from_bytes(key, "big"))
+            if type(key) is bytes or isinstance(key, bytes)
+            else hash(key)
+        )
         if ctx is not None:
             if ctx.req_id != self._counted_req:
                 self._switch_request(ctx.req_id)

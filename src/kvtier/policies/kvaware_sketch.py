@@ -19,7 +19,9 @@ _HALVE = bytes(v >> 1 for v in range(256))
 
 def key_hash(key: object) -> int:
     """A hash of `key` that is the same in every process (`hash()` of bytes is salted)."""
-    if type(key) is bytes:
+    # A bytes subclass too (numpy.bytes_): equal to the plain key, it must count with it, and
+    # its inherited hash() is salted.
+    if type(key) is bytes or isinstance(key, bytes):
         return hash(int.from_bytes(key, "big"))
     return hash(key)
 
@@ -53,7 +55,11 @@ class FrequencySketch:
 
     def estimate_key(self, key: object) -> int:
         """`estimate(key_hash(key))` in one call (this is on every eviction's path)."""
-        h = hash(int.from_bytes(key, "big")) if type(key) is bytes else hash(key)
+        h = (
+            hash(int.from_bytes(key, "big"))
+            if type(key) is bytes or isinstance(key, bytes)
+            else hash(key)
+        )
         t, s, w = self._table, self._shift, self.width
         return min(
             t[((h * _R0) & M64) >> s],
