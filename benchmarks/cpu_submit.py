@@ -157,8 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     what = {"submit": "submit paths", "placement": "copy-thread placement",
             "backlog": "a waiter's backlog shared or not"}[args.compare]  # fmt: skip
     table = Table(title=f"CPU worker: {what} side by side (medians of {args.rounds} rounds)")
-    for col in ("page", "blocks", "variant", "dir", "share", "rounds", "submit µs", "copy µs",
-                "wall µs"):  # fmt: skip
+    # The share's lowest and highest over the rounds (share_min, share_max in the JSON).
+    for col in ("page", "blocks", "variant", "dir", "share", "share range", "submit µs",
+                "copy µs", "wall µs"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(

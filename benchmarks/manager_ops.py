@@ -134,6 +134,11 @@ def run(
             k = r % len(policies)
             for policy in [*policies[k:], *policies[:k]]:
                 runs[policy].append(replay_kvtier(workload, policy, num_slots))
+                # A line per replay, as it ends: a workload's replays take 20 s and more (one
+                # kvaware replay of Mooncake, 2-4 s), too long to wait for one line at the end.
+                if log is not None:
+                    last = r == repeats - 1
+                    log(f"{name} {policy}: " + ("done" if last else f"{r + 1} of {repeats}"))
         for policy in policies:
             samples = runs[policy]
             seconds = statistics.median(s[2] for s in samples)
@@ -152,8 +157,6 @@ def run(
                     "prefix_hit_ratio": hit_ratio,
                 }
             )
-            if log is not None:
-                log(f"{name} {policy}: done")
     return rows
 
 

@@ -91,12 +91,16 @@ def main() -> None:
         ap.error(f"trace: {e}")
     unique = trace.num_unique_blocks
     device_blocks = None
+    # parse_capacity's message says "capacity '0'" for either flag: name the one at fault.
     try:
         capacity, _ = parse_capacity(args.capacity, unique_blocks=unique)
-        if args.mode == "engine":
-            device_blocks, _ = parse_capacity(args.device, unique_blocks=unique)
     except ValueError as e:
-        ap.error(str(e))
+        ap.error(f"--capacity: {e}")
+    if args.mode == "engine":
+        try:
+            device_blocks, _ = parse_capacity(args.device, unique_blocks=unique)
+        except ValueError as e:
+            ap.error(f"--device: {e}")
     whole = trace.requests
     first = head(whole, args.split)
     n_first = sum(len(r.keys) for r in first)

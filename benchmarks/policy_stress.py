@@ -131,7 +131,8 @@ def main() -> None:
             gap = ratios["kvaware"] - ratios["lru"] if "kvaware" in ratios else 0.0
             rows.append({"workload": name, "capacity_blocks": cap, "hit_ratio": ratios})
             cells = "".join(f"{ratios[n]:>9.2f}" for n in names)
-            print(f"{name:<20}{cap:>7}{cells}  {gap:+.2f}")
+            # Flushed: the rows are the progress of a 3-minute run, also when piped.
+            print(f"{name:<20}{cap:>7}{cells}  {gap:+.2f}", flush=True)
     if "kvaware" in names:
         gaps = [r["hit_ratio"]["kvaware"] - r["hit_ratio"]["lru"] for r in rows]
         below = sum(1 for g in gaps if g < 0)

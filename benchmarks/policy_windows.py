@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from _cli import require_file, require_writable
+from _cli import int_list, positive_int, require_file, require_writable
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.policies import registered_policies
 from kvtier.policies.base import CachePolicy
@@ -53,10 +53,6 @@ def hit_pct(trace: Trace, policy: str, share: float) -> float:
     return 100 * replay_flat(trace, mgr).block_hit_ratio
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("traces", type=Path, nargs="+", help="Mooncake-format JSONL traces")
@@ -65,8 +61,11 @@ def main() -> None:
         default="kvaware,arc,s3fifo",
         help="registered policies, or kvaware-open / kvaware-filter (kvaware held in one mode)",
     )
-    ap.add_argument("--sizes", type=_ints, default=[500, 1000, 3000], help="requests a window")
-    ap.add_argument("--starts", type=int, default=4, help="windows per size and trace")
+    # Typed so that a refusal names the one flag at fault and what it takes.
+    ap.add_argument(
+        "--sizes", type=int_list(1), default=[500, 1000, 3000], help="requests a window"
+    )
+    ap.add_argument("--starts", type=positive_int, default=4, help="windows per size and trace")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     policies = args.policies.split(",")
@@ -74,8 +73,6 @@ def main() -> None:
     unknown = sorted(set(policies) - set(known))
     if unknown:
         ap.error(f"unknown policies {unknown}; expected some of {known}")
-    if args.starts < 1 or min(args.sizes) < 1:
-        ap.error("--starts and every --sizes value must be at least 1")
     require_writable(ap, args.json, inputs=args.traces)
     for path in args.traces:
         require_file(ap, "trace", path)
@@ -103,7 +100,9 @@ def main() -> None:
                         | {"lru_pct": lru, "pct": pct, "minus_lru": diff}
                     )
                     label = f"{path.name}[{start}:{start + size}]"
-                    print(f"{label:34} {policy:14} " + " ".join(f"{d:+6.2f}" for d in diff))
+                    # Flushed: the rows are the progress of a run of minutes, also when piped.
+                    cells = " ".join(f"{d:+6.2f}" for d in diff)
+                    print(f"{label:34} {policy:14} {cells}", flush=True)
     print()
     for policy in policies:
         below = [d for d in diffs[policy] if d < -0.005]

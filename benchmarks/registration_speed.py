@@ -34,7 +34,10 @@ def kv_tensor(parts: int, arrangement: str) -> KVTensor:
 
 
 def seconds(kv: KVTensor, repeats: int) -> list[float]:
-    """Wall time of each of `repeats` registrations of `kv`, checked to count every byte."""
+    """Wall time of each of `repeats` registrations of `kv`, checked to count every byte, after
+    one untimed registration: the first of a process pays one-off costs (about 14x a warm one at
+    1,024 parts), which a median of one or two runs would report as the registration's time."""
+    KVCacheRegistration([kv])
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()

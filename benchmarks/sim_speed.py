@@ -52,7 +52,7 @@ def main() -> int:
     try:
         caps = [parse_capacity(c, unique_blocks=unique)[0] for c in args.capacities.split(",")]
     except ValueError as e:
-        p.error(str(e))
+        p.error(f"--capacities: {e}")  # the message names the value, not the flag
     opts = ReplayOptions(
         mode=args.mode, device_blocks=round(0.01 * unique) if args.mode == "engine" else 0
     )

@@ -213,13 +213,24 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--coalesce-depth needs the compiled path, not --cuda-path torch")
     if args.copy_cpus and args.cpu_worker == "python":
         ap.error("--copy-cpus places the compiled worker's threads; not with --cpu-worker python")
+    # Else ignored, and the rows, labelled as any other run's, pass for the count asked for.
+    if args.copy_threads is not None and args.cpu_worker == "python":
+        ap.error("--copy-threads sets the compiled worker's threads; not with --cpu-worker python")
     backend = args.backend
     if backend == "auto":
         backend = "cuda" if torch.cuda.is_available() else "cpu"
     elif backend == "cuda" and not torch.cuda.is_available():
         ap.error(f"--backend cuda: no CUDA device is visible to torch {torch.__version__}")
+    # Else ignored on CPU, --pageable even naming the rows "cpu-pageable" for a plain run.
+    cuda_only = [flag for flag, given in (("--pageable", args.pageable),
+                 ("--copy-mode", args.copy_mode != "auto"),
+                 ("--cuda-path", args.cuda_path != "auto")) if given]  # fmt: skip
+    if cuda_only and backend != "cuda":
+        ap.error(f"{', '.join(cuda_only)}: only with --backend cuda; the backend here is cpu")
     if args.coalesce_depth and backend != "cuda":
         ap.error("--coalesce-depth sets the CUDA backend's launch threads; the backend is cpu")
+    if args.copy_threads is not None and backend != "cpu":
+        ap.error("--copy-threads sets the CPU backend's copy threads; the backend here is cuda")
     if args.copy_cpus and backend != "cpu":
         ap.error("--copy-cpus places the CPU backend's copy threads; the backend here is cuda")
     cpus = os.cpu_count() or 1

@@ -24,6 +24,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -57,13 +58,17 @@ def compare_managers(
     for policy in policies:
         v_rates, k_rates = [], []
         v_hit = k_hit = 0.0
-        for _ in range(repeats):
+        for i in range(1, repeats + 1):
             vm = VManager(num_slots, cache_policy=policy, enable_events=True)
             calls, _, secs, v_hit = replay(workload, vm, VReqContext, VLookup.HIT)
             v_rates.append(calls / secs)
             km = CPUOffloadingManager(num_slots, policy, enable_events=True)
             calls, _, secs, k_hit = replay(workload, km, ReqContext, LookupResult.HIT)
             k_rates.append(calls / secs)
+            # A line per pair of replays: vLLM's LRU replays Mooncake in 5-10 s, so a line per
+            # policy came 15-30 s apart.
+            if log is not None and i < repeats:
+                log(f"manager, {policy}: {i} of {repeats}")
         v, k = statistics.median(v_rates), statistics.median(k_rates)
         out[policy] = {
             "vllm_calls_per_s": v,
@@ -330,6 +335,33 @@ def scheduler_run(
     }
 
 
+CHILD_PROGRESS = "vs_vllm progress: "
+"""What starts a scheduler child's progress line on its stderr (vLLM logs there too)."""
+
+
+def _run_child(
+    cmd: list[str], env: dict[str, str], log: Callable[[str], None] | None, what: str
+) -> tuple[str, str, int]:
+    """Run a scheduler child; pass its progress lines to `log` (prefixed with `what`) as they
+    come. Returns (stdout, the rest of stderr, exit status). A child replays a window in 10 s
+    or more, five by default, so one line at its end left the run silent for a minute."""
+    with tempfile.TemporaryFile("w+") as out:
+        # stdout to a file: a pipe vLLM's logging filled would block the child while this
+        # process reads stderr.
+        child = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.PIPE, text=True)
+        assert child.stderr is not None
+        rest: list[str] = []
+        for line in child.stderr:
+            if line.startswith(CHILD_PROGRESS):
+                if log is not None:
+                    log(f"{what}: {line[len(CHILD_PROGRESS) :].strip()}")
+            else:
+                rest.append(line)
+        status = child.wait()
+        out.seek(0)
+        return out.read(), "".join(rest), status
+
+
 def compare_schedulers(
     trace: Path,
     offsets: Sequence[int],
@@ -364,10 +396,11 @@ def compare_schedulers(
             f"--capacity={capacity}",
             *(["--vllm-finishes-in-arrival-order"] if arrival_order else []),
         ]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise RuntimeError(f"scheduler run with PYTHONHASHSEED={seed} failed:\n{done.stderr}")
-        for run in json.loads(done.stdout.strip().splitlines()[-1]):
+        what = f"scheduler, {policy}, PYTHONHASHSEED {seed}"
+        stdout, stderr, status = _run_child(cmd, env, log, what)
+        if status != 0:
+            raise RuntimeError(f"scheduler run with PYTHONHASHSEED={seed} failed:\n{stderr}")
+        for run in json.loads(stdout.strip().splitlines()[-1]):
             runs.append({"hash_seed": seed, **run})
         if log is not None:
             log(f"scheduler, {policy}, PYTHONHASHSEED {seed}: done ({i} of {len(hash_seeds)})")
@@ -501,17 +534,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"trace has {len(workload)} requests; expected windows inside it"
             )
     if args.scheduler_child:
-        runs = [
-            scheduler_run(
-                args.trace,
-                o,
-                args.sched_requests,
-                args.sched_policy,
-                args.capacity,
-                args.vllm_finishes_in_arrival_order,
+        runs = []
+        for i, o in enumerate(offsets, 1):
+            runs.append(
+                scheduler_run(
+                    args.trace,
+                    o,
+                    args.sched_requests,
+                    args.sched_policy,
+                    args.capacity,
+                    args.vllm_finishes_in_arrival_order,
+                )
             )
-            for o in offsets
-        ]
+            if i < len(offsets):  # the parent says when the last is done
+                print(f"{CHILD_PROGRESS}window {o}: done ({i} of {len(offsets)})",
+                      file=sys.stderr, flush=True)  # fmt: skip
         print(json.dumps(runs))
         return 0
 

@@ -175,6 +175,11 @@ def main(argv: list[str] | None = None) -> None:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     elif name == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device cuda: no CUDA device is visible to torch {torch.__version__}")
+    # Else ignored on CPU, where the table does not show them: a run that seems to measure them.
+    cuda_only = [flag for flag, given in (("--copy-mode", args.copy_mode != "auto"),
+                 ("--cuda-path", args.cuda_path != "auto")) if given]  # fmt: skip
+    if cuda_only and name != "cuda":
+        ap.error(f"{', '.join(cuda_only)}: only with --device cuda; the device here is cpu")
     # As Rig allocates them: the layers' device blocks, the host pool, and the ceiling's device
     # scratch of a wave's bytes. All three are in this machine's memory on CPU; on a GPU, the
     # pool is.
