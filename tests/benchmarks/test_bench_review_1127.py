@@ -139,15 +139,25 @@ def test_transfer_bw_refuses_copy_threads_where_nothing_takes_them(
 ) -> None:
     # They were ignored: the rows of one Python copy thread (or of the CUDA worker) passed for
     # a run with the copy threads asked for.
+    last = _transfer_bw_refusal([*argv, "--copy-threads", "4"], cuda, monkeypatch, capsys)
+    assert last.startswith("transfer_bw.py: error: --copy-threads sets"), last
+
+
+def _transfer_bw_refusal(
+    argv: list[str],
+    cuda: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> str:
+    """The last error line of `transfer_bw.py argv`, which must refuse before measuring."""
     pytest.importorskip("torch")
     transfer_bw = importlib.import_module("transfer_bw")
     monkeypatch.setattr(transfer_bw, "bench_page", _must_not_run)
     monkeypatch.setattr(transfer_bw.torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(sys, "argv", ["transfer_bw.py"])  # argparse's program name
     with pytest.raises(SystemExit):
-        transfer_bw.main([*argv, "--copy-threads", "4"])
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("transfer_bw.py: error: --copy-threads sets"), last
+        transfer_bw.main(argv)
+    return str(capsys.readouterr().err.strip().splitlines()[-1])
 
 
 class _Stdout(io.StringIO):
@@ -276,14 +286,7 @@ def test_transfer_bw_refuses_cuda_options_on_cpu(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    pytest.importorskip("torch")
-    transfer_bw = importlib.import_module("transfer_bw")
-    monkeypatch.setattr(transfer_bw, "bench_page", _must_not_run)
-    monkeypatch.setattr(transfer_bw.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(sys, "argv", ["transfer_bw.py"])
-    with pytest.raises(SystemExit):
-        transfer_bw.main(["--backend", "cpu", *argv])
-    last = capsys.readouterr().err.strip().splitlines()[-1]
+    last = _transfer_bw_refusal(["--backend", "cpu", *argv], False, monkeypatch, capsys)
     assert (
         last == f"transfer_bw.py: error: {named}: only with --backend cuda; the backend here is cpu"
     )
