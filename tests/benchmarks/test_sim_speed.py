@@ -33,4 +33,7 @@ def test_the_table_counts_the_capacities_given_and_matches_the_json(
     for row in result["per_policy"]:
         assert len(row["block_hit_ratios"]) == 2
         assert f"{row['policy']:<8} {row['median_blocks_per_s']:>16,.0f}" in captured.out
-    assert len(captured.err.splitlines()) == 2  # the two grids, before each starts
+    # The two grids before each starts, and each policy of the first as it ends.
+    err = captured.err.splitlines()
+    assert len(err) == 4
+    assert [line.strip() for line in err[1:3]] == ["lru: done (1 of 2)", "opt: done (2 of 2)"]
