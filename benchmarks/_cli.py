@@ -10,7 +10,7 @@ import argparse
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from kvtier.demo import physical_memory
@@ -116,6 +116,13 @@ def require_known(
     unknown = [n for n in names if n not in allowed]
     if unknown:
         parser.error(f"{option}: unknown {unknown}; expected some of {allowed}")
+
+
+def require_distinct(parser: argparse.ArgumentParser, option: str, names: Sequence[str]) -> None:
+    """Refuse a name given twice: its rows would print twice, with twice the samples."""
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        parser.error(f"{option}: {twice} given twice; expected each name once")
 
 
 def require_memory(parser: argparse.ArgumentParser, need: int, what: str) -> None:

@@ -22,7 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from _cli import positive_int, progress, require_file, require_known, require_writable
+from _cli import (
+    positive_int,
+    progress,
+    require_distinct,
+    require_file,
+    require_known,
+    require_writable,
+)
 from kvtier.base import LookupResult, OffloadKey, ReqContext, make_offload_key
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.policies import registered_policies
@@ -172,6 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     policies = args.policies.split(",")
     require_known(parser, "--policies", policies, registered_policies())
+    require_distinct(parser, "--policies", policies)
     require_writable(parser, args.json, make_parents=True, inputs=[args.trace])
     require_file(parser, "--trace", args.trace)
     try:

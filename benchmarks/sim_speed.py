@@ -16,7 +16,14 @@ import sys
 import time
 from pathlib import Path
 
-from _cli import positive_int, progress, require_file, require_known, require_writable
+from _cli import (
+    positive_int,
+    progress,
+    require_distinct,
+    require_file,
+    require_known,
+    require_writable,
+)
 from kvtier.policies import registered_policies
 from kvtier.sim.readers import read_trace
 from kvtier.sim.runner import BOUNDS, ReplayOptions, default_jobs, run_grid
@@ -39,6 +46,7 @@ def main() -> int:
     args = p.parse_args()
     policies = args.policies.split(",")
     require_known(p, "--policies", policies, [*registered_policies(), *BOUNDS])
+    require_distinct(p, "--policies", policies)
     require_writable(p, args.json, inputs=[args.trace])
     require_file(p, "--trace", args.trace)
 

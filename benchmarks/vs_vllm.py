@@ -33,7 +33,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from _cli import int_list, positive_int, progress, require_file, require_known, require_writable
+from _cli import (
+    int_list,
+    positive_int,
+    progress,
+    require_distinct,
+    require_file,
+    require_known,
+    require_writable,
+)
 from kvtier.base import ReqContext
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.policies import registered_policies
@@ -515,6 +523,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         *([] if args.skip_scheduler else args.sched_policy.split(",")),
     ]
     require_known(parser, "--policies/--sched-policy", policies, registered_policies())
+    for option in ("--policies", "--sched-policy"):
+        require_distinct(parser, option, getattr(args, option[2:].replace("-", "_")).split(","))
     try:
         from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
     except ImportError:

@@ -377,3 +377,34 @@ def test_e2e_hf_gives_the_cpu_rows_unit(
     e2e_hf.main()
     rows = [line for line in capsys.readouterr().out.splitlines() if "12.5" in line]
     assert len(rows) == 3 and all("(ms)" in line for line in rows), rows
+
+
+@pytest.mark.parametrize(
+    ("script", "argv"),
+    [
+        ("manager_ops", ["--policies", "lru,arc,lru"]),
+        ("sim_speed", ["--policies", "opt,lru,opt"]),
+        ("vs_vllm", ["--policies", "lru,arc,lru", "--skip-scheduler"]),
+    ],
+)
+def test_a_policy_named_twice_is_refused(
+    script: str,
+    argv: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Accepted before, and its rows printed twice, each with twice the samples."""
+    module = importlib.import_module(script)
+    trace = str(_trace(tmp_path / "t.jsonl"))
+
+    def main() -> None:
+        if script == "sim_speed":
+            module.main()  # it reads sys.argv
+        else:
+            module.main([*argv, "--trace", trace])
+
+    full = [f"{script}.py", *argv, "--trace", trace]
+    last = refused_argv(main, full, monkeypatch, capsys).strip().splitlines()[-1]
+    twice = "['opt']" if script == "sim_speed" else "['lru']"
+    assert last == f"{script}.py: error: --policies: {twice} given twice; expected each name once"
