@@ -23,6 +23,7 @@ from kvtier.transfer.worker import (
     FORKED,
     FaultInjector,
     TransferWorker,
+    check_registration,
     job_ids_of,
     job_result,
     shutdown_at_exit,
@@ -35,22 +36,6 @@ _WAIT_SLICE_S = 0.05
 
 DEFAULT_STAGE_BYTES = 1 << 20
 """Scratch for copies whose both sides are scattered: small enough to stay in a core's L2."""
-
-
-def check_registration(registration: object) -> None:
-    """Refuse a registration of the wrong type by name (a list of `KVTensor`s, say): it died
-    on a missing attribute."""
-    if not isinstance(registration, KVCacheRegistration):
-        raise TypeError(
-            f"registration must be a KVCacheRegistration, got {type(registration).__name__}"
-        )
-
-
-def check_parts(registration: object, pool: object) -> None:
-    """`check_registration`, and refuse a pool of the wrong type by name too."""
-    check_registration(registration)
-    if not isinstance(pool, HostPool):
-        raise TypeError(f"pool must be a HostPool, got {type(pool).__name__}")
 
 
 def check_stage_bytes(value: object) -> int:
@@ -177,9 +162,9 @@ class CPUTransferWorker(TransferWorker):
         stage_bytes: int = DEFAULT_STAGE_BYTES,
         fault_injector: FaultInjector | None = None,
     ) -> None:
-        # Checked here as the factory checks them: built directly, a worker took stage_bytes=0
-        # or -5 silently, and an injector that is not callable failed every job.
-        check_parts(registration, pool)
+        # Checked here as the factory checks it: built directly, a worker took stage_bytes=0 or
+        # -5 silently. The registration, pool and injector are checked by _check_device and the
+        # base class, before any thread starts.
         self._check_device(registration)
         stage_bytes = check_stage_bytes(stage_bytes)
         super().__init__(registration, pool, fault_injector)
@@ -197,7 +182,7 @@ class CPUTransferWorker(TransferWorker):
 
     @classmethod
     def _check_device(cls, registration: KVCacheRegistration) -> None:
-        check_registration(registration)  # the compiled worker calls this first
+        check_registration(registration)  # the compiled worker calls this before check_pool
         kind, name = cls._DEVICE
         if registration.device.type != kind:
             raise ValueError(

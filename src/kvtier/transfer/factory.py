@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvtier.transfer.cpu_worker import CPUTransferWorker, check_parts, check_stage_bytes
+from kvtier.transfer.cpu_worker import CPUTransferWorker, check_stage_bytes
 from kvtier.transfer.host_pool import HostPool
 from kvtier.transfer.native import library
 from kvtier.transfer.native_worker import NativeCPUTransferWorker
@@ -39,7 +39,7 @@ def make_transfer_worker(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is unknown; expected one of {BACKENDS}")
-    check_parts(registration, pool)
+    check_pool(registration, pool)
     _check_options(kwargs)
     if backend == "auto":
         backend = "cuda" if registration.device.type == "cuda" else "cpu"
@@ -86,7 +86,6 @@ def transfer_worker_from_config(
 
     # Checked here, outside the wrapping below: not the configuration's fault.
     _check_options({"fault_injector": fault_injector})
-    check_parts(registration, pool)
     check_pool(registration, pool)
     settings = {
         "transfer_backend": config.transfer_backend,

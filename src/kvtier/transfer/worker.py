@@ -78,8 +78,19 @@ def check_fault_injector(injector: object) -> None:
         raise ValueError(f"fault_injector={injector!r} must be a callable or None")
 
 
+def check_registration(registration: object) -> None:
+    """Refuse a registration of the wrong type by name (a list of `KVTensor`s, say): it died
+    on a missing attribute."""
+    if not isinstance(registration, KVCacheRegistration):
+        raise TypeError(
+            f"registration must be a KVCacheRegistration, got {type(registration).__name__}"
+        )
+
+
 def check_pool(registration: KVCacheRegistration, pool: HostPool) -> None:
-    """Refuse a host pool built for another registration: its slots have another layout."""
+    """Refuse a registration or pool of the wrong type, and a host pool built for another
+    registration (its slots have another layout) or inherited across a fork."""
+    check_registration(registration)
     if not isinstance(pool, HostPool):  # every worker: it died on a missing attribute
         raise TypeError(f"pool must be a HostPool, got {type(pool).__name__}")
     if pool.registration is not registration:
