@@ -93,6 +93,12 @@ class AlwaysAdmit(AdmissionPolicy):
         pass
 
 
+# Request ids a tracked key keeps in a tuple before a set: below it a tuple is cheaper to build
+# and to search (the usual thresholds are 2-8); above it copying and scanning a tuple on every
+# sighting made a huge threshold quadratic in the requests sharing a chunk.
+_TUPLE_IDS = 8
+
+
 @register_admission_policy(
     "reuse",
     "stores a chunk only once it has been offered by store_threshold different requests",
@@ -107,6 +113,11 @@ class ReuseAdmission(AdmissionPolicy):
     room for each other. Only keys absent from the tier are offered: a chunk the tier holds is
     not counted while it stays there, and once evicted it starts again from its last count,
     if the tracker still has it.
+
+    Each tracked key keeps the ids of the distinct requests that offered it, up to
+    `store_threshold` of them (past that the key is admitted for good), so its memory is bounded
+    by the distinct requests seen, up to the threshold, and a sighting costs O(1) whatever the
+    threshold.
     """
 
     def __init__(self, store_threshold: int = 2, max_tracker_size: int = 64_000) -> None:
@@ -120,8 +131,9 @@ class ReuseAdmission(AdmissionPolicy):
         self.store_threshold = threshold
         self.max_tracker_size = checked_int("max_tracker_size", max_tracker_size)
         # key -> ids of the distinct requests that offered it, the first `store_threshold` of
-        # them (one id alone would count A, B, A as three); least recently offered first.
-        self._seen: OrderedDict[OffloadKey, tuple[str, ...]] = OrderedDict()
+        # them (one id alone would count A, B, A as three); least recently offered first. A
+        # tuple while short, a set beyond (see _TUPLE_IDS).
+        self._seen: OrderedDict[OffloadKey, tuple[str, ...] | set[str]] = OrderedDict()
 
     def admit(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[OffloadKey]:
         admitted = self.preview(keys, ctx)
@@ -148,8 +160,14 @@ class ReuseAdmission(AdmissionPolicy):
                 fresh[key] = None
                 continue
             # Past the threshold the key is admitted for good: more ids would change nothing.
-            if req_id not in entry and len(entry) < threshold:
-                seen[key] = (*entry, req_id)
+            num_ids = len(entry)
+            if num_ids < threshold and req_id not in entry:
+                if isinstance(entry, set):
+                    entry.add(req_id)
+                elif num_ids < _TUPLE_IDS:
+                    seen[key] = (*entry, req_id)
+                else:
+                    seen[key] = {*entry, req_id}
             seen.move_to_end(key)
         # Make room for this offer's new keys by dropping the oldest entries of earlier offers;
         # the entries of this offer were just moved to the young end, so they are never dropped.
