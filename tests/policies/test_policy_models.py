@@ -16,7 +16,9 @@ written from the papers (lists and dicts, no fast paths), with kvtier's document
   docs: the paper's Algorithm 1 keeps evicting from small, promoting, until one key leaves.
   Mooncake's figures are the same either way.) Pinned keys leave their queue and return at
   its head with `freq + 1`. A key's frequency rises once per request: a touch or unpin by
-  the request that raised it last leaves it as it is; without a request, once per call.
+  the request that raised it last leaves it as it is; without a request, once per call. A
+  request is remembered (a token) from its first use of a key the policy holds; one that
+  names only other keys is not.
 - ARC (Megiddo & Modha, FAST'03), evict before insert: REPLACE takes T1's LRU when
   `|T1| + pinned T1 > p` (or T2 is empty), else T2's; `p` adapts on the ghost hit at insert;
   ghost bounds (|T1| + |B1| <= c, all four lists <= 2c, pinned keys counted) are enforced
@@ -248,6 +250,7 @@ class S3FIFOModel:
         """Whether a use of `k` by `req` raises its frequency (once per request)."""
         if req is None:
             return True
+        self._seen(req)
         if self.counted_by.get(k) == req:
             return False
         self.counted_by[k] = req
@@ -276,13 +279,12 @@ class S3FIFOModel:
             else:
                 self.small.append(_Entry(k, 0))
 
-    def _seen(self, req: str | None) -> None:
-        """A call of request `req`: remembered as live."""
-        if req is not None and req not in self.live:
+    def _seen(self, req: str) -> None:
+        """A use of a held key by request `req`: remembered as live."""
+        if req not in self.live:
             self.live = [*self.live[-65_535:], req]
 
     def touch(self, keys: Sequence[OffloadKey], req: str | None = None) -> None:
-        self._seen(req)
         for k in keys if req is not None else list(dict.fromkeys(keys)):
             found = self._find(k)
             if found is not None and self._counts(k, req):
@@ -297,7 +299,6 @@ class S3FIFOModel:
                 self.pinned[k] = (_SMALL if queue is self.small else _MAIN, entry.freq)
 
     def unpin(self, keys: Sequence[OffloadKey], req: str | None = None) -> None:
-        self._seen(req)
         for k in keys:
             if k in self.pinned:
                 name, freq = self.pinned.pop(k)

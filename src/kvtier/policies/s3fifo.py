@@ -9,8 +9,9 @@ from kvtier.base import OffloadKey, ReqContext, checked_fraction, checked_int
 from kvtier.policies.base import CachePolicy, register_policy
 
 _MAX_FREQ = 3
-# Live requests remembered, a token each (a few MB at most): a bound an engine's live requests
-# could pass would forget a request still running, and its later report would count again.
+# Live requests remembered, a token each from their first use of a held key (a few MB at
+# most): a bound an engine's live requests could pass would forget a request still running,
+# and its later report would count again.
 _LIVE_REQUESTS = 65_536
 _SMALL = 0
 _MAIN = 1
@@ -84,10 +85,11 @@ class S3FIFOPolicy(CachePolicy):
         # an OrderedDict holds keeps its place).
         small, main, counted_by = self._small, self._main, self._counted_by
         if ctx is None:
-            req = None
+            req_id = None
             keys = dict.fromkeys(keys)  # no request to tell repeats by: one count per call
         else:
-            req = self._token(ctx.req_id)
+            req_id = ctx.req_id
+        req = -1  # the request's token, taken at the first key held (see _token)
         for key in keys:
             freq = small.get(key)
             if freq is not None:
@@ -97,7 +99,9 @@ class S3FIFOPolicy(CachePolicy):
                 if freq is None:
                     continue
                 queue = main
-            if req is not None:
+            if req_id is not None:
+                if req < 0:
+                    req = self._token(req_id)
                 if counted_by.get(key) == req:
                     continue  # this request's use was counted already
                 counted_by[key] = req
@@ -114,15 +118,19 @@ class S3FIFOPolicy(CachePolicy):
 
     def unpin(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
         small, main, pinned, counted_by = self._small, self._main, self._pinned, self._counted_by
-        req = None if ctx is None else self._token(ctx.req_id)
+        req_id = None if ctx is None else ctx.req_id
+        req = -1
         for key in keys:
-            entry = pinned.pop(key, None)
+            entry = pinned.get(key)
             if entry is None:
                 continue
+            if req < 0 and req_id is not None:
+                req = self._token(req_id)  # before any change: it is the only step that can fail
+            del pinned[key]
             queue, freq = entry
             # The key left its place while pinned; it returns at the head, counted as a hit
             # unless this request's use was counted already.
-            if req is None:
+            if req_id is None:
                 freq = min(freq + 1, _MAX_FREQ)
             elif counted_by.get(key) != req:
                 counted_by[key] = req
@@ -185,6 +193,10 @@ class S3FIFOPolicy(CachePolicy):
         return victims
 
     def _token(self, req_id: str) -> int:
+        """The token of live request `req_id`, made at its first use of a key this policy
+        holds: a request that names only keys it does not hold counts nothing, so a token for
+        it would only take room (and, past the bound, push out a live request's token, whose
+        next report would then count again)."""
         tokens = self._tokens
         token = tokens.get(req_id)
         if token is None:
