@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import multiprocessing
+import operator
 import os
 import signal
 import sys
@@ -18,7 +19,7 @@ from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Final, TypeVar
+from typing import Any, Final, SupportsIndex, TypeVar
 
 from kvtier.base import checked_int
 from kvtier.sim.bounds import opt_result
@@ -106,10 +107,9 @@ def run_one(
     progress: ProgressFn | None = None,
 ) -> RunResult:
     """One replay: a registered cache policy, `"opt"`, or `"infinite"` at `capacity` blocks."""
-    if policy != "infinite":  # which ignores it (a slot per block), 0 for an empty trace
-        # A plain int: a numpy count reached the row as given (where it outgrew the trace, and
-        # always for opt), which json.dump refuses; a float was replayed rounded up as OPT's.
-        capacity = checked_int("capacity", capacity)
+    # A plain int: a numpy count reached the row as given (where it outgrew the trace, and
+    # always for opt), which json.dump refuses; a float was replayed rounded up as OPT's.
+    capacity = _checked_capacity(policy, capacity)
     if policy == "opt":
         result = opt_result(
             trace,
@@ -185,8 +185,30 @@ def run_named(
         return run_one(trace, policy, capacity, opts, progress)
     except Exception as e:
         raise ReplayError(
-            f"policy {policy!r} at capacity {capacity:,} blocks failed: {type(e).__name__}: {e}"
+            f"policy {policy!r} at capacity {_blocks(capacity)} failed: {type(e).__name__}: {e}"
         ) from e
+
+
+def _blocks(capacity: object) -> str:
+    """`capacity` for a message: "1,024 blocks", or as given if it is no count of blocks."""
+    # `:,` alone printed True as "1 blocks" and raised on a str, hiding the replay's error.
+    if isinstance(capacity, SupportsIndex) and not isinstance(capacity, bool):
+        with contextlib.suppress(TypeError):
+            return f"{operator.index(capacity):,} blocks"
+    return repr(capacity)
+
+
+def _checked_capacity(policy: str, capacity: object) -> int:
+    """`capacity` as a plain int, else a ValueError naming it and the policy."""
+    # "infinite" ignores it (a slot per block) and is given 0 for an empty trace.
+    minimum = 0 if policy == "infinite" else 1
+    try:
+        return checked_int("capacity", capacity, minimum=minimum)
+    except ValueError:
+        raise ValueError(
+            f"capacity={capacity!r} for policy {policy!r} is invalid; expected a number of "
+            f"blocks, an integer >= {minimum}"
+        ) from None
 
 
 # The trace workers replay: set before the pool forks so children inherit it without pickling.
@@ -360,8 +382,11 @@ def run_grid(
 
     With `jobs > 1` the runs are spread over forked worker processes and `progress` hears of
     each run when it finishes; otherwise it hears of requests as they are replayed. A run that
-    raises ends the grid with a `ReplayError` naming it.
+    raises ends the grid with a `ReplayError` naming it; a capacity that is not an int of
+    blocks (a bool, a float) raises ValueError before any run starts.
     """
+    for p, c in runs:
+        _checked_capacity(p, c)
     if any(p != "opt" for p, _ in runs):
         # Every replay but OPT's uses each request's context; built here, before the fork,
         # the workers share one copy instead of each building its own.
