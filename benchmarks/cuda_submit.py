@@ -2,9 +2,11 @@
 
 The paths: "compiled" (each job launched by its submitter), "coalesced" (the compiled engine's
 launch threads, `--coalesce-depth` batches queued per lane, the jobs behind them merged) and
-"torch" (torch ops). For each (page, blocks per job), the paths take turns: a burst of
-`--jobs` jobs of random device blocks and random slots is submitted with nothing in flight
-before it, then waited for.
+"torch" (torch ops). For each (page, blocks per job), the paths take turns, in an order that
+rotates every round, as does the order of the directions (so that none always runs first, on
+a colder or warmer machine): a burst of `--jobs` jobs (fewer where the region holds fewer) of
+random device blocks and random slots is submitted with nothing in flight before it, then
+waited for.
 Per path and direction it reports medians over the rounds (the first is a warm-up) of:
 the median `submit_*` call, the burst's wall time per job (first submit to last job done), and
 the median job's GPU time from its own events (`TransferResult.seconds`; a merged batch's time
@@ -33,6 +35,22 @@ from kvtier.transfer.cuda_worker import CUDATransferWorker
 PATHS = ("compiled", "coalesced", "torch")
 
 
+def rotated(items: list[str], r: int) -> list[str]:
+    """Round `r`'s order of `items` (paths, directions): each leads once every `len(items)`
+    rounds."""
+    k = r % len(items)
+    return items[k:] + items[:k]
+
+
+def burst_sizes(rows: list[dict[str, object]], asked: int) -> str:
+    """The jobs a burst that `rows` ran, for a title: `bench_case` runs fewer than `asked`
+    where the region holds fewer jobs' blocks."""
+    used = sorted({int(r["jobs"]) for r in rows}) or [asked]  # type: ignore[call-overload]
+    if len(used) == 1:
+        return f"{used[0]} jobs a burst"
+    return f"{used[0]}-{used[-1]} jobs a burst, by case"
+
+
 def bench_case(
     page: int, blocks: int, jobs: int, rounds: int, region: int, rng: np.random.Generator,
     paths: list[str], depth: int,
@@ -53,8 +71,9 @@ def bench_case(
     seen: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
     next_id = 0
     for r in range(rounds + 1):
-        for path, w in workers.items():
-            for direction in ("store", "load"):
+        for path in rotated(list(workers), r):
+            w = workers[path]
+            for direction in rotated(["store", "load"], r):
                 d = rng.permutation(num_blocks)[: jobs * blocks].reshape(jobs, blocks)
                 h = rng.permutation(num_blocks)[: jobs * blocks].reshape(jobs, blocks)
                 torch.cuda.synchronize()
@@ -69,15 +88,18 @@ def bench_case(
         w.shutdown()
     pool.close()
     rows: list[dict[str, object]] = []
-    for (path, direction), values in seen.items():
-        submit, wall, gpu = (statistics.median(v[i] for v in values) for i in range(3))
-        rows.append(
-            {
-                "path": path, "direction": direction, "page_bytes": page,
-                "blocks_per_job": blocks, "submit_us": submit * 1e6, "wall_us": wall * 1e6,
-                "gpu_us": gpu * 1e6, "gbps": page * blocks / wall / 1e9,
-            }
-        )  # fmt: skip
+    for path in workers:  # in the order asked for, whichever ran first in a round
+        for direction in ("store", "load"):
+            values = seen[path, direction]
+            submit, wall, gpu = (statistics.median(v[i] for v in values) for i in range(3))
+            rows.append(
+                {
+                    "path": path, "direction": direction, "page_bytes": page,
+                    "blocks_per_job": blocks, "jobs": jobs, "submit_us": submit * 1e6,
+                    "wall_us": wall * 1e6, "gpu_us": gpu * 1e6,
+                    "gbps": page * blocks / wall / 1e9,
+                }
+            )  # fmt: skip
     return rows
 
 
@@ -112,8 +134,8 @@ def main(argv: list[str] | None = None) -> None:
             args.coalesce_depth,
         )  # fmt: skip
         progress(f"{page // KiB} KiB x {blocks}: done ({i} of {len(args.cases)})")
-    table = Table(title=f"CUDA worker: host time per submit and GPU time per job ({args.jobs} "
-                  f"jobs a burst, medians of {args.rounds} rounds)")  # fmt: skip
+    table = Table(title="CUDA worker: host time per submit and GPU time per job "
+                  f"({burst_sizes(rows, args.jobs)}, medians of {args.rounds} rounds)")  # fmt: skip
     for col in ("page", "blocks/job", "path", "direction", "submit µs", "wall µs/job",
                 "GPU µs/job", "GB/s"):  # fmt: skip
         table.add_column(col, justify="right")

@@ -121,6 +121,8 @@ class DmaCopier:
 
     def run(self, job: Job, stream_handle: int) -> None:
         """Queue every copy of `job` on the stream; raises if the driver refuses the batch."""
+        if len(job) == 0:
+            return  # the driver refuses a batch of no copies: such a job failed on this path
         dev_parts, host_parts, sizes = [], [], []
         for address, stride, width, col in self._segments[job.group]:
             dev_parts.append(address + job.dev_rows * stride)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import weakref
 from typing import NamedTuple
 
@@ -24,6 +25,7 @@ import torch
 from kvtier.transfer import cuda_dma, nvrtc
 from kvtier.transfer.native import (
     EngineResult,
+    SegmentTables,
     SubmitContext,
     library,
     segment_tables,
@@ -60,7 +62,14 @@ _KEPT: list[object] = []
 """Device tables of engines freed after a sync that failed: copies may still read them."""
 
 
-def _close(lib: ctypes.CDLL, handle: int, keep: object, drained: list[EngineResult]) -> None:
+def _close(
+    lib: ctypes.CDLL, handle: int, keep: object, drained: list[EngineResult], pid: int
+) -> None:
+    if os.getpid() != pid:
+        # A forked child's copy of the engine (collected there, or at its exit): its launch
+        # threads, context and streams are the parent's. Joining those threads crashed the
+        # child (SIGSEGV), and the driver calls would act on handles it does not own.
+        return
     # Copies may still be running when a worker is dropped without shutdown(): wait for them
     # before the tables they read (in `keep`) are freed.
     rc = lib.kvt_cuda_sync(handle)
@@ -134,22 +143,6 @@ class CUDAEngine:
         self._device_index = device.index if device.index is not None else 0
         self.tables: dict[int, tuple[_Table, _Table]] = {}
         """Per KV-cache group, the store and load tables."""
-        host_tables = segment_tables(registration, host_address, row_bytes)
-        self._host_tables = host_tables  # the submit contexts point at them
-        for g, pair in host_tables.items():
-            made = []
-            for store, table in zip((1, 0), pair, strict=True):
-                on_device = torch.from_numpy(table.view(np.int64).copy()).to(device)
-                index = lib.kvt_cuda_add_table(
-                    handle, table.ctypes.data, table.shape[0], on_device.data_ptr(), store,
-                    self._device_index,
-                )  # fmt: skip
-                if index < 0:
-                    lib.kvt_cuda_free(handle)
-                    raise RuntimeError("out of memory registering the copy tables")
-                made.append(_Table(index, on_device))
-            self.tables[g] = (made[0], made[1])
-        torch.cuda.synchronize(device)  # the tables' uploads, before any kernel reads them
         self._poll_buffer = (EngineResult * _POLL)()
         self.poll_size = _POLL
         """The most results one `peek` returns: fewer means the engine had no more."""
@@ -157,17 +150,46 @@ class CUDAEngine:
         """Whether the latest `peek` read `_drained` (the engine was freed) or the engine."""
         self._drained: list[EngineResult] = []
         """Results left when the engine was freed (at interpreter exit), for `peek`."""
+        # Armed before anything else can fail: a table upload that ran out of device memory
+        # (its RuntimeError sends `compiled=None` to torch ops) leaked the engine, its loaded
+        # kernel image and its locks.
         self._finalizer = weakref.finalize(
-            self, _close, lib, handle, (self.tables, streams), self._drained
+            self, _close, lib, handle, (self.tables, streams), self._drained, os.getpid()
         )
-        if coalesce_depth and lib.kvt_cuda_coalesce(handle, coalesce_depth):
+        try:
+            self._host_tables = self._add_tables(registration, host_address, row_bytes)
+            torch.cuda.synchronize(device)  # the tables' uploads, before any kernel reads them
+            if coalesce_depth and lib.kvt_cuda_coalesce(handle, coalesce_depth):
+                raise RuntimeError("could not start the CUDA copy engine's launch threads")
+        except BaseException:
             self._finalizer()
-            raise RuntimeError("could not start the CUDA copy engine's launch threads")
+            raise
         self.coalesce_depth = coalesce_depth
         """Batches a lane keeps queued on the GPU before it holds jobs back (0: no launch
         threads; each job is launched by its submitter)."""
         self.submit_fn: int = ctypes.cast(lib.kvt_cuda_submit_ext, ctypes.c_void_p).value or 0
         """The address of the submit call in the shape the extension calls."""
+
+    def _add_tables(
+        self, registration: KVCacheRegistration, host_address: int, row_bytes: int
+    ) -> SegmentTables:
+        """Upload each group's store and load segment tables and register them with the
+        engine, into `tables`; returns the host tables, which the submit contexts point at."""
+        device = registration.device
+        host_tables = segment_tables(registration, host_address, row_bytes)
+        for g, pair in host_tables.items():
+            made = []
+            for store, table in zip((1, 0), pair, strict=True):
+                on_device = torch.from_numpy(table.view(np.int64).copy()).to(device)
+                index = self._lib.kvt_cuda_add_table(
+                    self.handle, table.ctypes.data, table.shape[0], on_device.data_ptr(), store,
+                    self._device_index,
+                )  # fmt: skip
+                if index < 0:
+                    raise RuntimeError("out of memory registering the copy tables")
+                made.append(_Table(index, on_device))
+            self.tables[g] = (made[0], made[1])
+        return host_tables
 
     @property
     def alive(self) -> bool:

@@ -28,10 +28,12 @@ from kvtier.transfer.native import EXT_REFUSED, EXT_STOPPED, submit_extension
 from kvtier.transfer.plan import Direction, IdsLike, Job
 from kvtier.transfer.registration import KVCacheRegistration
 from kvtier.transfer.worker import (
+    FORKED,
     FaultInjector,
     IdStaging,
     SubmitCall,
     TransferWorker,
+    check_pool,
     job_ids_of,
     job_result,
 )
@@ -230,6 +232,9 @@ class CUDATransferWorker(TransferWorker):
         stage_bytes = _stage_bytes(stage_bytes)
         if coalesce_depth and compiled is False:
             raise ValueError("coalesce_depth needs the compiled path (compiled=False turns it off)")
+        # Before the device and pinning checks read them (as CPUTransferWorker checks its
+        # registration first): a list of KVTensors, or no pool, died on a missing attribute.
+        check_pool(registration, pool)
         device = registration.device
         if device.type != "cuda":
             raise ValueError(f"the CUDA backend needs KV tensors on a CUDA device, got {device}")
@@ -573,6 +578,8 @@ class CUDATransferWorker(TransferWorker):
 
     def wait(self, job_ids: Iterable[int]) -> None:
         """Block until every job in `job_ids` has finished (ids not in flight are ignored)."""
+        if self._forked:
+            raise RuntimeError(FORKED)
         job_ids = job_ids_of(job_ids)
         if self._engine is not None:
             last = [0] * len(LANES)
@@ -615,9 +622,13 @@ class CUDATransferWorker(TransferWorker):
     def shutdown(self) -> None:
         """Wait for every launched copy (CUDA work cannot be cancelled) and refuse new jobs.
         If the driver's wait fails (a poisoned context, say), logs it and reports every job
-        not known to have finished failed, rather than hang or raise."""
+        not known to have finished failed, rather than hang or raise. In a forked child it
+        only refuses new jobs (as `wait` refuses there): the engine's launch threads, context
+        and streams are the parent's, which alone waits for their copies."""
         with self._lock:
             self._closed = True
+        if self._forked:
+            return
         # Every call waits, not only the first: a second one (another thread's) returned while
         # the first still waited for the launched copies, with jobs neither done nor reported.
         if self._engine is None:
