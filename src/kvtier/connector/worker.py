@@ -78,6 +78,9 @@ class OffloadingWorker:
         # second report that makes the scheduler half refuse its whole batch. Kept per
         # metadata object, not per id: ids repeat across schedulers fed to one worker.
         self._recent: list[tuple[StepMetadata, set[int]]] = []
+        # Results taken from the transfer worker (and refusals) by a get_finished that an
+        # interrupt cut short: the next call returns them first.
+        self._taken: list[TransferResult] = []
 
     def start_step(self, meta: StepMetadata) -> None:
         """Wait for `meta.wait_for`, then submit the step's loads."""
@@ -104,14 +107,19 @@ class OffloadingWorker:
         """Jobs finished since the last call, for the scheduler half's `on_worker_results`."""
         if self._unsettled:
             self._settle()  # before the transfer's results: `holds` is False once returned
-        finished = self.transfer.get_finished()
-        if self._refused:
-            finished = self._refused + finished
-            self._refused = []
+        # Results taken from the transfer worker stay in `_taken` until this call returns
+        # them: an interrupt (Ctrl-C) in the loop below lost the batch, its jobs no longer
+        # held by the transfer worker, and `fail_unreported` later failed them, good copies
+        # included. The steps that move results have no call between them.
+        taken = self._taken
+        taken += self._refused
+        self._refused = []
+        taken += self.transfer.get_finished()
         submitted = self._submitted
-        for r in finished:
+        for r in taken:
             submitted.discard(r.job_id)
-        return finished
+        self._taken = []
+        return taken
 
     def _fed(self, meta: StepMetadata) -> set[int]:
         """Ids of `meta`'s jobs already handed over (to be added to), by identity."""
