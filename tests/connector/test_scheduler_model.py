@@ -120,7 +120,8 @@ class Req:
     step_tokens: int = 0
     load: tuple[int, int] | None = None  # (first token, tokens) of the load awaited
     offer: tuple[int, int, int] | None = None  # (device hit, offered, generation), unallocated
-    load_failed: bool = False  # the scheduler offers nothing more to it
+    load_failed: bool = False  # its last load failed (reported in `failed_loads`)
+    offers_stopped: bool = False  # a load failed, no preemption since: offered nothing
     held: bool = False  # finished with jobs in flight: blocks held until `sending`
     tracked: bool = True  # the scheduler still keeps state for it
 
@@ -241,7 +242,7 @@ class Fuzz:
         """What get_num_new_matched_tokens must answer (docs/connector.md, the lookup rules)."""
         if self.incomplete(r.rid):
             return None
-        if r.load_failed:
+        if r.offers_stopped or (r.load_failed and r.rid in self.expect_done.recving):
             return 0
         first = hit // self.tpc
         num_chunks = len(r.hashes) // self.bpc
@@ -264,6 +265,8 @@ class Fuzz:
             if proven < min(end, last):
                 self.stats["offer cut by proof"] += 1
             end = proven
+        if r.load_failed and end * self.tpc > hit:
+            self.stats["offered again after a failed load"] += 1
         return max(0, end * self.tpc - hit)
 
     def sync_events(
@@ -516,7 +519,7 @@ class Fuzz:
         assert r.tracked
         done = self.expect_done
         if j.load and not success:
-            r.load_failed = True
+            r.load_failed = r.offers_stopped = True
             if not j.released:
                 done.failed_load_blocks.update(j.blocks)
             else:  # the blocks may be other requests' by now
@@ -659,6 +662,7 @@ class Fuzz:
             r.state = "running"
             return
         r.state, r.load = "loading", (hit, n)
+        r.load_failed = False
         first_block, end_block = hit // TPB, (hit + n) // TPB
         first_chunk, end_chunk = hit // self.tpc, (hit + n) // self.tpc
         keys = [[self.key(r, c, gi) for c in range(first_chunk, end_chunk)] for gi in range(self.G)]
@@ -667,7 +671,7 @@ class Fuzz:
         ):
             # Reset or evicted since offered: failed at once, nothing pinned.
             assert not new, "a load of chunks gone since the offer was planned"
-            r.load_failed = True
+            r.load_failed = r.offers_stopped = True
             self.expect_done.recving.add(r.rid)
             self.expect_done.failed_loads.add(r.rid)
             self.alloc_failed[r.rid] = [b for bs in r.blocks for b in bs[first_block:end_block]]
@@ -719,6 +723,9 @@ class Fuzz:
         unsent = [j for j in self.incomplete(r.rid) if not j.sent]
         self.cancel_unsent(r)
         self.s.request_preempted(r.rid)
+        r.offers_stopped = False
+        if r.load_failed:
+            self.stats["preempted after a failed load"] += 1
         if self.alloc_failed.pop(r.rid, None) is not None:
             self.stats["gave back the blocks of a load failed at alloc"] += 1
         in_flight = self.incomplete(r.rid)
@@ -790,7 +797,10 @@ class Fuzz:
             for r in busy
             if r.rid in self.alloc_failed or any(not j.sent for j in self.incomplete(r.rid))
         ]
-        if busy and rng.random() < 0.15:
+        # More often while a load failed at allocation awaits its report: rare, and the
+        # give-back before take_finished is the case to reach.
+        odds = 0.5 if any(r.rid in self.alloc_failed for r in busy) else 0.15
+        if busy and rng.random() < odds:
             r = rng.choice(preferred if preferred and rng.random() < 0.7 else busy)
             if r.state != "allocated" and rng.random() < 0.5:
                 self.preempt(r)
@@ -1075,6 +1085,8 @@ def test_random_engines_never_serve_bad_kv_nor_leak(batch: int) -> None:
         "load from mid chunk",
         "load of several groups",
         "preempted before its load was sent",
+        "preempted after a failed load",
+        "offered again after a failed load",
     ):
         assert stats[situation] > 0, f"no {situation!r} in seeds of batch {batch}: {stats}"
 

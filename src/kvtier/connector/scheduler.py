@@ -7,7 +7,8 @@ correct live here:
 - at most one load, or one set of stores, is in flight per request;
 - a finished request's device blocks are held until its jobs are done (`request_finished`
   returns True), and a preempted request's jobs are waited for before the next step;
-- a failed load is reported, so the engine recomputes instead of using the blocks;
+- a failed load is reported, so the engine recomputes instead of using the blocks, and the
+  request is offered no hits again until the engine preempts it (one try per preemption);
 - after `reset_cache`, late completions of older jobs do not touch the manager.
 """
 
@@ -68,7 +69,13 @@ class _Request:
     # other requests: a failed load among them reports no blocks in `failed_load_blocks`.
     released_jobs: set[int] = field(default_factory=set)
     finished: bool = False
-    load_failed: bool = False
+    load_failed: bool = False  # its last load failed: reported in `failed_loads`
+    # A load of it failed and no preemption came since: it is offered no hits. The engine
+    # recomputes those tokens and may ask again at once; an offer then could fail the same
+    # way, step after step. A preemption ends this: kvtier never causes one (recomputing
+    # needs no more device blocks), so a chunk that always fails costs at most one failed
+    # load per preemption, never a loop.
+    offers_stopped: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -322,6 +329,9 @@ class OffloadingScheduler:
         # Every job left was sent; no new one starts for the request until they end.
         req.released_jobs.update(req.jobs)
         self._failed_blocks.pop(req_id, None)
+        # Readmitted, it is offered hits again, even after a failed load; one that fails
+        # after this (among the jobs waited for) stops the offers until the next preemption.
+        req.offers_stopped = False
         self._wait_for.extend(sorted(req.jobs))
         req.planned_load = None
         # Readmitted, it offers every chunk again (as vLLM's connector does): one turned away
@@ -339,7 +349,9 @@ class OffloadingScheduler:
         `None` means "ask again next step": a chunk is still being written or located, or the
         request's own earlier transfers are still in flight. `read=False` is for a request
         that must compute its whole prompt (prompt logprobs): 0 once its transfers are done,
-        and nothing is looked up, so the tier counts no hits it did not serve.
+        and nothing is looked up, so the tier counts no hits it did not serve. After a failed
+        load it is 0 until the request is preempted, and until `take_finished` has reported
+        the failure.
         """
         req = self._get(req_id)
         # A negative count would index chunks from the end of the request.
@@ -347,8 +359,12 @@ class OffloadingScheduler:
         req.planned_load = None
         if req.jobs:
             return None
-        if req.load_failed or not read:
-            return 0  # the engine recomputes; offering the same chunks again could loop
+        if req.offers_stopped or not read:
+            return 0
+        if req.load_failed and req_id in self._finished.recving:
+            # The failure is not yet taken (`take_finished`): the engine would read it as the
+            # report of a load planned now, and use that load's blocks while it still writes.
+            return 0
         tpc = self.tokens_per_chunk
         first_chunk = num_computed_tokens // tpc
         req.reused_chunks = max(req.reused_chunks, min(first_chunk, self._num_chunks(req)))
@@ -419,6 +435,7 @@ class OffloadingScheduler:
                 )
             devices.append(_device_blocks(req_id, group, block_ids[g][first_block:end_block]))
         req.planned_load = None  # only now: a call refused above leaves the offer standing
+        req.load_failed = False  # a new load: an earlier one's failure is reported already
         keys = [self._chunk_keys(req, first_chunk, end_chunk, g) for g in range(len(self.groups))]
         slots: list[npt.NDArray[np.int64]] = []
         if generation == self._generation:
@@ -435,7 +452,7 @@ class OffloadingScheduler:
                 slots = []
         if not slots:
             self.load_jobs_failed += len(self.groups)
-            req.load_failed = True
+            req.load_failed = req.offers_stopped = True
             self._finished.recving.add(req_id)
             self._finished.failed_loads.add(req_id)
             self._failed_blocks[req_id] = [b for d in devices for b in d.tolist()]
@@ -743,7 +760,7 @@ class OffloadingScheduler:
             last = req.jobs <= {spec.job_id}
             if spec.kind is JobKind.LOAD:
                 if not job.success:
-                    req.load_failed = True
+                    req.load_failed = req.offers_stopped = True
                     # A preempted request's blocks may hold other requests' KV by now; it
                     # recomputes its own tokens anyway, having lost them at the preemption.
                     # Kept per request until `take_finished`, as a failure at allocation is:

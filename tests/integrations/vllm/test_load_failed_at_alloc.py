@@ -102,7 +102,7 @@ def test_a_load_gone_before_its_deferred_allocation_comes_back_failed(
     assert side.scheduler.num_jobs_in_flight() == 0
     assert side.scheduler.num_requests() == 0
     assert side.manager.get_stats().pinned == 0
-    assert not (side._requests or side._loads or side._loading or side._load_failed)
+    assert not (side._requests or side._loads or side._loading)
     assert not side._failed_at_alloc
     assert not engine.worker.worker_side._jobs
     assert not sched.requests

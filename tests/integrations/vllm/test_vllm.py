@@ -77,7 +77,7 @@ def assert_no_leaks(engine: Engine) -> None:
     assert stats.pinned == 0 and stats.pending_writes == 0
     assert side.scheduler.num_jobs_in_flight() == 0
     assert side.scheduler.num_requests() == 0
-    assert not (side._requests or side._loads or side._loading or side._load_failed)
+    assert not (side._requests or side._loads or side._loading)
     assert not engine.worker.worker_side._jobs
     assert not engine.scheduler.requests
 

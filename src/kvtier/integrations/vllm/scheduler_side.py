@@ -93,9 +93,6 @@ class KVTierSchedulerSide:
         self._loads: dict[int, list[Any]] = {}  # job id -> [req id, reports left]
         self._loading: dict[str, int] = {}  # req id -> load jobs in flight
         self._held: list[str] = []
-        # Requests whose load failed: vLLM recomputes them, so kvtier must not offer the same
-        # chunks again (that would fail the same way, forever).
-        self._load_failed: set[str] = set()
         # Loads failed at allocation, for the next step's workers to report (request id ->
         # the device blocks the load would have filled).
         self._failed_at_alloc: dict[str, list[int]] = {}
@@ -158,8 +155,6 @@ class KVTierSchedulerSide:
             self._note_preemption(request)
             if not self.setup.rswa:
                 self._extend_lookup(request)
-        if self._load_failed and request.request_id in self._load_failed:
-            return 0, False
         # Prompt logprobs, or a pooling task over every token: vLLM computes the whole prompt
         # and drops any offer, which looked up would count as hits the tier never served.
         n = self.scheduler.get_num_new_matched_tokens(
@@ -207,7 +202,6 @@ class KVTierSchedulerSide:
         finished = self.scheduler.take_finished()
         if req_id in finished.failed_loads:
             self._failed_at_alloc[req_id] = sorted(finished.failed_load_blocks)
-            self._load_failed.add(req_id)
         else:
             self._unsent_loads.add(req_id)
 
@@ -267,10 +261,6 @@ class KVTierSchedulerSide:
             entry = self._loads.get(r.job_id)
             if entry is None:
                 continue
-            if not r.success and entry[0] in self._requests:
-                # Only a live request is offered hits again; one aborted during its load has
-                # had its request_finished, which would never drop the entry.
-                self._load_failed.add(entry[0])
             entry[1] -= 1
             if entry[1] == 0:
                 del self._loads[r.job_id]
@@ -292,7 +282,6 @@ class KVTierSchedulerSide:
             self._note_preemption(request)
             self._preemptions.pop(req_id, None)
             self._lookup_limits.pop(req_id, None)
-        self._load_failed.discard(req_id)
         if req_id in self._unsent_loads:
             # The scheduler drops the load no worker has seen, but vLLM, which planned it, frees
             # the request's blocks only once a worker reports the load ended: the workers
