@@ -273,13 +273,14 @@ class _HeldInterrupts:
 class KVTierGenerator:
     """Greedy generation for a transformers causal LM that reuses offloaded prefix blocks.
 
-    `config` sets the host pool (`cpu_bytes` or `num_slots`; default: 8 slots per device
-    block), the cache and admission policies, the hash and the transfer backend. `max_blocks`
-    device blocks must hold the longest prompt plus its reply; twice that lets a prompt start
-    while the previous one's stores still read its blocks. `namespace` identifies the model
-    (name, revision, dtype) so two models never share blocks. Prompts run one at a time, each
-    on a cache over its own run of consecutive blocks. `fault_injector` goes to the transfer
-    worker (tests make transfers fail with it). Use as a context manager, or call `close()`.
+    `config` sets the host pool (`cpu_bytes` or `num_slots`; default: room for 8 blocks per
+    device block, `8 * max_blocks // blocks_per_chunk` slots), the cache and admission policies,
+    the hash and the transfer backend. `max_blocks` device blocks must hold the longest prompt
+    plus its reply; twice that lets a prompt start while the previous one's stores still read
+    its blocks. `namespace` identifies the model (name, revision, dtype) so two models never
+    share blocks. Prompts run one at a time, each on a cache over its own run of consecutive
+    blocks. `fault_injector` goes to the transfer worker (tests make transfers fail with it).
+    Use as a context manager, or call `close()`.
     A model kvtier cannot serve exactly (not causal, ignoring its cache, recurrent, KV of
     another shape than its config says) is refused here with `ValueError` (docs/hf.md).
     """
