@@ -9,7 +9,9 @@ correct live here:
   returns True), and a preempted request's jobs are waited for before the next step;
 - a failed load is reported, so the engine recomputes instead of using the blocks, and the
   request is offered no hits again until the engine preempts it (one try per preemption);
-- after `reset_cache`, late completions of older jobs do not touch the manager.
+- after `reset_cache`, late completions of older jobs do not touch the manager's chunks;
+- the manager's policy hears of a request's end (`on_request_finished`) once the request has
+  no job left, so no call naming the request follows it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from __future__ import annotations
 import logging
 import operator
 import reprlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,6 +164,24 @@ def _group_ids(groups: object) -> tuple[int, ...]:
     raise ValueError(f"groups={groups!r} is invalid; {why}")
 
 
+@contextmanager
+def _policy_errors() -> Iterator[list[Exception]]:
+    """A list for the errors a cache policy raises as requests end during a batch of
+    completions: the first is raised once the batch is applied, the others are logged (all of
+    them, should the batch itself raise)."""
+    errors: list[Exception] = []
+    try:
+        yield errors
+    except BaseException:
+        for e in errors:
+            logger.error("kvtier: the cache policy failed to end a request", exc_info=e)
+        raise
+    for e in errors[1:]:
+        logger.error("kvtier: the cache policy failed to end a request", exc_info=e)
+    if errors:
+        raise errors[0]
+
+
 class OffloadingScheduler:
     """Plans transfers between an engine's device blocks and one offloading manager.
 
@@ -289,7 +310,11 @@ class OffloadingScheduler:
 
     def request_finished(self, req_id: str) -> bool:
         """The engine is done with a request. Returns True when its device blocks must be held
-        until the request appears in `take_finished().sending` (transfers still use them)."""
+        until the request appears in `take_finished().sending` (transfers still use them).
+
+        The reused prefix is touched now; the manager hears of the end (`on_request_finished`)
+        now if no job of the request is in flight, else when its last job completes. An error
+        from the policy propagates, with the request ended all the same."""
         req = self._get(req_id)
         if req.finished:
             raise ValueError(f"request {req_id!r} already finished")
@@ -306,7 +331,11 @@ class OffloadingScheduler:
                     if used:
                         self.manager.touch(used, req.ctx)
             finally:
-                self.manager.on_request_finished(req.ctx)
+                # With jobs in flight the policy hears of the end when the last one completes
+                # (`_complete`): their unpins and inserts carry this request's ctx, and a
+                # policy that counts a key once per request would count them again.
+                if not req.jobs:
+                    self.manager.on_request_finished(req.ctx)
         finally:
             # Even when a cache policy raised above (a plugin's bug): a finished request with
             # no job left was otherwise tracked for good, as nothing else ends it.
@@ -600,7 +629,11 @@ class OffloadingScheduler:
 
         A job leaves the jobs in flight only once all its effects are applied: should an
         interrupt (or a manager call that raises) stop this part-way, `fail_unreported`
-        finishes the jobs whose reports were all in and fails the reports not yet applied."""
+        finishes the jobs whose reports were all in and fails the reports not yet applied.
+        The exception is the cache policy raising as it ends a request whose last job
+        completed (`on_request_finished`, after every effect of that job): the whole batch is
+        applied first, then the first such error is raised (the others logged); no recovery
+        is needed."""
         self._check_worker(worker)
         results = list(results)
         seen: dict[int, int] = {}
@@ -617,19 +650,20 @@ class OffloadingScheduler:
                     f"job {r.job_id} reported {n} times; it waits for {job.reports_left} more"
                 )
             seen[r.job_id] = n
-        for r in results:
-            job = self._jobs[r.job_id]
-            # No call until the report is counted (`reporters.add` is the last step), so an
-            # interrupt cannot land part-way through it.
-            job.success = job.success and r.success
-            if r.success:
-                job.bytes += r.bytes
-                job.seconds += r.seconds
-            job.reports_left -= 1
-            if worker is not None:
-                job.reporters.add(worker)
-            if job.reports_left == 0:
-                self._complete(job)
+        with _policy_errors() as errors:
+            for r in results:
+                job = self._jobs[r.job_id]
+                # No call until the report is counted (`reporters.add` is the last step), so an
+                # interrupt cannot land part-way through it.
+                job.success = job.success and r.success
+                if r.success:
+                    job.bytes += r.bytes
+                    job.seconds += r.seconds
+                job.reports_left -= 1
+                if worker is not None:
+                    job.reporters.add(worker)
+                if job.reports_left == 0:
+                    self._complete(job, errors)
 
     def fail_unreported(self, worker: int | None = None) -> list[int]:
         """Count every report still missing from `worker` (every worker if None) as a failure,
@@ -644,7 +678,8 @@ class OffloadingScheduler:
         transfer worker waited for them and its results were applied): a store's slots become
         reusable at once. Jobs not yet sent in a `StepMetadata` are left alone; a later report
         of a job failed here is refused as not in flight. With several workers, naming one needs the
-        reports so far to have named theirs (`on_worker_results(..., worker=i)`)."""
+        reports so far to have named theirs (`on_worker_results(..., worker=i)`). An error
+        the cache policy raises as it ends a request waits for every owed job, as there."""
         self._check_worker(worker)
         owed: list[tuple[_Job, int]] = []
         for job in self._jobs.values():
@@ -666,15 +701,16 @@ class OffloadingScheduler:
             if worker not in job.reporters and job.reports_left:
                 owed.append((job, 1))
         done: list[int] = []
-        for job, n in owed:
-            if n:
-                job.success = False
-                job.reports_left -= n
-                if worker is not None:
-                    job.reporters.add(worker)
-            if job.reports_left == 0:
-                done.append(job.spec.job_id)
-                self._complete(job)
+        with _policy_errors() as errors:
+            for job, n in owed:
+                if n:
+                    job.success = False
+                    job.reports_left -= n
+                    if worker is not None:
+                        job.reporters.add(worker)
+                if job.reports_left == 0:
+                    done.append(job.spec.job_id)
+                    self._complete(job, errors)
         return done
 
     def take_finished(self) -> FinishedRequests:
@@ -698,11 +734,14 @@ class OffloadingScheduler:
         if self._jobs_before_reset == 0:
             self.manager.on_reset_flushed()
 
-    def _complete(self, job: _Job) -> None:
+    def _complete(self, job: _Job, errors: list[Exception]) -> None:
         """Apply a job whose reports are all in, then drop it from the jobs in flight.
 
         Resumable: an interrupt part-way (or a manager call that raises, which changes nothing)
-        leaves the job in flight, and calling this again applies only what is left."""
+        leaves the job in flight, and calling this again applies only what is left. The last
+        job of a finished request ends it in the manager's policy once the job is dropped; an
+        error from that call goes to `errors`, for the caller to raise once its batch is
+        applied."""
         spec = job.spec
         if not job.applied:
             old = job.generation != self._generation
@@ -753,6 +792,7 @@ class OffloadingScheduler:
                     spec.req_id,
                 )
         req = self._requests.get(spec.req_id)
+        ended: ReqContext | None = None
         if req is not None:
             # The job leaves `req.jobs` last: until then the request has a job in flight, so
             # no new job of it starts before this one's effects are all applied. Every step
@@ -780,10 +820,20 @@ class OffloadingScheduler:
             if last and req.finished:
                 self._finished.sending.add(spec.req_id)
                 del self._requests[spec.req_id]
+                ended = req.ctx
             else:
                 req.jobs.discard(spec.job_id)
                 req.released_jobs.discard(spec.job_id)  # after: a rerun must still see it
         del self._jobs[spec.job_id]
+        if ended is not None:
+            # Last, with the scheduler's state complete: a rerun after an interrupt here finds
+            # neither job nor request, so the policy hears of the end at most once. A policy
+            # error waits for the rest of the batch, which a raise here would leave unapplied
+            # and `fail_unreported` would then fail, though every transfer succeeded.
+            try:
+                self.manager.on_request_finished(ended)
+            except Exception as e:
+                errors.append(e)
 
     # -- helpers ------------------------------------------------------------------------------
 

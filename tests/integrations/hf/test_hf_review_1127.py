@@ -148,20 +148,47 @@ def _raise_once(obj: Any, name: str) -> list[bool]:
     return armed
 
 
-@pytest.mark.parametrize("method", ["on_request_finished", "touch"])
-def test_a_policy_raising_as_the_request_ends_frees_its_blocks(model: Any, method: str) -> None:
+def _hold_reports_from_the_end(gen: KVTierGenerator) -> list[bool]:
+    """Hold the worker's reports from the next request's end until the flag is cleared, so
+    its stores are still in flight when `generate_one` returns."""
+    held = [False]
+    finished, get = gen.scheduler.request_finished, gen.worker.get_finished
+
+    def request_finished(req_id: str) -> bool:
+        held[0] = True
+        return finished(req_id)
+
+    gen.scheduler.request_finished = request_finished  # type: ignore[method-assign]
+    gen.worker.get_finished = lambda: [] if held[0] else get()  # type: ignore[method-assign]
+    return held
+
+
+@pytest.mark.parametrize(
+    ("method", "late"), [("on_request_finished", False), ("on_request_finished", True),
+                         ("touch", False)]
+)  # fmt: skip
+def test_a_policy_raising_as_the_request_ends_frees_its_blocks(
+    model: Any, method: str, late: bool
+) -> None:
     """The cache policy raises inside `request_finished` (its `touch` of the reused prefix,
     or `on_request_finished`) with the request's stores in flight. Before: the request's
     blocks were neither held nor freed, the stores' `sending` report then raised KeyError in
-    every `flush()`, and a prompt needing those blocks failed for good."""
+    every `flush()`, and a prompt needing those blocks failed for good. The connector ends a
+    request in the policy when its last store completes: inside `generate_one`, or (`late`)
+    in the `flush` that completes stores still running when it returned."""
     first = _ids(30, 1)
     prompt = torch.cat([first, _ids(10, 2)])  # reuses `first`'s 7 blocks, stores 2 more
     with KVTierGenerator(model, block_size=BS, max_blocks=16) as gen:
         gen.generate_one(first, 2)
         gen.flush()
         armed = _raise_once(gen.manager, method)
+        held = _hold_reports_from_the_end(gen) if late else [False]
         with pytest.raises(RuntimeError, match=f"{method} failed"):
             gen.generate_one(prompt, 2)
+            if late:
+                assert armed  # not called yet: the stores are in flight
+                held[0] = False
+            gen.flush()
         assert not armed
         assert_generator_clean(gen)
         result = gen.generate_one(prompt, 2)
