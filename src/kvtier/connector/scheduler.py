@@ -319,17 +319,19 @@ class OffloadingScheduler:
         if req.finished:
             raise ValueError(f"request {req_id!r} already finished")
         req.finished = True
-        self._cancel_unsent(req)
         # Commit the request's use of the prefix it reused at its end (tail before head, so the
         # head is the most recent). Chunks it only stored are not uses: a frequency-aware
         # policy such as ARC would otherwise count every new chunk as reused.
         try:
             try:
-                for g in range(len(self.groups)):
-                    n = min(req.reused_chunks, self._num_chunks(req))
-                    used = self._chunk_keys(req, 0, n, g)
-                    if used:
-                        self.manager.touch(used, req.ctx)
+                try:
+                    self._cancel_unsent(req)
+                finally:
+                    for g in range(len(self.groups)):
+                        n = min(req.reused_chunks, self._num_chunks(req))
+                        used = self._chunk_keys(req, 0, n, g)
+                        if used:
+                            self.manager.touch(used, req.ctx)
             finally:
                 # With jobs in flight the policy hears of the end when the last one completes
                 # (`_complete`): their unpins and inserts carry this request's ctx, and a
@@ -354,19 +356,23 @@ class OffloadingScheduler:
         allocation) and is not yet taken (`take_finished`); the request is still reported in
         `recving` and `failed_loads`."""
         req = self._get(req_id)
-        self._cancel_unsent(req)
-        # Every job left was sent; no new one starts for the request until they end.
-        req.released_jobs.update(req.jobs)
-        self._failed_blocks.pop(req_id, None)
-        # Readmitted, it is offered hits again, even after a failed load; one that fails
-        # after this (among the jobs waited for) stops the offers until the next preemption.
-        req.offers_stopped = False
-        self._wait_for.extend(sorted(req.jobs))
-        req.planned_load = None
-        # Readmitted, it offers every chunk again (as vLLM's connector does): one turned away
-        # for room or by admission, or evicted since, gets another chance; held ones are
-        # skipped by the manager. A load on readmission moves the start past what it loads.
-        req.next_store_chunk = 0
+        try:
+            self._cancel_unsent(req)
+        finally:
+            # Even when a cache policy raised there: the preemption is the engine's fact.
+            # Every job left was sent; no new one starts for the request until they end.
+            req.released_jobs.update(req.jobs)
+            self._failed_blocks.pop(req_id, None)
+            # Readmitted, it is offered hits again, even after a failed load; one that fails
+            # after this (among the jobs waited for) stops the offers until the next preemption.
+            req.offers_stopped = False
+            self._wait_for.extend(sorted(req.jobs))
+            req.planned_load = None
+            # Readmitted, it offers every chunk again (as vLLM's connector does): one turned
+            # away for room or by admission, or evicted since, gets another chance; held ones
+            # are skipped by the manager. A load on readmission moves the start past what it
+            # loads.
+            req.next_store_chunk = 0
 
     # -- loads --------------------------------------------------------------------------------
 
@@ -885,23 +891,37 @@ class OffloadingScheduler:
         self._unsent.append(job)
 
     def _cancel_unsent(self, req: _Request) -> None:
-        """Drop jobs of `req` that no worker has seen yet: they free their pins and slots now."""
-        keep = []
-        for job in self._unsent:
-            if job.req_id != req.ctx.req_id:
-                keep.append(job)
-                continue
+        """Drop jobs of `req` that no worker has seen yet: they free their pins and slots now.
+
+        Each job leaves the scheduler before its manager call: a call that raises (a cache
+        policy's bug) left the job in `_unsent` but not in flight, and the next step's
+        metadata raised KeyError. The first such error is raised once every job is dropped
+        (that call's pins stay taken: those chunks are never evicted)."""
+        req_id = req.ctx.req_id
+        mine = [job for job in self._unsent if job.req_id == req_id]
+        if not mine:
+            return
+        self._unsent = [job for job in self._unsent if job.req_id != req_id]
+        error: Exception | None = None
+        for job in mine:
             record = self._jobs.pop(job.job_id)
             req.jobs.discard(job.job_id)
-            if record.generation != self._generation:
-                self._jobs_before_reset -= 1
-                if self._jobs_before_reset == 0:
-                    self.manager.on_reset_flushed()
-            elif job.kind is JobKind.LOAD:
-                self.manager.complete_load(record.keys, req.ctx)
-            else:
-                self.manager.complete_store(record.keys, req.ctx, success=False)
-        self._unsent = keep
+            try:
+                if record.generation != self._generation:
+                    self._jobs_before_reset -= 1
+                    if self._jobs_before_reset == 0:
+                        self.manager.on_reset_flushed()
+                elif job.kind is JobKind.LOAD:
+                    self.manager.complete_load(record.keys, req.ctx)
+                else:
+                    self.manager.complete_store(record.keys, req.ctx, success=False)
+            except Exception as e:
+                if error is not None:
+                    logger.error("kvtier: cancelling job %d failed", job.job_id, exc_info=e)
+                else:
+                    error = e
+        if error is not None:
+            raise error
 
     # -- introspection ------------------------------------------------------------------------
 
