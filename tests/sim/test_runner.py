@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import pytest
 
@@ -118,7 +119,8 @@ def test_request_contexts_are_built_once_before_the_fork(make_trace: Callable[..
 
 def test_jobs_are_checked(make_trace: Callable[..., Trace]) -> None:
     trace = make_trace(1)
-    for jobs in (0, -2):
+    jobs: Any
+    for jobs in (0, -2, True, 2.0):  # True ran as one job, 2.0 as two
         with pytest.raises(ValueError, match=f"jobs={jobs} is invalid"):
             map_trace(trace, advise, [("lru", 0.1, ReplayOptions(), 1)], jobs=jobs)
     assert map_trace(trace, advise, [], jobs=4) is None  # nothing to fork for

@@ -332,9 +332,8 @@ def map_trace(
     `Terminated`. A worker dies with this process, even one killed outright (Linux). `on_done`
     is called in this thread as each call finishes.
     """
-    if jobs < 1:
-        raise ValueError(f"jobs={jobs} is invalid; expected >= 1")
-    jobs = min(jobs, len(arg_lists))
+    # A bool (True ran as one job) or a float is a caller's mistake, not a count.
+    jobs = min(checked_int("jobs", jobs), len(arg_lists))
     if jobs <= 1 or not _fork_available():
         return None
     global _SHARED_TRACE
