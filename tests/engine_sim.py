@@ -185,3 +185,14 @@ class Engine:
         """Wait for every submitted job and collect the results."""
         self.transfer.wait(range(1, self.scheduler._next_job_id + 1))
         self.collect()
+
+
+def assert_clean(e: Engine) -> None:
+    """No pin, no pending write, no job, no held block, nothing leaked, no wrong byte."""
+    e.drain()
+    stats = e.manager.get_stats()
+    assert (stats.pinned, stats.pending_writes) == (0, 0)
+    assert e.scheduler.num_jobs_in_flight() == 0
+    assert not e.held
+    assert stats.used_slots == stats.ready
+    assert e.load_mismatches == 0

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from engine_sim import TOKENS_PER_BLOCK, Engine, Request, block_hashes
+from engine_sim import TOKENS_PER_BLOCK, Engine, Request, assert_clean, block_hashes
 from helpers import FakeTransfer
 from kvtier.base import LookupResult, ReqContext, TransferResult, make_offload_key
 from kvtier.connector import OffloadingScheduler, OffloadingWorker, StepProgress, TransferJob
@@ -24,17 +24,6 @@ def engine() -> Iterator[Engine]:
     e = Engine()
     yield e
     e.close()
-
-
-def assert_clean(e: Engine) -> None:
-    """No pin, no pending write, no job, no held block, nothing leaked, no wrong byte."""
-    e.drain()
-    stats = e.manager.get_stats()
-    assert (stats.pinned, stats.pending_writes) == (0, 0)
-    assert e.scheduler.num_jobs_in_flight() == 0
-    assert not e.held
-    assert stats.used_slots == stats.ready
-    assert e.load_mismatches == 0
 
 
 def stored_events(m: CPUOffloadingManager) -> set[bytes]:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from engine_sim import TOKENS_PER_BLOCK, Engine, Request, block_hashes
+from engine_sim import TOKENS_PER_BLOCK, Engine, Request, assert_clean, block_hashes
 from kvtier.base import TransferResult
 from kvtier.connector import OffloadingScheduler, StepMetadata, StepProgress
 from kvtier.cpu import CPUOffloadingManager
@@ -40,16 +40,6 @@ def _load_jobs(e: Engine) -> int:
     return sum(direction == "load" for _, direction in e.gate.started)
 
 
-def _assert_clean(e: Engine) -> None:
-    e.drain()
-    stats = e.manager.get_stats()
-    assert stats.pinned == 0
-    assert stats.pending_writes == 0
-    assert e.scheduler.num_jobs_in_flight() == 0
-    assert not e.held
-    assert e.load_mismatches == 0
-
-
 def test_preempted_after_a_failed_load_reloads_its_chunks_byte_exact(engine: Engine) -> None:
     e = engine
     _store_prefix(e)
@@ -74,7 +64,7 @@ def test_preempted_after_a_failed_load_reloads_its_chunks_byte_exact(engine: Eng
     assert e.loaded_blocks == len(b.hashes)  # every loaded block checked byte for byte
     assert e.load_mismatches == 0
     e.finish("b")
-    _assert_clean(e)
+    assert_clean(e)
 
 
 def test_a_load_that_always_fails_is_retried_once_per_preemption(engine: Engine) -> None:
@@ -98,7 +88,7 @@ def test_a_load_that_always_fails_is_retried_once_per_preemption(engine: Engine)
         assert e.admit(b) == len(b.hashes) * TOKENS_PER_BLOCK
     e.gate.fail_directions.clear()
     e.finish("b")
-    _assert_clean(e)
+    assert_clean(e)
     assert e.loaded_blocks == 0  # no failed load was ever served
 
 

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator
 
 import pytest
 
-from engine_sim import TOKENS_PER_BLOCK, Engine, Request, block_hashes
+from engine_sim import TOKENS_PER_BLOCK, Engine, Request, assert_clean, block_hashes
 from kvtier.base import OffloadKey, ReqContext, TransferResult, make_offload_key
 from kvtier.connector import OffloadingScheduler, StepProgress
 from kvtier.cpu import CPUOffloadingManager
@@ -30,18 +30,6 @@ def run_to_completion(e: Engine, req: Request) -> None:
     e.step()
     e.drain()
     assert not e.finish(req.req_id)
-
-
-def assert_clean(e: Engine) -> None:
-    """No pin, no pending write, no job, no held block, nothing leaked."""
-    e.drain()
-    stats = e.manager.get_stats()
-    assert stats.pinned == 0
-    assert stats.pending_writes == 0
-    assert e.scheduler.num_jobs_in_flight() == 0
-    assert not e.held
-    assert stats.used_slots == stats.ready
-    assert e.load_mismatches == 0
 
 
 @pytest.mark.parametrize(
