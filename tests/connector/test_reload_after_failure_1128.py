@@ -179,3 +179,38 @@ def test_a_load_failing_after_the_preemption_waits_for_the_next_one() -> None:
     assert (done.recving, done.failed_loads) == ({"b"}, set())
     assert not s.request_finished("b")
     assert s.manager.get_stats().pinned == 0
+
+
+def test_an_untaken_successful_load_report_holds_back_the_next_offer() -> None:
+    """A load succeeds, its report is not taken, the request is preempted and asks again. An
+    offer then would plan a second load while the first one's `recving` report is still due:
+    the engine would take that report as the second load's and read blocks still being
+    written. No offer until the report is taken; then the reload is planned as usual."""
+    s = _scheduler((0,))
+    hashes = block_hashes("p", 2)
+    s.add_request("a", hashes, 2 * TPB + 1)
+    assert s.get_num_new_matched_tokens("a", 0) == 0
+    _report(s, s.build_step_metadata([StepProgress("a", [[0, 1, 2]], 2 * TPB + 1)]), {0: True})
+    assert not s.request_finished("a")
+    s.take_finished()
+
+    s.add_request("b", hashes, 2 * TPB + 1)
+    n = s.get_num_new_matched_tokens("b", 0)
+    assert n == 2 * TPB
+    s.update_state_after_alloc("b", [[3, 4, 5]], n)
+    _report(s, s.build_step_metadata(), {0: True})  # the load succeeds; no take_finished
+    s.request_preempted("b")
+    assert s.get_num_new_matched_tokens("b", 0) == 0
+    assert s.num_jobs_in_flight() == 0  # nothing planned behind the engine's back
+    done = s.take_finished()
+    assert (done.recving, done.failed_loads) == ({"b"}, set())
+
+    n = s.get_num_new_matched_tokens("b", 0)
+    assert n == 2 * TPB
+    s.update_state_after_alloc("b", [[6, 7, 8]], n)
+    meta = s.build_step_metadata()
+    assert s.take_finished().recving == set()  # nothing reported while the reload runs
+    _report(s, meta, {0: True})
+    assert s.take_finished().recving == {"b"}
+    assert not s.request_finished("b")
+    assert s.manager.get_stats().pinned == 0

@@ -385,8 +385,8 @@ class OffloadingScheduler:
         request's own earlier transfers are still in flight. `read=False` is for a request
         that must compute its whole prompt (prompt logprobs): 0 once its transfers are done,
         and nothing is looked up, so the tier counts no hits it did not serve. After a failed
-        load it is 0 until the request is preempted, and until `take_finished` has reported
-        the failure.
+        load it is 0 until the request is preempted; after any load, until `take_finished` has
+        reported it.
         """
         req = self._get(req_id)
         # A negative count would index chunks from the end of the request.
@@ -396,9 +396,11 @@ class OffloadingScheduler:
             return None
         if req.offers_stopped or not read:
             return 0
-        if req.load_failed and req_id in self._finished.recving:
-            # The failure is not yet taken (`take_finished`): the engine would read it as the
-            # report of a load planned now, and use that load's blocks while it still writes.
+        if req_id in self._finished.recving:
+            # An earlier load's report (failed or not) is not yet taken (`take_finished`): the
+            # engine would read it as the report of a load planned now, and use that load's
+            # blocks while it still writes. No offer, rather than "ask again", so an engine
+            # that takes reports only after its lookups never waits on itself.
             return 0
         tpc = self.tokens_per_chunk
         first_chunk = num_computed_tokens // tpc
