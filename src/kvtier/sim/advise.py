@@ -39,9 +39,10 @@ def advise(
 ) -> Advice:
     """Bisect the capacity (blocks) at which `policy` first reaches `target` block hit ratio.
 
-    Assumes the hit ratio grows with capacity, which holds for LRU and OPT (stack algorithms)
-    and holds closely, though not provably, for the others. The answer is exact to within
-    `resolution` blocks, rounded up.
+    Assumes the hit ratio grows with capacity, which holds for OPT and for LRU offered every
+    miss at once without reuse admission (stack algorithms), and holds closely, though not
+    provably, otherwise: LRU storing on device eviction or admitting on reuse can hit a few
+    blocks less with more room. The answer is exact to within `resolution` blocks, rounded up.
     """
     if resolution < 1:
         raise ValueError(f"resolution={resolution} is invalid; expected >= 1 block")

@@ -272,7 +272,10 @@ def _check_output_path(flag: str, name: str) -> None:
     if not parent.is_dir():
         what = "is not a directory" if parent.exists() else "does not exist"
         raise ValueError(f"{flag}={name!r} is invalid; {link}{str(parent)!r} {what}")
-    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+    # Creating a file needs a directory that can be written; replacing one, only the file:
+    # `--csv /dev/null` was refused for every user but root, as /dev is root's.
+    exists = path.exists()
+    if not os.access(path if exists else parent, os.W_OK if exists else os.W_OK | os.X_OK):
         raise ValueError(f"{flag}={name!r} is invalid; it is not writable")
     if flag == "--plot":
         try:
@@ -295,18 +298,31 @@ def _stdout_as_dash(name: str | None) -> str | None:
 def _check_distinct_outputs(outputs: tuple[tuple[str, str | None], ...]) -> None:
     """Refuse two outputs to one place: JSON then CSV on stdout is neither, and a file
     written twice keeps only the second."""
-    seen: dict[str, str] = {}
+    seen: dict[object, tuple[str, str]] = {}
     for flag, name in outputs:
         if name is None:
             continue
-        place = name if name == "-" else os.path.realpath(name)
+        place = name if name == "-" else _file_place(name)
         if place in seen:
+            first_flag, first_name = seen[place]
             where = "stdout ('-')" if name == "-" else repr(name)
+            if first_name != name and name != "-":
+                where += f" (the same file as {first_name!r})"
             raise ValueError(
-                f"{seen[place]} and {flag} both write to {where}; expected a place of its own "
+                f"{first_flag} and {flag} both write to {where}; expected a place of its own "
                 "for each"
             )
-        seen[place] = flag
+        seen[place] = (flag, name)
+
+
+def _file_place(name: str) -> object:
+    """The file `name` writes to: an existing file by its identity, so that two hard links to
+    it are one place (the second output replaced the first), else by its resolved path."""
+    try:
+        st = os.stat(name)
+    except OSError:
+        return os.path.realpath(name)
+    return (st.st_dev, st.st_ino)
 
 
 def _check_not_the_trace(trace: Path, outputs: tuple[tuple[str, str | None], ...]) -> None:

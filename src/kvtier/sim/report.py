@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from rich.cells import cell_len
+from rich.markup import escape
 from rich.table import Table
 
 from kvtier.sim.advise import Advice
@@ -67,7 +68,9 @@ def results_table(
     ratios = of_opt(results)
     has_opt = any(r.policy == "opt" for r in results)
     engine = any(r.mode == "engine" for r in results)
-    table = Table(title=title or None, show_lines=False)
+    # The title names the trace, whose file name is text, not markup: `run[v2].jsonl` was
+    # shown as `run.jsonl`.
+    table = Table(title=escape(title) if title else None, show_lines=False)
     table.add_column("policy")
     table.add_column("capacity", justify="right")
     table.add_column("% uniq", justify="right")
@@ -180,19 +183,26 @@ def plot_miss_ratio(results: Sequence[RunResult], path: str | Path, *, title: st
     ax = fig.subplots()
     infinite = [r for r in results if r.policy == "infinite"]
     policies = dict.fromkeys(r.policy for r in results if r.policy != "infinite")
+    lines: list[Any] = []
     for policy in policies:
         pts = sorted(
             (100 * r.capacity_frac, 1 - r.block_hit_ratio) for r in results if r.policy == policy
         )
         style = "--" if policy == "opt" else "-"
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=policy)
+        lines += ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=policy)
     if infinite:
-        ax.axhline(1 - infinite[0].block_hit_ratio, color="grey", linestyle=":", label="infinite")
+        miss = 1 - infinite[0].block_hit_ratio
+        lines.append(ax.axhline(miss, color="grey", linestyle=":", label="infinite"))
     ax.set_xlabel("capacity (% of the trace's unique blocks)")
     ax.set_ylabel("block miss ratio")
-    ax.set_title(title or "miss-ratio curve", fontsize=10)
+    # The title names the trace, whose file name is text: as mathtext (`a$^$.jsonl`) or with
+    # bytes that are not UTF-8 (surrogate escapes) it failed the save after every replay.
+    text = (title or "miss-ratio curve").encode("utf-8", "replace").decode("utf-8")
+    ax.set_title(text, fontsize=10, parse_math=False)
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    # Named explicitly: from the axes, legend() leaves out a label that starts with "_", as a
+    # policy spec may (`_mine:Fifo`), and that policy's line was drawn unnamed.
+    ax.legend(lines, [line.get_label() for line in lines])
     fig.tight_layout()
     # The canvas for `fmt` is picked per call: no backend is set for the process.
     fig.savefig(path, dpi=120, format=fmt)
