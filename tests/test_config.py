@@ -222,6 +222,17 @@ def test_vllm_aliases_are_not_kvtier_keys() -> None:
         KVTierConfig.from_dict({"cpu_bytes_to_use": 1})
 
 
+def test_vllm_unknown_key_lists_every_key_vllm_may_pass() -> None:
+    """vLLM's spec_name and spec_module_path are accepted (and ignored): the list of the keys
+    expected, in the error for an unknown one, names them too."""
+    with pytest.raises(ConfigError, match="unknown key") as info:
+        KVTierConfig.from_vllm_extra_config({"nope": 1})
+    expected = str(info.value).split("expected one of: ")[1].split(", ")
+    for key in ("spec_name", "spec_module_path", "cpu_bytes_to_use", "cache_policy"):
+        assert key in expected
+    KVTierConfig.from_vllm_extra_config({"spec_name": "X", "spec_module_path": "m"})
+
+
 def test_non_string_key_in_file(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("1: 2\n")

@@ -547,7 +547,8 @@ def _field_for(
         name = key
         known = list(_PARSERS)
         if source == _VLLM_SOURCE:
-            known += [*_VLLM_ALIASES, _VLLM_MODULE_PATH]
+            # The routing keys too: accepted (and ignored), so a list without them misleads.
+            known += [*_VLLM_ALIASES, _VLLM_MODULE_PATH, *sorted(_VLLM_ROUTING_KEYS)]
     if name not in _PARSERS:
         close = difflib.get_close_matches(
             key.upper() if source == "environment" else key, known, n=1
