@@ -26,7 +26,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, TypedDict
 
-from _cli import progress, require_writable
+from _cli import progress, require_distinct, require_writable
 from kvtier.policies import registered_policies
 from policy_hit_ratios import FRACTIONS, as_trace, replay
 from policy_stress import ChainIds
@@ -262,6 +262,7 @@ def main() -> None:
     unknown = [n for n in names if n not in registered_policies()]
     if unknown or "lru" not in names:
         parser.error(f"--policies={args.policies!r}: expected registered policies including lru")
+    require_distinct(parser, "--policies", names)
     if args.jobs < 1:
         parser.error(f"--jobs={args.jobs} is invalid; expected >= 1")
     require_writable(parser, args.json)

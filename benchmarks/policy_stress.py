@@ -19,7 +19,7 @@ from collections.abc import Hashable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from _cli import require_writable
+from _cli import require_distinct, require_writable
 from kvtier.policies import registered_policies
 from policy_hit_ratios import as_trace, replay
 
@@ -121,6 +121,7 @@ def main() -> None:
     unknown = [n for n in names if n not in registered_policies()]
     if unknown or "lru" not in names:
         parser.error(f"--policies={args.policies!r}: expected registered policies including lru")
+    require_distinct(parser, "--policies", names)
     require_writable(parser, args.json)
     rows: list[dict[str, Any]] = []
     print(f"{'workload':<20}{'blocks':>7}" + "".join(f"{n:>9}" for n in names) + "  kv-lru")

@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from _cli import int_list, positive_int, require_file, require_writable
+from _cli import int_list, positive_int, require_distinct, require_file, require_writable
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.policies import registered_policies
 from kvtier.policies.base import CachePolicy
@@ -73,6 +73,7 @@ def main() -> None:
     unknown = sorted(set(policies) - set(known))
     if unknown:
         ap.error(f"unknown policies {unknown}; expected some of {known}")
+    require_distinct(ap, "--policies", policies)
     require_writable(ap, args.json, inputs=args.traces)
     for path in args.traces:
         require_file(ap, "trace", path)

@@ -408,3 +408,16 @@ def test_a_policy_named_twice_is_refused(
     last = refused_argv(main, full, monkeypatch, capsys).strip().splitlines()[-1]
     twice = "['opt']" if script == "sim_speed" else "['lru']"
     assert last == f"{script}.py: error: --policies: {twice} given twice; expected each name once"
+
+
+@pytest.mark.parametrize("script", ["policy_windows", "policy_stress", "policy_fuzz"])
+def test_the_policy_labs_refuse_a_policy_named_twice(
+    script: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Accepted before: each of its rows (or cells) was replayed and printed twice."""
+    module = importlib.import_module(script)
+    argv = [f"{script}.py", "--policies", "lru,kvaware,lru"]
+    if script == "policy_windows":
+        argv.append(str(_trace(tmp_path / "t.jsonl")))
+    last = refused_argv(module.main, argv, monkeypatch, capsys).strip().splitlines()[-1]
+    assert last == f"{script}.py: error: --policies: ['lru'] given twice; expected each name once"
