@@ -177,6 +177,9 @@ def test_a_cache_policy_plugin_cannot_evict_what_it_must_not(wrong: Any, match: 
     with pytest.raises(ValueError, match=match) as info:
         m.prepare_store([key(4)], ReqContext("b"))
     assert "_Evicts" in str(info.value) and "expected 1 distinct ready keys" in str(info.value)
+    # The policy by its class's name, not object's repr with an address.
+    assert f"cache policy {__name__}._Evicts " in str(info.value)
+    assert " object at 0x" not in str(info.value)
     assert (dict(m._slot_of), list(m._ref), m.get_stats()) == before
     out = m.prepare_store([key(4)], ReqContext("b"))  # key 1 is still evictable
     assert out is not None and out.evicted_keys == [key(1)]

@@ -53,6 +53,15 @@ def _key_str(key: object) -> str:
     return key.hex() if isinstance(key, bytes) else repr(key)
 
 
+def _policy_str(policy: object) -> str:
+    """A policy for an error message: its own repr if it has one, else its class's full name
+    (object's repr adds an address that tells the reader nothing)."""
+    cls = type(policy)
+    if cls.__repr__ is not object.__repr__:
+        return repr(policy)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def _not_bytes(key: object) -> TypeError:
     return TypeError(f"offload keys are bytes; got {type(key).__name__} {key!r}")
 
@@ -540,8 +549,8 @@ class CPUOffloadingManager(OffloadingManager):
             if left != held:
                 self._restore_candidates()
                 raise ValueError(
-                    f"cache policy {policy!r} returned None (no room) but went from {held} "
-                    f"candidates to {left}; expected None to change nothing"
+                    f"cache policy {_policy_str(policy)} returned None (no room) but went from "
+                    f"{held} candidates to {left}; expected None to change nothing"
                 )
             return None
         checked = self._checked_victims(victims, n, protected)
@@ -552,8 +561,8 @@ class CPUOffloadingManager(OffloadingManager):
             # later evict would name). Refused before anything is evicted, the dropped put back.
             self._restore_candidates()
             raise ValueError(
-                f"cache policy {policy!r} returned {n} victims but went from {held} candidates "
-                f"to {left}; expected {held - n}"
+                f"cache policy {_policy_str(policy)} returned {n} victims but went from {held} "
+                f"candidates to {left}; expected {held - n}"
             )
         return checked
 
@@ -599,8 +608,8 @@ class CPUOffloadingManager(OffloadingManager):
         # What it returned, or what it took out and returned something else for.
         self._restore_candidates()
         raise ValueError(
-            f"cache policy {self._policy!r} {why}; expected {n} distinct ready keys of the tier, "
-            "none pinned, being written or protected"
+            f"cache policy {_policy_str(self._policy)} {why}; expected {n} distinct ready keys of "
+            "the tier, none pinned, being written or protected"
         )
 
     def _checked_admitted(self, admitted: object, new: list[OffloadKey]) -> list[OffloadKey]:
@@ -608,15 +617,15 @@ class CPUOffloadingManager(OffloadingManager):
         # leaks, and the counts go negative.
         if not isinstance(admitted, (list, tuple)):
             raise TypeError(
-                f"admission policy {self._admission!r} returned {type(admitted).__name__} "
-                f"{admitted!r:.80}; expected a list of offered keys"
+                f"admission policy {_policy_str(self._admission)} returned "
+                f"{type(admitted).__name__} {admitted!r:.80}; expected a list of offered keys"
             )
         offered = set(new)
         seen: set[OffloadKey] = set()
         for key in admitted:
             if key not in offered or key in seen:
                 raise ValueError(
-                    f"admission policy {self._admission!r} returned {key!r}, which was "
+                    f"admission policy {_policy_str(self._admission)} returned {key!r}, which was "
                     f"{'returned twice' if key in seen else 'not offered'}; expected a subset "
                     "of the offered keys absent from the tier, each once"
                 )
