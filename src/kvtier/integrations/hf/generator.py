@@ -22,7 +22,7 @@ import operator
 import signal
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -110,8 +110,11 @@ def _unconvertible(prompt: object) -> Exception:
                 )
     return TypeError(
         f"prompt {prompt!r:.80} is not a list or tensor of token ids; expected one prompt's "
-        "integer token ids"
+        f"integer token ids{_MAPPING_HINT if isinstance(prompt, Mapping) else ''}"
     )
+
+
+_MAPPING_HINT = " (for a tokenizer's output, pass its ['input_ids'])"
 
 
 def _bool_id(items: Sequence[object]) -> tuple[int, object] | None:
@@ -190,7 +193,8 @@ def _prompt_ids(prompt: Sequence[int] | torch.Tensor) -> torch.Tensor:
 
 
 def _active_dropout(model: Any) -> str | None:
-    """The first module that drops activations at random as the model runs now, if any.
+    """The first module that drops (or jitters) activations at random as the model runs
+    now, if any.
 
     A model built from a config (not `from_pretrained`) is in training mode, and GPT-2's
     dropout (0.1) is then active: its KV would be noise, stored for every later prompt with
@@ -205,9 +209,11 @@ def _active_dropout(model: Any) -> str | None:
         # Most models apply dropout functionally, `F.dropout(x, p=self.dropout,
         # training=self.training)`, with the rate a plain float attribute: OPT, XGLM and
         # BioGPT (0.1 by default) have no Dropout module at all; sdpa's `attention_dropout`,
-        # MPT's `attn_dropout_p`, BioGPT's `layerdrop` (skips whole layers) likewise.
+        # MPT's `attn_dropout_p`, BioGPT's `layerdrop` (skips whole layers) likewise. MoE
+        # routers jitter their input only in training mode (Mixtral's and MiniMax's
+        # `jitter_noise`, DBRX's `moe_jitter_eps`), PhiMoE's also samples its experts.
         for attr, rate in vars(module).items():
-            if "drop" in attr and isinstance(rate, float) and rate > 0:
+            if ("drop" in attr or "jitter" in attr) and isinstance(rate, float) and rate > 0:
                 return f"{name or type(module).__name__} ({attr}={rate})"
     # Falcon reads its residual dropout from the config in the forward pass.
     config = getattr(model, "config", None)
@@ -215,6 +221,28 @@ def _active_dropout(model: Any) -> str | None:
         rate = getattr(config, attr, None)
         if isinstance(rate, float) and rate > 0:
             return f"{type(model).__name__} (config.{attr}={rate})"
+    return None
+
+
+def _check_module(model: object) -> None:
+    """Refuse a model that is not a torch module, naming what it is."""
+    if not isinstance(model, torch.nn.Module):
+        # A model name or a config failed on a bare "has no attribute 'parameters'".
+        what = f"a {type(model).__name__}"
+        if model is None or isinstance(model, str):  # a config's repr runs to many lines
+            what = f"{model!r:.80} (type {type(model).__name__})"
+        raise TypeError(
+            f"model is {what}; expected a transformers causal LM, a torch.nn.Module (e.g. "
+            "AutoModelForCausalLM.from_pretrained(...))"
+        )
+
+
+def _checkpointing_layer(model: Any) -> str | None:
+    """The first layer that gradient checkpointing makes run without the cache, if any (a
+    layer checkpoints only in training mode)."""
+    for name, module in model.named_modules():
+        if module.training and getattr(module, "gradient_checkpointing", False) is True:
+            return name or type(module).__name__
     return None
 
 
@@ -295,6 +323,7 @@ class KVTierGenerator:
         namespace: str = "",
         fault_injector: FaultInjector | None = None,
     ) -> None:
+        _check_module(model)
         config = config if config is not None else KVTierConfig()
         if not isinstance(config, KVTierConfig):
             # A dict failed later, on a missing attribute, naming neither argument nor fix.
@@ -349,14 +378,15 @@ class KVTierGenerator:
         else:
             slots = config.num_slots or _DEFAULT_SLOTS_PER_BLOCK * max_blocks // bpc
             self.pool = HostPool(registration, bpc, num_slots=slots, pin=config.pin_memory)
-        self.manager = CPUOffloadingManager.from_config(self.pool.num_slots, config)
-        self.scheduler = OffloadingScheduler(
-            self.manager,
-            tokens_per_block=block_size,
-            blocks_per_chunk=bpc,
-            offload_prompt_only=config.offload_prompt_only,
-        )
         try:
+            # A cache policy of the user's (`package.module:Class`) may raise as it is built.
+            self.manager = CPUOffloadingManager.from_config(self.pool.num_slots, config)
+            self.scheduler = OffloadingScheduler(
+                self.manager,
+                tokens_per_block=block_size,
+                blocks_per_chunk=bpc,
+                offload_prompt_only=config.offload_prompt_only,
+            )
             self.transfer = transfer_worker_from_config(
                 registration, self.pool, config, fault_injector=fault_injector
             )
@@ -484,6 +514,14 @@ class KVTierGenerator:
                 f"prompts is a tensor of shape {tuple(prompts.shape)}; expected a list of "
                 "prompts or a (batch, seq_len) tensor (for one prompt call generate_one)"
             )
+        if isinstance(prompts, (str, bytes, Mapping)) or not isinstance(prompts, Iterable):
+            # `list()` failed on a bare "'NoneType' object is not iterable", and a tokenizer's
+            # output (a mapping) ran its keys as prompts: "prompt 'input_ids' is not ...".
+            hint = _MAPPING_HINT if isinstance(prompts, Mapping) else ""
+            raise TypeError(
+                f"prompts is {prompts!r:.60} (type {type(prompts).__name__}); expected a list of "
+                f"prompts or a (batch, seq_len) tensor{hint}"
+            )
         prompts = list(prompts)  # checked, then run: an iterator would be used up
         for i, p in enumerate(prompts):
             try:
@@ -537,9 +575,18 @@ class KVTierGenerator:
         dropout = _active_dropout(self.model)
         if dropout is not None:
             raise ValueError(
-                f"the model is in training mode and {dropout} drops activations at random: "
+                f"the model is in training mode and {dropout} makes its activations random: "
                 "its KV would not be reproducible, and kvtier would store it for later prompts; "
                 "expected model.eval()"
+            )
+        checkpointed = _checkpointing_layer(self.model)
+        if checkpointed is not None:
+            # transformers' checkpointed layers then drop `past_key_values`: the model failed
+            # later with "ignores past_key_values", which names neither cause nor fix.
+            raise ValueError(
+                f"the model is in training mode with gradient checkpointing on ({checkpointed}), "
+                "so its layers skip the KV cache; expected model.eval() (or "
+                "model.gradient_checkpointing_disable())"
             )
         # Read at each call, not once when built: `resize_token_embeddings` after that (new
         # special tokens) had the new ids refused as outside a vocabulary of the old size.

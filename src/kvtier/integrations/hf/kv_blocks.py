@@ -153,8 +153,11 @@ def kv_layout(config: Any) -> KVLayout:
     name = type(text).__name__
     recurrent = [t for t in getattr(text, "block_types", None) or [] if t != "attention"]
     layers_field, heads_field = "num_hidden_layers", "num_attention_heads"
+    kv_heads_field = "num_key_value_heads"
     if standalone_decoder_layers(text) is not None:
         layers_field, heads_field = "decoder_layers", "decoder_attention_heads"
+        # One KV head per query head; Whisper's `num_key_value_heads` names the encoder's.
+        kv_heads_field = heads_field
     heads = _uniform_field(text, heads_field)
     if heads is None or recurrent:
         # RWKV and xLSTM have no attention at all; RecurrentGemma's recurrent blocks keep their
@@ -167,7 +170,7 @@ def kv_layout(config: Any) -> KVLayout:
             "sliding-window or chunked)"
         )
     heads = int(heads)
-    kv_heads = _uniform_field(text, "num_key_value_heads") or heads
+    kv_heads = _uniform_field(text, kv_heads_field) or heads
     if (
         _uniform_field(text, "num_key_value_heads") is None
         and getattr(text, "multi_query", False) is True

@@ -22,6 +22,8 @@ can, which would make the token check weaker.
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 from typing import Any, Final
 
@@ -63,7 +65,8 @@ def make_demo_model(
     """A small float32 model of `arch` with seeded random weights, in eval mode: (model, config).
 
     `size` overrides config fields (`hidden_size`, `num_hidden_layers`, `vocab_size`,
-    `initializer_range`, ...). The same `arch`, `seed` and `size` give bit-identical weights in
+    `initializer_range`, ...); `logit_scale` (a positive finite number) multiplies the final
+    norm's gain. The same `arch`, `seed` and `size` give bit-identical weights in
     every process. Mistral gets `sliding_window=None` unless `size` sets one, so the default
     model attends to its whole context like the other two.
     """
@@ -79,8 +82,16 @@ def make_demo_model(
     if index is None or not _SEED_MIN <= index <= _SEED_MAX:
         # torch.manual_seed fails past its range with "Overflow when unpacking long long".
         raise ValueError(f"seed={seed!r} is invalid; expected an int from -2**63 to 2**64 - 1")
-    if not logit_scale > 0:
-        raise ValueError(f"logit_scale={logit_scale!r} is invalid; expected a positive float")
+    # True passed as 1.0, a string failed on a bare comparison error, and inf gave a model
+    # whose logits are all inf or NaN.
+    if (
+        isinstance(logit_scale, bool)
+        or not isinstance(logit_scale, numbers.Real)
+        or not 0 < logit_scale < math.inf
+    ):
+        raise ValueError(
+            f"logit_scale={logit_scale!r} is invalid; expected a positive finite float"
+        )
     fields = {**_DEFAULT_SIZE, **size}
     if arch == "mistral":
         fields.setdefault("sliding_window", None)

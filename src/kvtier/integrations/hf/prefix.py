@@ -238,8 +238,21 @@ def _forward(model: Any, ids: torch.Tensor, cache: Cache, start: int) -> torch.T
             "past_key_values, so it has no per-token KV to reuse and would decode without "
             "context; expected a model that supports transformers' KV cache"
         )
-    logits: torch.Tensor = out.logits[:, -1, :]
-    return logits.float()
+    return _logits(model, out)[:, -1, :].float()
+
+
+def _logits(model: Any, out: Any) -> torch.Tensor:
+    """The logits of a forward's output; refuses a model with no language-model head."""
+    logits = getattr(out, "logits", None)
+    if not isinstance(logits, torch.Tensor):
+        # A base model (AutoModel, not AutoModelForCausalLM) returns hidden states only: it
+        # failed on a bare "'BaseModelOutputWithPast' object has no attribute 'logits'".
+        raise ValueError(
+            f"{type(model).__name__} returned a {type(out).__name__} without logits: it has no "
+            "language-model head to choose tokens with; expected a causal LM (e.g. "
+            "AutoModelForCausalLM, not AutoModel)"
+        )
+    return logits
 
 
 # Cross-attention reads an encoder's output, which a decoder-only run never passes: it is
@@ -358,7 +371,7 @@ def check_causal(model: Any) -> None:
     ids = ids.to(next(model.parameters()).device)
     with _eval_mode(model):  # dropout would make the two runs differ by chance
         # One row per forward: rows of one batch may go through differently tiled kernels.
-        a, b = (model(input_ids=ids[i : i + 1], use_cache=False).logits for i in (0, 1))
+        a, b = (_logits(model, model(input_ids=ids[i : i + 1], use_cache=False)) for i in (0, 1))
     # The coarser of the two precisions: some models upcast their logits to float32.
     model_dtype = getattr(model, "dtype", a.dtype)
     tol = max(causality_tolerance(a.dtype), causality_tolerance(model_dtype))
