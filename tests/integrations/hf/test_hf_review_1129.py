@@ -189,3 +189,22 @@ def test_whisper_decoder_with_other_heads_than_its_encoder_gets_the_decoders(
     assert result.hit_tokens == 20
     assert torch.equal(result.tokens, ref.tokens[0])
     assert (result.logits - ref.logits[0]).abs().max() < 1e-4
+
+
+def test_a_model_converted_after_the_generator_was_built_is_named() -> None:
+    """`model.double()` after the generator was built: its KV no longer fits the buffer and pool
+    sized for float32. The error named a buffer the user never built; it now says what changed
+    and what to do, before any work, and converted back the model runs again."""
+    model = make_demo_model("llama", seed=5, **_SMALL)[0]
+    prompt = _ids(20, 1)
+    with KVTierGenerator(model, block_size=BS, max_blocks=16) as gen:
+        assert _same_as_recompute(gen, model, prompt)
+        model.double()
+        with pytest.raises(
+            ValueError, match=r"now runs in torch.float64 on cpu.*hold torch.float32"
+        ):
+            gen.generate_one(prompt, 3)
+        assert_generator_clean(gen)
+        model.float()
+        assert _same_as_recompute(gen, model, prompt)
+        assert_generator_clean(gen)

@@ -588,6 +588,17 @@ class KVTierGenerator:
                 "so its layers skip the KV cache; expected model.eval() (or "
                 "model.gradient_checkpointing_disable())"
             )
+        # The page buffer and the host pool were sized for the model's dtype and device when
+        # built: after `model.half()` or `.to(...)` the model's KV no longer fits them, and
+        # the cache's error told the user to build a buffer they never built.
+        dtype, device = self.model.dtype, next(self.model.parameters()).device
+        page = self.pages[0]
+        if (dtype, device) != (page.dtype, page.device):
+            raise ValueError(
+                f"the model now runs in {dtype} on {device}, but this generator's KV buffer "
+                f"and host pool hold {page.dtype} on {page.device}, as the model was when it "
+                "was built; expected a new KVTierGenerator for the converted model"
+            )
         # Read at each call, not once when built: `resize_token_embeddings` after that (new
         # special tokens) had the new ids refused as outside a vocabulary of the old size.
         vocab = input_vocab_size(self.model)
