@@ -161,7 +161,9 @@ class KVAwarePolicy(CachePolicy):
         if mode != "adaptive":
             return
         shift = max(0, (capacity // model_size).bit_length() - 1)
-        self._sample_shift = 64 - shift if shift else 0
+        # A key is sampled when the top `shift` bits of its 64-bit product with _SAMPLE are
+        # zero: one mask test instead of a mask and a shift per access.
+        self._sample_mask = M64 ^ (M64 >> shift)
         mcap = max(1, capacity >> shift)
         self._models = tuple(
             KVAwarePolicy(
@@ -263,12 +265,17 @@ class KVAwarePolicy(CachePolicy):
                 tails.popitem(last=False)
         return tail
 
-    def _is_tail(self, key: OffloadKey, ctx: ReqContext | None) -> bool:
-        return self._tail_first and key == self._tail_of(ctx)
-
-    def _seen(self, key: OffloadKey, ctx: ReqContext | None) -> int:
+    def _seen(
+        self,
+        key: OffloadKey,
+        ctx: ReqContext | None,
+        tail_key: OffloadKey | None,
+        need_count: bool = True,
+    ) -> int:
         """Count an access of `key`, feed the shadows if it is sampled; its recent count. A key
-        is counted once per request (`ctx`); a repeat only reads the count."""
+        is counted once per request (`ctx`); a repeat only reads the count, and not even that
+        without `need_count` (it then returns 0). `tail_key` is `_tail_of(ctx)`, which each
+        call reads once: it cannot change within the call."""
         # As key_hash (a bytes subclass included), inline: this runs on every access.
         h = (
             hash(int.from_bytes(key, "big"))
@@ -280,43 +287,42 @@ class KVAwarePolicy(CachePolicy):
                 self._switch_request(ctx.req_id)
             counted = self._counted_keys
             if key in counted:
-                return self._sketch.estimate(h)
+                # A sketch read is a few cache misses: skipped when the count goes unused.
+                return self._sketch.estimate(h) if need_count else 0
             if len(counted) >= self._counted_max:
                 counted.clear()  # one request over the bound (or one id for every call)
             counted.add(key)
         count = self._sketch.add(h)
-        models = self._models
-        if models is not None and (
-            not self._sample_shift or not ((h * _SAMPLE) & M64) >> self._sample_shift
-        ):
-            tail_key = self._tail_of(ctx)
-            keep, hits = self._keep, self._model_hits
-            for i, model in enumerate(models):
-                hits[i] = hits[i] * keep + model._replay(key, count, tail_key)
-            replica = self._replica
-            if replica is not None:
-                self._replica_hits = self._replica_hits * keep + replica._replay(
-                    key, count, tail_key
-                )
-                if self._lru_hold:
-                    self._lru_hold -= 1
-                    return count
-                self._since_switch += 1
-                if (
-                    self._since_switch >= _GUARD_GRACE * replica.capacity
-                    and self._replica_hits < hits[_START] * (1.0 - _GUARD_MARGIN)
-                ):
-                    # Following the shadows has cost more than it earned (each switch leaves
-                    # the cache holding what the old mode chose): be LRU for a while.
-                    self._lru_hold = _GUARD_HOLD * replica.capacity
-                    self._replica_hits = hits[_START]
-                    self._set_mode(_START)
-                    return count
-            best = hits.index(max(hits))
-            # Only a strictly better shadow moves the policy: ties keep the current mode.
-            if hits[best] > hits[self._mode]:
-                self._set_mode(best)
+        if self._models is not None and not (h * _SAMPLE) & self._sample_mask:
+            self._feed_models(key, count, tail_key)
         return count
+
+    def _feed_models(self, key: OffloadKey, count: int, tail_key: OffloadKey | None) -> None:
+        """Replay a sampled access in the shadows (and the replica); follow the best one."""
+        models = self._models
+        assert models is not None
+        keep, hits = self._keep, self._model_hits
+        for i, model in enumerate(models):
+            hits[i] = hits[i] * keep + model._replay(key, count, tail_key)
+        replica = self._replica
+        if replica is not None:
+            self._replica_hits = self._replica_hits * keep + replica._replay(key, count, tail_key)
+            if self._lru_hold:
+                self._lru_hold -= 1
+                return
+            self._since_switch += 1
+            least = hits[_START] * (1.0 - _GUARD_MARGIN)  # the replica's hits must not trail it
+            if self._since_switch >= _GUARD_GRACE * replica.capacity and self._replica_hits < least:
+                # Following the shadows has cost more than it earned (each switch leaves
+                # the cache holding what the old mode chose): be LRU for a while.
+                self._lru_hold = _GUARD_HOLD * replica.capacity
+                self._replica_hits = hits[_START]
+                self._set_mode(_START)
+                return
+        best = hits.index(max(hits))
+        # Only a strictly better shadow moves the policy: ties keep the current mode.
+        if hits[best] > hits[self._mode]:
+            self._set_mode(best)
 
     def _set_mode(self, mode: int) -> None:
         if mode != self._mode:
@@ -348,8 +354,7 @@ class KVAwarePolicy(CachePolicy):
             win.move_to_end(key)
             return 1
         tail = self._tail_first and key == tail_key
-        if self._unplace(key):
-            self._place(key, count, tail)
+        if self._reuse(key, count, tail):
             return 1
         if len(win) + len(self._credit) >= self.capacity:
             self._evict_one()
@@ -360,13 +365,26 @@ class KVAwarePolicy(CachePolicy):
 
     def _place(self, key: OffloadKey, count: int, tail: bool) -> None:
         # Without counts every use earns the same credit: the main area is then plain LRU.
-        gain = 0 if tail else max(count, 1) if self._counts else 1
-        credit = self._floor + gain
+        # `count or 1` is max(count, 1): counts are never negative.
+        credit = self._floor + (0 if tail else (count or 1) if self._counts else 1)
         self._credit[key] = credit
-        bucket = self._buckets.get(credit)
-        if bucket is None:
-            bucket = self._buckets[credit] = OrderedDict()
-        bucket[key] = None
+        try:
+            self._buckets[credit][key] = None
+        except KeyError:  # the first key of this credit (a try costs nothing until it raises)
+            self._buckets[credit] = OrderedDict.fromkeys((key,))
+
+    def _reuse(self, key: OffloadKey, count: int, tail: bool) -> bool:
+        """A use of a main key: `_unplace` then `_place`, the first inline (a call less on
+        every hit). False, and nothing changed, when `key` is not in main."""
+        credit = self._credit.pop(key, None)
+        if credit is None:
+            return False
+        bucket = self._buckets[credit]
+        del bucket[key]
+        if not bucket:
+            del self._buckets[credit]
+        self._place(key, count, tail)
+        return True
 
     def _unplace(self, key: OffloadKey) -> bool:
         credit = self._credit.pop(key, None)
@@ -381,19 +399,21 @@ class KVAwarePolicy(CachePolicy):
     # -- the CachePolicy interface ---------------------------------------------------------
 
     def insert(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
-        self._tail_of(ctx)  # a table it cannot read raises here, before anything changed
-        win, credit, pinned = self._win, self._credit, self._pinned
+        # A table it cannot read raises here, before anything changed.
+        tail_key = self._tail_of(ctx)
+        win, credit, pinned, seen = self._win, self._credit, self._pinned, self._seen
         for key in reversed(keys):
             if key in win or key in credit or key in pinned:
                 continue
-            self._seen(key, ctx)
-            tail = self._is_tail(key, ctx)
+            seen(key, ctx, tail_key, False)
+            # Read after the count: a sampled key may switch the mode.
+            tail = self._tail_first and key == tail_key
             win[key] = tail
             if tail:
                 win.move_to_end(key, last=False)
 
     def touch(self, keys: Iterable[OffloadKey], ctx: ReqContext | None) -> None:
-        self._tail_of(ctx)
+        tail_key = self._tail_of(ctx)
         win, credit, pinned = self._win, self._credit, self._pinned
         keys = list(keys)
         seen = self._seen
@@ -405,16 +425,21 @@ class KVAwarePolicy(CachePolicy):
             once = call_once = set()
             estimate_key = self._sketch.estimate_key
 
-            def seen(key: OffloadKey, ctx: ReqContext | None) -> int:
+            def seen(
+                key: OffloadKey,
+                ctx: ReqContext | None,
+                tail_key: OffloadKey | None,
+                need_count: bool = True,
+            ) -> int:
                 if key in call_once:
-                    return estimate_key(key)
+                    return estimate_key(key) if need_count else 0
                 call_once.add(key)
-                return self._seen(key, ctx)
+                return self._seen(key, ctx, tail_key, need_count)
 
         for key in reversed(keys):
             if key in win:
                 win.move_to_end(key)
-                seen(key, ctx)
+                seen(key, ctx, tail_key, False)
             elif key in credit:
                 if ctx is not None:
                     if ctx.req_id != self._counted_req:
@@ -424,19 +449,17 @@ class KVAwarePolicy(CachePolicy):
                     repeat = once is not None and key in once
                 # Counted before it leaves its bucket: should the count raise (a context it
                 # cannot read), the key is still held, not lost to the policy for good.
-                count = seen(key, ctx)
+                count = seen(key, ctx, tail_key, not repeat)
                 if repeat:
                     # A use counted already only moves: placed again, its credit would follow
                     # the mode of now, which a later key of the first report may have switched.
                     self._buckets[credit[key]].move_to_end(key)
                 else:
-                    tail = self._is_tail(key, ctx)
-                    self._unplace(key)
-                    self._place(key, count, tail)
+                    self._reuse(key, count, self._tail_first and key == tail_key)
             elif key not in pinned:
                 # A use the tier did not serve (an engine's device prefix cache hit): counted
                 # all the same, or a block kept hot on the device would leave it looking new.
-                seen(key, ctx)
+                seen(key, ctx, tail_key, False)
 
     def pin(self, keys: Iterable[OffloadKey]) -> None:
         win = self._win
@@ -448,19 +471,21 @@ class KVAwarePolicy(CachePolicy):
                 self._pinned[key] = _MAIN
 
     def unpin(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
-        self._tail_of(ctx)
+        tail_key = self._tail_of(ctx)
         pinned = self._pinned
         for key in reversed(keys):
             where = pinned.get(key)
             if where is None:
                 continue
+            main = where == _MAIN
             # Counted while still pinned: should the count raise, the key stays pinned here
-            # (the manager pins again what this call returned) instead of being lost.
-            count = self._seen(key, ctx)
-            tail = where == _MAIN and self._is_tail(key, ctx)
+            # (the manager pins again what this call returned) instead of being lost. A key
+            # going back to the window needs no count.
+            count = self._seen(key, ctx, tail_key, main)
             del pinned[key]
-            if where == _MAIN:
-                self._place(key, count, tail)
+            if main:
+                # Read after the count: a sampled key may switch the mode.
+                self._place(key, count, self._tail_first and key == tail_key)
             else:
                 self._win[key] = where == _WINDOW_TAIL
 
@@ -481,8 +506,14 @@ class KVAwarePolicy(CachePolicy):
         # Credits lie in [floor, floor + 15]: placed there, and the floor only rises. The
         # floor may pass only credits with no key at all, or protected keys would be stranded.
         buckets = self._buckets
+        floor = self._floor
+        if not protected:
+            # The usual case, the loop's first step: the floor's bucket holds the victim.
+            bucket = buckets.get(floor)
+            if bucket:
+                return next(iter(bucket))
         raise_floor = True
-        for credit in range(self._floor, self._floor + MAX_COUNT + 1):
+        for credit in range(floor, floor + MAX_COUNT + 1):
             bucket = buckets.get(credit)
             if bucket is None:
                 if aside is not None and credit in aside:
@@ -526,7 +557,8 @@ class KVAwarePolicy(CachePolicy):
         win, sketch = self._win, self._sketch
         while len(win) > self._win_target:
             moved, tail = win.popitem(last=False)
-            self._place(moved, sketch.estimate_key(moved) if self._counts else 1, tail)
+            # A deepest block's credit takes no count (`_place`): it is not read.
+            self._place(moved, sketch.estimate_key(moved) if self._counts and not tail else 1, tail)
         victim = self._main_victim(()) if self._credit else None
         if victim is None:
             win.popitem(last=False)
@@ -564,32 +596,56 @@ class KVAwarePolicy(CachePolicy):
         if len(win) + len(credit) - blocked < n:
             return None
         victims: list[OffloadKey] = []
-        target, sketch = self._win_target, self._sketch
+        append = victims.append
+        target, unplace, main_victim = self._win_target, self._unplace, self._main_victim
+        buckets = self._buckets
         # Protected keys at the front of the lowest buckets, set aside for this call: each
         # victim would otherwise rescan them (O(n * protected) for a long request's store).
         aside: dict[int, list[OffloadKey]] | None = {} if protected else None
         try:
-            while len(victims) < n:
-                # A window over its size (the tier was filling) hands its surplus to main.
+            # A window over its size (the tier was filling) hands its surplus to main.
+            if len(win) > target:
+                place, estimate_key, counts = self._place, self._sketch.estimate_key, self._counts
                 while len(win) > target:
                     moved, tail = win.popitem(last=False)
-                    self._place(moved, sketch.estimate_key(moved) if self._counts else 1, tail)
-                if len(win) == target:
-                    cand = _first(win, protected) if protected else next(iter(win))
+                    # A deepest block's credit takes no count (`_place`): it is not read.
+                    place(moved, estimate_key(moved) if counts and not tail else 1, tail)
+            # The window's oldest key duels main's victim when the window is at its size.
+            # Nothing enters the window during the call and each pass takes a key from it or
+            # from main, so only the first pass can duel: once the window has given up a key
+            # it stays below its size, and a window of protected keys stays as it is.
+            if len(win) == target:
+                cand = _first(win, protected) if protected else next(iter(win))
+            else:
+                cand = None
+            for _ in range(n):  # each pass takes one victim
+                if not credit:
+                    victim = None
+                elif protected or not (bucket := buckets.get(self._floor)):
+                    victim = main_victim(protected, aside)
+                elif cand is None:
+                    # The usual pass: the oldest key of the floor's bucket leaves
+                    # (`_main_victim`'s first step and `_unplace`, inline).
+                    victim = bucket.popitem(last=False)[0]
+                    del credit[victim]
+                    if not bucket:
+                        del buckets[self._floor]
+                    append(victim)
+                    continue
                 else:
-                    cand = None
-                victim = self._main_victim(protected, aside) if credit else None
-                if cand is not None and victim is not None:
+                    victim = next(iter(bucket))
+                if victim is None:
+                    key = _first(win, protected)
+                    assert key is not None, "the count check above guarantees a candidate"
+                    del win[key]
+                    append(key)
+                elif cand is not None:
                     tail = win.pop(cand)
-                    victims.append(victim if self._duel(cand, tail, victim) else cand)
-                elif victim is not None:
-                    self._unplace(victim)
-                    victims.append(victim)
+                    append(victim if self._duel(cand, tail, victim) else cand)
                 else:
-                    cand = _first(win, protected)
-                    assert cand is not None, "the count check above guarantees a candidate"
-                    del win[cand]
-                    victims.append(cand)
+                    unplace(victim)
+                    append(victim)
+                cand = None
         finally:
             if aside:
                 self._restore(aside)

@@ -38,20 +38,27 @@ class FrequencySketch:
         bits = max(4, (width - 1).bit_length())
         self.width = 1 << bits
         self._shift = 64 - bits
+        # Where rows 2 and 3 start, kept rather than multiplied out on every access.
+        self._w2 = 2 * self.width
+        self._w3 = 3 * self.width
         self._table = bytearray(4 * self.width)
         self._period = period
         self._added = 0
 
     def estimate(self, h: int) -> int:
         """Recent access count of hash `h` (an over-estimate only through collisions)."""
-        # The four cells are computed inline: this runs several times per access.
-        t, s, w = self._table, self._shift, self.width
-        return min(
-            t[((h * _R0) & M64) >> s],
-            t[w + (((h * _R1) & M64) >> s)],
-            t[2 * w + (((h * _R2) & M64) >> s)],
-            t[3 * w + (((h * _R3) & M64) >> s)],
-        )
+        # The four cells are computed inline, and their minimum by compares (a min() call
+        # costs more than the three): this runs several times per access.
+        t, s = self._table, self._shift
+        low = t[((h * _R0) & M64) >> s]
+        cell = t[self.width + (((h * _R1) & M64) >> s)]
+        if cell < low:
+            low = cell
+        cell = t[self._w2 + (((h * _R2) & M64) >> s)]
+        if cell < low:
+            low = cell
+        cell = t[self._w3 + (((h * _R3) & M64) >> s)]
+        return cell if cell < low else low
 
     def estimate_key(self, key: object) -> int:
         """`estimate(key_hash(key))` in one call (this is on every eviction's path)."""
@@ -60,38 +67,48 @@ class FrequencySketch:
             if type(key) is bytes or isinstance(key, bytes)
             else hash(key)
         )
-        t, s, w = self._table, self._shift, self.width
-        return min(
-            t[((h * _R0) & M64) >> s],
-            t[w + (((h * _R1) & M64) >> s)],
-            t[2 * w + (((h * _R2) & M64) >> s)],
-            t[3 * w + (((h * _R3) & M64) >> s)],
-        )
+        t, s = self._table, self._shift
+        low = t[((h * _R0) & M64) >> s]
+        cell = t[self.width + (((h * _R1) & M64) >> s)]
+        if cell < low:
+            low = cell
+        cell = t[self._w2 + (((h * _R2) & M64) >> s)]
+        if cell < low:
+            low = cell
+        cell = t[self._w3 + (((h * _R3) & M64) >> s)]
+        return cell if cell < low else low
 
     def add(self, h: int) -> int:
         """Count one access of hash `h` and return its new estimate."""
-        t, s, w = self._table, self._shift, self.width
+        t, s = self._table, self._shift
         a = ((h * _R0) & M64) >> s
-        b = w + (((h * _R1) & M64) >> s)
-        c = 2 * w + (((h * _R2) & M64) >> s)
-        d = 3 * w + (((h * _R3) & M64) >> s)
-        low = min(t[a], t[b], t[c], t[d])
+        b = self.width + (((h * _R1) & M64) >> s)
+        c = self._w2 + (((h * _R2) & M64) >> s)
+        d = self._w3 + (((h * _R3) & M64) >> s)
+        # The cells lie in four rows, so none aliases another: each is read once.
+        ta, tb, tc, td = t[a], t[b], t[c], t[d]
+        low = ta if ta < tb else tb
+        if tc < low:
+            low = tc
+        if td < low:
+            low = td
         if low < MAX_COUNT:
             # Conservative update: only the counters at the minimum rise.
             low += 1
-            if t[a] < low:
+            if ta < low:
                 t[a] = low
-            if t[b] < low:
+            if tb < low:
                 t[b] = low
-            if t[c] < low:
+            if tc < low:
                 t[c] = low
-            if t[d] < low:
+            if td < low:
                 t[d] = low
-        self._added += 1
-        if self._added >= self._period:
+        added = self._added + 1
+        if added >= self._period:
             self._table = t.translate(_HALVE)
-            self._added //= 2
+            added //= 2
             low >>= 1  # halving is monotone: the minimum halves with its cells
+        self._added = added
         return low
 
     def clear(self) -> None:
