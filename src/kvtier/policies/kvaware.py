@@ -374,15 +374,10 @@ class KVAwarePolicy(CachePolicy):
             self._buckets[credit] = OrderedDict.fromkeys((key,))
 
     def _reuse(self, key: OffloadKey, count: int, tail: bool) -> bool:
-        """A use of a main key: `_unplace` then `_place`, the first inline (a call less on
-        every hit). False, and nothing changed, when `key` is not in main."""
-        credit = self._credit.pop(key, None)
-        if credit is None:
+        """A use of a main key: placed again at its new credit. False, and nothing changed,
+        when `key` is not in main."""
+        if not self._unplace(key):
             return False
-        bucket = self._buckets[credit]
-        del bucket[key]
-        if not bucket:
-            del self._buckets[credit]
         self._place(key, count, tail)
         return True
 

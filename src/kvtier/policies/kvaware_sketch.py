@@ -61,22 +61,12 @@ class FrequencySketch:
         return cell if cell < low else low
 
     def estimate_key(self, key: object) -> int:
-        """`estimate(key_hash(key))` in one call (this is on every eviction's path)."""
-        h = (
+        """`estimate(key_hash(key))`, the hash inline (this is on every eviction's path)."""
+        return self.estimate(
             hash(int.from_bytes(key, "big"))
             if type(key) is bytes or isinstance(key, bytes)
             else hash(key)
         )
-        t, s = self._table, self._shift
-        low = t[((h * _R0) & M64) >> s]
-        cell = t[self.width + (((h * _R1) & M64) >> s)]
-        if cell < low:
-            low = cell
-        cell = t[self._w2 + (((h * _R2) & M64) >> s)]
-        if cell < low:
-            low = cell
-        cell = t[self._w3 + (((h * _R3) & M64) >> s)]
-        return cell if cell < low else low
 
     def add(self, h: int) -> int:
         """Count one access of hash `h` and return its new estimate."""
