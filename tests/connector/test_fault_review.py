@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -17,13 +16,6 @@ from kvtier.connector import OffloadingScheduler, OffloadingWorker, StepProgress
 from kvtier.cpu import CPUOffloadingManager
 
 TPB = 4  # tokens per block of the engine-free tests
-
-
-@pytest.fixture
-def engine() -> Iterator[Engine]:
-    e = Engine()
-    yield e
-    e.close()
 
 
 def stored_events(m: CPUOffloadingManager) -> set[bytes]:

@@ -7,10 +7,7 @@ preemption, so a chunk that always fails costs one failed load per preemption, n
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
-import pytest
 
 from engine_sim import TOKENS_PER_BLOCK, Engine, Request, assert_clean, block_hashes
 from kvtier.base import TransferResult
@@ -18,13 +15,6 @@ from kvtier.connector import OffloadingScheduler, StepMetadata, StepProgress
 from kvtier.cpu import CPUOffloadingManager
 
 SYSTEM = block_hashes("system", 4)
-
-
-@pytest.fixture
-def engine() -> Iterator[Engine]:
-    e = Engine()
-    yield e
-    e.close()
 
 
 def _store_prefix(e: Engine) -> None:
