@@ -83,9 +83,23 @@ class OffloadingWorker:
         self._taken: list[TransferResult] = []
 
     def start_step(self, meta: StepMetadata) -> None:
-        """Wait for `meta.wait_for`, then submit the step's loads."""
+        """Wait for `meta.wait_for`, then submit the step's loads. Should the wait raise, the
+        loads are reported failed by the next `get_finished` (the engine recomputes them),
+        and the error propagates."""
         if meta.wait_for:
-            self.transfer.wait(meta.wait_for)
+            try:
+                self.transfer.wait(meta.wait_for)
+            except BaseException:
+                # Not submitted now, the loads were never reported either: their pins, device
+                # blocks and request were held for good. Settled as a refused submit is (the
+                # transfer worker holds none of them), and skipped if the step is fed again.
+                fed = self._fed(meta)
+                for job in meta.loads:
+                    if job.job_id not in fed and job.job_id not in self._submitted:
+                        self._unsettled.add(job.job_id)
+                        fed.add(job.job_id)
+                        self._submitted.add(job.job_id)
+                raise
         if meta.loads:
             fed = self._fed(meta)
             for job in meta.loads:
