@@ -32,6 +32,23 @@ _LAYOUT_SHAPES: dict[str, tuple[int, str]] = {
 _KV_DIM: dict[str, int] = {"flash": 0, "flashinfer": 1, "cross_layer": 2}
 
 
+def _check_reach(tensor: torch.Tensor) -> None:
+    """Refuse a tensor whose elements, at `element_size()` bytes each, reach past its storage:
+    packed dtypes (`torch.quint4x2`, `torch.quint2x4`) report one byte per element but store
+    several in a byte, and the compiled copier, which trusts the segments' addresses, copied
+    past the storage's end (a store read there, a load would write there)."""
+    item = tensor.element_size()
+    last = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+    need = (tensor.storage_offset() + last) * item + item
+    have = tensor.untyped_storage().nbytes()
+    if need > have:
+        raise ValueError(
+            f"tensor of shape {tuple(tensor.shape)} and dtype {tensor.dtype} needs {need} "
+            f"bytes of storage at {item} B per element, but its storage holds {have}; a dtype "
+            "that packs several elements per byte is not supported"
+        )
+
+
 def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """Flat uint8 view of `tensor`'s whole storage, whatever its dtype (fp8 included)."""
     storage = tensor.untyped_storage()
@@ -103,6 +120,11 @@ class KVTensor:
     def __init__(self, tensor: torch.Tensor, layout: str | int, group: int = 0) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.layout != torch.strided or tensor.is_nested:
+            # Their strides do not describe bytes of one storage: a sparse tensor was refused
+            # as "not densely packed", a nested one by torch with an internal error.
+            kind = "a nested tensor" if tensor.is_nested else f"of layout {tensor.layout}"
+            raise ValueError(f"tensor is {kind}; kvtier needs a dense (torch.strided) tensor")
         try:
             group = checked_int("group", group, 0)  # numpy's and 0-d tensors too, never a bool
         except ValueError:
@@ -136,6 +158,7 @@ class KVTensor:
             block_dim = layout
         if tensor.shape[block_dim] == 0 or tensor.numel() == 0:
             raise ValueError(f"tensor of shape {tuple(tensor.shape)} holds no blocks")
+        _check_reach(tensor)
         self.tensor = tensor
         self.layout = layout
         self.block_dim = block_dim
