@@ -10,6 +10,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from helpers import small_worker
 from kvtier.transfer import KVCacheRegistration, KVTensor
 
 
@@ -51,3 +52,19 @@ def test_a_tensor_that_is_not_strided_is_refused_by_its_layout(kind: str) -> Non
     # a RuntimeError "Internal error ... Please file an issue" from torch.
     with pytest.raises(ValueError, match=r"needs a dense \(torch\.strided\) tensor"):
         KVTensor(tensor, 0)
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+@pytest.mark.parametrize("bad", ["12", b"12", 5], ids=["str", "bytes", "int"])
+def test_wait_names_ids_that_are_not_an_iterable_of_ids(native: bool, bad: object) -> None:
+    """`wait("12")` read the ids '1' and '2' and named '1' as the bad value; `wait(5)` failed
+    on a bare "'int' object is not iterable"."""
+    transfer = small_worker(native)
+    try:
+        transfer.submit_store(1, [0], [0])
+        with pytest.raises(TypeError, match=rf"job_ids={bad!r} is a {type(bad).__name__}; "):
+            transfer.wait(bad)  # type: ignore[arg-type]
+        transfer.wait([1])  # still usable
+        assert [(r.job_id, r.success) for r in transfer.get_finished()] == [(1, True)]
+    finally:
+        transfer.shutdown()

@@ -133,6 +133,13 @@ def job_result(job_id: int, ok: bool, nbytes: int, seconds: float) -> TransferRe
 def job_ids_of(job_ids: Iterable[object]) -> list[int]:
     """`wait`'s ids as ints, numpy's and torch's too: a tensor hashes by identity, so as it is
     it would match no job and `wait` would return before the job ran."""
+    if isinstance(job_ids, (str, bytes)) or not isinstance(job_ids, Iterable):
+        # "12" was read as ids "1" and "2" (the error named '1'), 5 failed on a bare "'int'
+        # object is not iterable".
+        raise TypeError(
+            f"job_ids={job_ids!r:.80} is a {type(job_ids).__name__}; expected an iterable of "
+            "int job ids (e.g. [5], not 5)"
+        )
     return [j if type(j) is int else as_int("job id", j) for j in on_host(job_ids)]
 
 
