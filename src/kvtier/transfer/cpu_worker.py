@@ -46,6 +46,25 @@ def check_stage_bytes(value: object) -> int:
         raise ValueError(f"stage_bytes={value!r} must be a positive int") from None
 
 
+def stage_buffer(
+    stage_bytes: int,
+    nbytes: int,
+    device: torch.device | None = None,
+    default: int = DEFAULT_STAGE_BYTES,
+) -> torch.Tensor:
+    """A `nbytes` uint8 staging buffer, refused by the setting that sized it when it cannot be
+    had: torch's allocator error names only a byte count."""
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        where = device if device is not None else "the host"
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise MemoryError(
+            f"stage_bytes={stage_bytes}: could not allocate the {nbytes}-byte staging buffer "
+            f"on {where} ({reason}); give a smaller stage_bytes (default {default})"
+        ) from e
+
+
 class RowCopier(Protocol):
     """Copies one job's rows; indices come as CPU int64 tensors."""
 
@@ -72,9 +91,10 @@ class _JobQueue:
         self.in_flight: set[int] = set()
         self.results: list[TransferResult] = []
         self.result_ids: set[int] = set()
-        """The ids of `results`. Both are replaced together in steps with no call, where
-        CPython switches no thread: `_take_finished` swaps them without the lock (whose
-        release an interrupt could skip), and must never take a result without its id."""
+        """The ids of `results`; both change only under the lock, and a result never goes
+        without its id. The copy thread, which no interrupt reaches, appends to them in
+        place; `fail_queued`, which may run on the caller's thread, and `_take_finished`
+        replace them in steps with no call, where CPython raises no interrupt."""
         self.stopping = False
         self.stopped = threading.Event()
         """Set once the thread has reported the queued jobs failed, as it ends."""
@@ -139,9 +159,13 @@ def _serve_jobs(ref: weakref.ReferenceType[CPUTransferWorker], jobs: _JobQueue) 
         ok = worker._run(job)
         seconds = time.perf_counter() - start
         del worker  # outside the lock: the last reference runs the finalizer (`stop`)
-        result, ids = job_result(job.job_id, ok, job.nbytes, seconds), {job.job_id}
+        result = job_result(job.job_id, ok, job.nbytes, seconds)
         with jobs.cv:
-            jobs.results, jobs.result_ids = [*jobs.results, result], jobs.result_ids | ids
+            # In place, unlike `fail_queued`: only this thread runs here, and no interrupt
+            # reaches it, while `_take_finished` swaps the pair under this same lock. Copying
+            # them cost time in proportion to the results not yet taken, per job.
+            jobs.results.append(result)
+            jobs.result_ids.add(job.job_id)
             jobs.in_flight.discard(job.job_id)
             if jobs.waiting and any(job.job_id in ids for ids in jobs.waiting.values()):
                 jobs.done_cv.notify_all()
@@ -191,7 +215,7 @@ class CPUTransferWorker(TransferWorker):
 
     def _make_copier(self, stage_bytes: int) -> RowCopier:
         row_copier()  # build (or load) the compiled copier now, not inside the first job
-        stage = torch.empty(max(stage_bytes, self.pool.row_bytes), dtype=torch.uint8)
+        stage = stage_buffer(stage_bytes, max(stage_bytes, self.pool.row_bytes))
         return BlockCopier(self.registration, self.pool.rows, stage)
 
     def _submit(self, job: Job) -> None:

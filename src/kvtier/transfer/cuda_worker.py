@@ -21,6 +21,7 @@ import torch
 from kvtier.base import TransferResult, checked_int
 from kvtier.transfer import cuda_dma
 from kvtier.transfer.copier import BlockCopier
+from kvtier.transfer.cpu_worker import stage_buffer
 from kvtier.transfer.cuda_dma import DmaCopier
 from kvtier.transfer.cuda_engine import LANES, MAX_COALESCE_DEPTH, CUDAEngine
 from kvtier.transfer.host_pool import HostPool
@@ -122,8 +123,8 @@ class _Lane:
     ) -> None:
         device = registration.device
         self.stream = stream
-        stage = torch.empty(max(stage_bytes, int(host_rows.shape[1])), dtype=torch.uint8,
-                            device=device)  # fmt: skip
+        nbytes = max(stage_bytes, int(host_rows.shape[1]))
+        stage = stage_buffer(stage_bytes, nbytes, device, DEFAULT_CUDA_STAGE_BYTES)
         self.copier = BlockCopier(registration, host_rows, stage)
         self.records: deque[_Record] = deque()
 
