@@ -50,7 +50,11 @@ class BounceCopier:
         self._host_bounce = torch.empty(self._piece, row_bytes, dtype=torch.uint8)
         scratch = torch.empty(row_bytes, dtype=torch.uint8, device=device)
         self._device_side = BlockCopier(registration, self._dev_bounce, scratch)
-        self._arange = torch.arange(self._piece, dtype=torch.int64, device=device)
+        # Filled by a kernel: on the stream that reads it, which does not wait for the
+        # constructing thread's stream.
+        ctx: Any = torch.cuda.stream(stream) if stream is not None else _nullctx()
+        with ctx:
+            self._arange = torch.arange(self._piece, dtype=torch.int64, device=device)
         self._device = device
         self._stream = stream
 
