@@ -40,6 +40,14 @@ _TAG_INT: Final = b"i"
 _BOOLS: Final = frozenset({"bool", "torch.bool"})  # str() of numpy's and torch's bool dtypes
 
 
+def _utf8(text: str) -> bytes:
+    """`text` as UTF-8, lone surrogates included: `os.fsdecode` leaves one for each byte of a
+    path that is not UTF-8 (and JSON's "\\ud800" makes one), which strict UTF-8 refused with a
+    UnicodeEncodeError naming neither the key nor the namespace. "surrogatepass" is one-to-one
+    and leaves the bytes of every other str as they were, so no existing hash changes."""
+    return text.encode("utf-8", "surrogatepass")
+
+
 def _sha256(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
@@ -87,7 +95,7 @@ def encode_extra_keys(keys: ExtraKeys | None) -> bytes:
                 f"extra key {key!r} has type {type(key).__name__}; expected str, bytes or int"
             )
         if isinstance(key, str):
-            parts.append(_len_prefixed(_TAG_STR, key.encode("utf-8")))
+            parts.append(_len_prefixed(_TAG_STR, _utf8(key)))
         elif not isinstance(key, int):
             # bytes(), not iteration: bytearray(b"ab") is one bytes key, never the ints 97, 98.
             parts.append(_len_prefixed(_TAG_BYTES, bytes(key)))
@@ -207,7 +215,7 @@ class BlockHasher:
                 f"expected one of: {', '.join(HASH_ALGORITHMS)}"
             )
         if isinstance(namespace, str):
-            namespace = namespace.encode("utf-8")
+            namespace = _utf8(namespace)
         elif not isinstance(namespace, bytes):
             raise TypeError(
                 f"namespace {namespace!r} has type {type(namespace).__name__}; "
@@ -254,9 +262,11 @@ class BlockHasher:
         if parent is None:
             parent = self.root_hash
         elif not isinstance(parent, bytes) or len(parent) != self.digest_size:
+            # A bytearray of the right length was told only "expected 32 bytes".
+            kind = "" if isinstance(parent, bytes) else f" of type {type(parent).__name__}"
             raise ValueError(
-                f"parent={parent!r} is not a {self.algorithm} block hash; "
-                f"expected {self.digest_size} bytes"
+                f"parent={parent!r}{kind} is not a {self.algorithm} block hash; expected "
+                f"{self.digest_size} bytes, a bytes object as hash_blocks returns"
             )
         extras: list[bytes] | None = None
         if extra_keys is not None:

@@ -623,10 +623,15 @@ class CPUOffloadingManager(OffloadingManager):
         offered = set(new)
         seen: set[OffloadKey] = set()
         for key in admitted:
-            if key not in offered or key in seen:
+            try:
+                twice = key in seen
+                known = key in offered
+            except TypeError:  # unhashable (a key wrapped in a list): a bare error named no policy
+                twice = known = False
+            if twice or not known:
                 raise ValueError(
                     f"admission policy {_policy_str(self._admission)} returned {key!r}, which was "
-                    f"{'returned twice' if key in seen else 'not offered'}; expected a subset "
+                    f"{'returned twice' if twice else 'not offered'}; expected a subset "
                     "of the offered keys absent from the tier, each once"
                 )
             seen.add(key)
