@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
+import numpy as np
 import pytest
 
 from helpers import key, keys, outputs_under_hash_seeds
@@ -98,3 +100,19 @@ def test_an_admission_plugin_answering_an_unhashable_key_is_named(previews: bool
     assert (stats.used_slots, stats.pending_writes, stats.stores_skipped) == (0, 0, 0)
     assert m.table_sizes()["slot_of"] == 0
     assert m.lookup(key(1), ctx) is LookupResult.MISS
+
+
+def test_numpy_integer_extra_keys_hash_as_the_equal_int() -> None:
+    # They were refused ("has type int64"), though token ids accept numpy's integers.
+    hasher = BlockHasher(2)
+    want = hasher.hash_blocks([1, 2], extra_keys=[[7, "lora"]])
+    numpy_keys: Any = [[np.int64(7), "lora"]]
+    assert hasher.hash_blocks([1, 2], extra_keys=numpy_keys) == want
+    one: Any = np.uint8(7)
+    assert encode_extra_keys(one) == encode_extra_keys(7)
+    negative: Any = [np.int32(-3)]
+    assert encode_extra_keys(negative) != encode_extra_keys([3])
+    bad: Any
+    for bad in (np.bool_(True), [np.timedelta64(7)], [np.float64(7)]):
+        with pytest.raises(TypeError, match="expected"):
+            encode_extra_keys(bad)

@@ -72,14 +72,15 @@ def encode_extra_keys(keys: ExtraKeys | None) -> bytes:
     """Canonical bytes of one block's extra keys; `None` and `()` both encode to `b""`.
 
     `keys` is one key or a sequence (list, tuple) of them. Raises `TypeError` for a key that is
-    not `str`, `bytes` (`bytearray` and `memoryview` count as bytes) or `int` (`bool` excluded,
-    so a flag is never mistaken for the number 1), and for a collection without a fixed order
-    (a set's order of strings changes between processes).
+    not `str`, `bytes` (`bytearray` and `memoryview` count as bytes) or an integer (`int` or
+    numpy's, which encodes as the equal `int`; bools excluded, so a flag is never mistaken for
+    the number 1), and for a collection without a fixed order (a set's order of strings
+    changes between processes).
     """
     if keys is None:
         return b""
     items: Sequence[object]
-    if isinstance(keys, (str, bytes, bytearray, memoryview, int)):
+    if isinstance(keys, (str, bytes, bytearray, memoryview, int, np.integer)):
         items = (keys,)
     elif isinstance(keys, Sequence):
         items = keys
@@ -90,13 +91,17 @@ def encode_extra_keys(keys: ExtraKeys | None) -> bytes:
         )
     parts = [len(items).to_bytes(4, "little")] if items else []
     for key in items:
-        if isinstance(key, bool) or not isinstance(key, (str, bytes, bytearray, memoryview, int)):
+        # numpy's integers count, as in token ids (a LoRA id read from an array); its
+        # timedelta64 is an integer subtype, not a number.
+        if isinstance(key, (bool, np.bool_, np.timedelta64)) or not isinstance(
+            key, (str, bytes, bytearray, memoryview, int, np.integer)
+        ):
             raise TypeError(
                 f"extra key {key!r} has type {type(key).__name__}; expected str, bytes or int"
             )
         if isinstance(key, str):
             parts.append(_len_prefixed(_TAG_STR, _utf8(key)))
-        elif not isinstance(key, int):
+        elif not isinstance(key, (int, np.integer)):
             # bytes(), not iteration: bytearray(b"ab") is one bytes key, never the ints 97, 98.
             parts.append(_len_prefixed(_TAG_BYTES, bytes(key)))
         else:
