@@ -18,9 +18,9 @@ import pytest
 
 from helpers import key, keys, outputs_under_hash_seeds
 from kvtier.admission import AdmissionPolicy
-from kvtier.base import LookupResult, OffloadKey, ReqContext
+from kvtier.base import LookupResult, OffloadKey, ReqContext, make_offload_key
 from kvtier.cpu import CPUOffloadingManager
-from kvtier.hashing import BlockHasher, encode_extra_keys
+from kvtier.hashing import BlockHasher, chunk_keys, encode_extra_keys
 
 # A model directory whose name is Latin-1, not UTF-8: os.fsdecode keeps the byte as U+DCE9.
 LATIN1_PATH = os.fsdecode(b"/models/caf\xe9-7b")
@@ -116,3 +116,12 @@ def test_numpy_integer_extra_keys_hash_as_the_equal_int() -> None:
     for bad in (np.bool_(True), [np.timedelta64(7)], [np.float64(7)]):
         with pytest.raises(TypeError, match="expected"):
             encode_extra_keys(bad)
+
+
+def test_chunk_keys_refuse_a_numpy_bytes_array() -> None:
+    # numpy's "S" items drop trailing NUL bytes: a hash ending in 0x00 made another key.
+    hashes = [bytes(31) + b"\x01", bytes(31) + b"\x00"]
+    as_array: Any = np.array(hashes, dtype="S32")
+    with pytest.raises(TypeError, match=r"dtype \|S32, whose items lose trailing NUL bytes"):
+        chunk_keys(as_array, 1)
+    assert chunk_keys(hashes, 1)[1] == make_offload_key(hashes[1], 0)

@@ -328,6 +328,14 @@ def chunk_keys(
     A trailing chunk with fewer than `blocks_per_chunk` blocks gets no key.
     """
     blocks_per_chunk = checked_int("blocks_per_chunk", blocks_per_chunk)
+    if isinstance(block_hashes, np.ndarray) and block_hashes.dtype.kind == "S":
+        # Its items drop trailing NUL bytes: a hash ending in 0x00 (one in 256) would make a
+        # key no list of the same hashes makes, and miss for good.
+        raise TypeError(
+            f"block_hashes is a numpy array of dtype {block_hashes.dtype}, whose items lose "
+            "trailing NUL bytes (tolist() loses them too); expected a list of bytes, as "
+            "hash_blocks returns"
+        )
     make_offload_key(b"", group_idx)  # validates group_idx even when there is no full chunk
     return [
         make_offload_key(block_hashes[i], group_idx)
