@@ -165,7 +165,10 @@ COMMANDS: list[Command] = [
         _demo,
     ),
     Command(
-        "policies", "list the registered cache and admission policies", _no_arguments, _policies
+        "policies",
+        "list the registered cache and admission policies, and the simulator's bounds",
+        _no_arguments,
+        _policies,
     ),
 ]
 """Every subcommand, in the order `kvtier --help` lists them."""

@@ -95,7 +95,23 @@ def read_mooncake(
     return _read_mooncake(Path(path), block_tokens, group_idx)
 
 
-def _read_mooncake(path: Path, block_tokens: int, group_idx: int) -> Iterator[Request]:
+def _inferred_size_hint(length: int, n: int, block_tokens: int) -> str:
+    """What to tell a user whose line does not fit the block size inferred from earlier lines."""
+    low = -(-length // n)
+    high = (length - 1) // (n - 1) if n > 1 else None
+    if length < 1 or (high is not None and low > high):
+        return ""  # no block size fits this line: naming --block-tokens would not help
+    sizes = f"{low} or more" if high is None else f"{low}..{high}"
+    return (
+        f"; {block_tokens} is the block size inferred from the trace's first lines, and this "
+        f"line fits blocks of {sizes} tokens: pass the trace's block size explicitly "
+        f"(--block-tokens)"
+    )
+
+
+def _read_mooncake(
+    path: Path, block_tokens: int, group_idx: int, *, inferred: bool = False
+) -> Iterator[Request]:
     keys: dict[int, OffloadKey] = {}  # one bytes object per id: less memory, cached hashes
     for lineno, obj in _lines(path):
         where = f"{path}:{lineno}"
@@ -115,6 +131,7 @@ def _read_mooncake(path: Path, block_tokens: int, group_idx: int) -> Iterator[Re
             raise TraceFormatError(
                 f"{where}: input_length={length} does not fit {n} blocks of {block_tokens} "
                 f"tokens; expected {(n - 1) * block_tokens + 1}..{n * block_tokens}"
+                + (_inferred_size_hint(length, n, block_tokens) if inferred else "")
             )
         req_keys: list[OffloadKey] = []
         for block_id in ids:
@@ -303,7 +320,9 @@ def iter_trace(
                 f"traces; {str(path)!r} is in Mooncake format, whose hash_ids are already block "
                 "ids (leave them at sha256 and none)"
             )
-        return read_mooncake(path, block_tokens=block_tokens or infer_block_tokens(path))
+        if block_tokens is None:
+            return _read_mooncake(Path(path), infer_block_tokens(path), 0, inferred=True)
+        return read_mooncake(path, block_tokens=block_tokens)
     return read_token_prompts(
         path, block_tokens=block_tokens or 16, algorithm=algorithm, namespace=namespace
     )
