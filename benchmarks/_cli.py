@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from kvtier.demo import physical_memory
 
@@ -118,11 +119,17 @@ def require_known(
         parser.error(f"{option}: unknown {unknown}; expected some of {allowed}")
 
 
-def require_distinct(parser: argparse.ArgumentParser, option: str, names: Sequence[str]) -> None:
-    """Refuse a name given twice: its rows would print twice, with twice the samples."""
+_Item = TypeVar("_Item", str, int)
+
+
+def require_distinct(
+    parser: argparse.ArgumentParser, option: str, names: Sequence[_Item], what: str = "name"
+) -> None:
+    """Refuse a name (or another `what`: a size, a seed) given twice: its rows would print
+    twice, with twice the samples."""
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        parser.error(f"{option}: {twice} given twice; expected each name once")
+        parser.error(f"{option}: {twice} given twice; expected each {what} once")
 
 
 def require_memory(parser: argparse.ArgumentParser, need: int, what: str) -> None:

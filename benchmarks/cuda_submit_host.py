@@ -31,7 +31,7 @@ from pathlib import Path
 from rich.table import Table
 
 from _bench import show_and_save
-from _cli import require_writable
+from _cli import positive_int, require_writable
 
 REPO = Path(__file__).resolve().parent.parent
 HARNESSES = REPO / "tests" / "transfer" / "c"
@@ -93,14 +93,15 @@ def measure(blocks: list[int], jobs: int, rounds: int) -> list[dict[str, object]
 def main(argv: list[str] | None = None) -> None:
     """Build the stand-in, run the measurement in a child that loads it, print and save."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--blocks", type=int, nargs="+", default=[1, 16], help="blocks per job")
-    ap.add_argument("--jobs", type=int, default=1000, help="submits per route and round")
-    ap.add_argument("--rounds", type=int, default=11, help="timed rounds after a warm-up")
+    # Typed so that a refusal names the flag and the value at fault.
+    ap.add_argument("--blocks", type=positive_int, nargs="+", default=[1, 16],
+                    help="blocks per job")  # fmt: skip
+    ap.add_argument("--jobs", type=positive_int, default=1000, help="submits per route and round")
+    ap.add_argument("--rounds", type=positive_int, default=11,
+                    help="timed rounds after a warm-up")  # fmt: skip
     ap.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
     ap.add_argument("--child", metavar="OUT", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.jobs < 1 or args.rounds < 1 or min(args.blocks) < 1:
-        ap.error("--jobs, --rounds and --blocks must be at least 1")
     if args.child:
         Path(args.child).write_text(json.dumps(measure(args.blocks, args.jobs, args.rounds)))
         return

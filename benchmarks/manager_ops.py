@@ -180,15 +180,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     policies = args.policies.split(",")
     require_known(parser, "--policies", policies, registered_policies())
     require_distinct(parser, "--policies", policies)
-    require_writable(parser, args.json, make_parents=True, inputs=[args.trace])
     require_file(parser, "--trace", args.trace)
     try:
-        workloads = {
-            "zipf": zipf_workload(args.zipf_requests),
-            "mooncake": mooncake_workload(args.trace),
-        }
+        mooncake = mooncake_workload(args.trace)
     except ValueError as e:
         parser.error(f"--trace: {e}")
+    # After the trace's checks: this makes --json's folders, which a refused trace left behind.
+    require_writable(parser, args.json, make_parents=True, inputs=[args.trace])
+    workloads = {"zipf": zipf_workload(args.zipf_requests), "mooncake": mooncake}
     rows = run(workloads, policies, args.repeats, progress)
     print(
         f"{'workload':<9} {'policy':<8} {'slots':>7} {'calls/s':>11} {'blocks/s':>11} {'hit %':>6}"

@@ -240,8 +240,12 @@ def _seeds(text: str) -> range:
         seeds = range(int(start), int(stop)) if sep else range(int(start), int(start) + 1)
     except ValueError:
         seeds = range(0)
-    if not seeds:
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid; expected START:STOP, START < STOP")
+    # random.Random(-s) draws what random.Random(s) does: a negative seed would repeat another
+    # seed's trace under its own name.
+    if not seeds or seeds.start < 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is invalid; expected START:STOP, 0 <= START < STOP"
+        )
     return seeds
 
 

@@ -75,14 +75,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", type=Path, help="a Mooncake-format JSONL trace")
     ap.add_argument("--mode", choices=("flat", "engine"), default="engine")
-    ap.add_argument("--store", choices=STORE_ON, default="on-evict")
-    ap.add_argument("--device", default="1%", help="engine mode: device cache size")
+    # No defaults here: given with --mode flat, they would be ignored (resolved below).
+    ap.add_argument("--store", choices=STORE_ON, help="engine mode: when stores happen (on-evict)")
+    ap.add_argument("--device", help="engine mode: device cache size (1%%)")
     ap.add_argument("--capacity", default="10%", help="CPU tier size")
     ap.add_argument("--split", type=float, default=0.5, help="the head's share of accesses")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if not 0.0 < args.split < 1.0:
         ap.error(f"--split {args.split} is invalid; expected a share between 0 and 1")
+    engine_only = [f"{flag} {value}" for flag, value in (("--device", args.device),
+                   ("--store", args.store)) if value is not None]  # fmt: skip
+    if engine_only and args.mode != "engine":
+        ap.error(f"{', '.join(engine_only)}: only with --mode engine; the mode here is flat")
+    store = args.store or "on-evict"
     require_writable(ap, args.json, inputs=[args.trace])
     require_file(ap, "trace", args.trace)
     try:
@@ -98,7 +104,7 @@ def main() -> None:
         ap.error(f"--capacity: {e}")
     if args.mode == "engine":
         try:
-            device_blocks, _ = parse_capacity(args.device, unique_blocks=unique)
+            device_blocks, _ = parse_capacity(args.device or "1%", unique_blocks=unique)
         except ValueError as e:
             ap.error(f"--device: {e}")
     whole = trace.requests
@@ -110,7 +116,7 @@ def main() -> None:
                  f"({len(first):,} requests); no tail is left to compare")  # fmt: skip
     where = args.mode
     if device_blocks is not None:
-        where += f", device {device_blocks:,} blocks, store {args.store}"
+        where += f", device {device_blocks:,} blocks, store {store}"
     print(
         f"{args.trace.name}: {where}, CPU tier {capacity:,} blocks; head = first {len(first):,} "
         f"requests ({n_first:,} accesses), tail = the other {n_rest:,}"
@@ -118,8 +124,8 @@ def main() -> None:
     print(f"{'policy':46} {'head %':>8} {'tail %':>8} {'whole %':>8}")
     rows: list[dict[str, float | str]] = []
     for name, policy in POLICIES.items():
-        h_first = hits(first, policy, capacity, device_blocks, args.store)
-        h_all = hits(whole, policy, capacity, device_blocks, args.store)
+        h_first = hits(first, policy, capacity, device_blocks, store)
+        h_all = hits(whole, policy, capacity, device_blocks, store)
         ratios = (h_first / n_first, (h_all - h_first) / n_rest, h_all / trace.num_blocks)
         keys = ("head_hit_ratio", "tail_hit_ratio", "whole_hit_ratio")
         rows.append({"policy": name, **dict(zip(keys, ratios, strict=True))})

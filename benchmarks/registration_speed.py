@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from _cli import int_list, positive_int, progress, require_writable
+from _cli import int_list, positive_int, progress, require_memory, require_writable
 from kvtier.transfer import KVCacheRegistration, KVTensor
 
 ARRANGEMENTS = ("contiguous", "interleaved")
@@ -54,6 +54,10 @@ def main() -> None:
     p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
+    # The largest tensor, before any run: else a huge --parts ends in torch's allocation
+    # traceback, after the smaller ones have run.
+    need = max(args.parts) * NUM_BLOCKS * WIDTH
+    require_memory(p, need, f"--parts {max(args.parts)}")
     require_writable(p, args.json)
 
     results: list[tuple[int, str, list[float]]] = []

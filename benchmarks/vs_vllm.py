@@ -97,8 +97,16 @@ def _scheduler_engine(
     connector: str, extra: dict[str, Any], module: str | None, blocks: int
 ) -> Any:
     """vLLM's Scheduler for a tiny local Llama config on CPU, with `connector`."""
-    import tempfile
+    # Read once, while the config is built: removed after, or every engine (two or three a
+    # window and hash seed) left a folder behind in the temp folder.
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-llama-") as model_dir:
+        return _build_scheduler(model_dir, connector, extra, module, blocks)
 
+
+def _build_scheduler(
+    model_dir: str, connector: str, extra: dict[str, Any], module: str | None, blocks: int
+) -> Any:
+    """`_scheduler_engine`'s Scheduler, its model config written to `model_dir`."""
     import torch
     from transformers import LlamaConfig
     from vllm.config import (
@@ -118,7 +126,6 @@ def _scheduler_engine(
     )
     from vllm.v1.structured_output import StructuredOutputManager
 
-    model_dir = tempfile.mkdtemp(prefix="kvtier-bench-llama-")
     LlamaConfig(
         vocab_size=1 << 20,
         hidden_size=128,
@@ -515,8 +522,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--capacity {args.capacity} is invalid; expected a share in (0, 1]")
     if args.hash_seeds and max(args.hash_seeds) > 4294967295:
         parser.error(f"--hash-seeds {args.hash_seeds}: PYTHONHASHSEED is at most 4294967295")
-    if not args.scheduler_child:
-        require_writable(parser, args.json, make_parents=True, inputs=[args.trace])
+    if args.skip_manager and args.skip_scheduler:
+        # Else it printed nothing and wrote `{}` to --json, with exit status 0.
+        parser.error("--skip-manager with --skip-scheduler leaves nothing to run; expected one")
+    # Else a window (or seed) given twice ran twice, and weighed twice in the mean (or median).
+    require_distinct(parser, "--sched-offsets", offsets, "window")
+    require_distinct(parser, "--hash-seeds", args.hash_seeds or [], "seed")
     require_file(parser, "--trace", args.trace)
     policies = [
         *([] if args.skip_manager else args.policies.split(",")),
@@ -525,6 +536,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     require_known(parser, "--policies/--sched-policy", policies, registered_policies())
     for option in ("--policies", "--sched-policy"):
         require_distinct(parser, option, getattr(args, option[2:].replace("-", "_")).split(","))
+    if not args.scheduler_child:
+        # After the checks above: this makes --json's folders, which their refusals left behind.
+        require_writable(parser, args.json, make_parents=True, inputs=[args.trace])
     try:
         from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
     except ImportError:
