@@ -57,7 +57,9 @@ def test_policy_stress_shows_the_kvaware_gap_only_with_kvaware(
     assert row.split() == ["a", "4", "40.00", "39.50"]
     header, row, summary = _stress_output("kvaware,lru", monkeypatch, capsys)
     assert header.split()[-1] == "kv-lru" and row.split() == ["a", "4", "39.50", "40.00", "-0.50"]
-    assert summary == "kvaware - lru: 1 of 1 cells below LRU; smallest -0.50"
+    assert summary == (
+        "kvaware - lru: 1 of 1 cells below LRU; smallest -0.50; losses summing to -0.50; mean -0.50"
+    )
 
 
 @pytest.mark.parametrize("text", ["-3:2", "-1"])
@@ -287,3 +289,22 @@ def test_a_refusal_leaves_no_json_folder_behind(
     last = refused_argv(main, full, monkeypatch, capsys).strip().splitlines()[-1]
     assert last.startswith(f"{script}.py: error: ") and named in last
     assert not (tmp_path / "made").exists()
+
+
+def test_policy_stress_sums_the_losses_from_unrounded_gaps(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import policy_stress
+
+    # Gaps -0.004 (twice, each shown as -0.00) and +1.0: the losses sum to -0.01, the mean +0.33.
+    def replay(policy: str, trace: Any, capacity: int) -> float:
+        return 40.0 if policy == "lru" else 40.0 + (1.0 if capacity == 8 else -0.004)
+
+    monkeypatch.setattr(sys, "argv", ["policy_stress.py", "--policies", "lru,kvaware"])
+    monkeypatch.setattr(policy_stress, "replay", replay)
+    monkeypatch.setattr(policy_stress, "workloads", lambda: iter([("a", [[1, 2]], [4, 6, 8])]))
+    policy_stress.main()
+    summary = capsys.readouterr().out.splitlines()[-1]
+    assert summary == (
+        "kvaware - lru: 2 of 3 cells below LRU; smallest -0.00; losses summing to -0.01; mean +0.33"
+    )
