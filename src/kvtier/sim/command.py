@@ -11,19 +11,27 @@ import math
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 from kvtier.cli import STDOUT, OutputError, print_rich, writing_stdout
 from kvtier.policies import get_policy_cls, registered_policies
 from kvtier.sim.advise import Advice, advise
 from kvtier.sim.readers import FORMATS, read_trace
-from kvtier.sim.replay import HIT_ACTIONS, STORE_ON, ProgressFn
+from kvtier.sim.replay import HIT_ACTIONS, STORE_ON
 from kvtier.sim.report import (
     PlotUnavailable,
     advice_table,
@@ -205,8 +213,60 @@ def _tracker_size(spec: str) -> tuple[int, float | None]:
     )
 
 
+class _Bar:
+    """A progress bar on stderr, redrawn by a thread of its own that `paused` stops.
+
+    rich's own redraw thread cannot be stopped without taking the bar down; it holds rich's
+    and stderr's locks while it draws, and a worker forked meanwhile inherits them held, so
+    its first print or warning waits for ever (and the run with it).
+    """
+
+    _INTERVAL = 0.1  # seconds between redraws, rich's default rate
+
+    def __init__(self, bar: Progress, task: TaskID) -> None:
+        self._bar = bar
+        self._task = task
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def advance(self, n: int) -> None:
+        """Count `n` more units done."""
+        self._bar.advance(self._task, n)
+
+    def start(self) -> None:
+        """Redraw every `_INTERVAL` seconds, so the elapsed time moves between advances."""
+        if self._thread is not None:
+            return
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._redraw, args=(self._stop,), name="kvtier-progress", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop redrawing; on return the thread has ended, so it holds no lock."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        thread.join()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No redraw within: for `map_trace` to fork its workers."""
+        self.stop()
+        try:
+            yield
+        finally:
+            self.start()
+
+    def _redraw(self, stop: threading.Event) -> None:
+        while not stop.wait(self._INTERVAL):
+            self._bar.refresh()
+
+
 @contextlib.contextmanager
-def _progress(total: int, enabled: bool, unit: str = "requests") -> Iterator[ProgressFn | None]:
+def _progress(total: int, enabled: bool, unit: str = "requests") -> Iterator[_Bar | None]:
     if not enabled:
         yield None
         return
@@ -217,9 +277,15 @@ def _progress(total: int, enabled: bool, unit: str = "requests") -> Iterator[Pro
         TextColumn(unit),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("replay", total=total)
-        yield lambda n: bar.advance(task, n)
+    with Progress(
+        *columns, console=Console(stderr=True), transient=True, auto_refresh=False
+    ) as progress:
+        bar = _Bar(progress, progress.add_task("replay", total=total))
+        bar.start()
+        try:
+            yield bar
+        finally:
+            bar.stop()
 
 
 @contextlib.contextmanager
@@ -494,8 +560,15 @@ def _run(args: argparse.Namespace) -> int:
         return _run_advise(trace, policies, opts, jobs, args, show_progress)
 
     runs = [(p, c) for p in policies for c in capacities] + [("infinite", unique)]
-    with _progress(len(trace) * len(runs), show_progress) as progress:
-        results = run_grid(trace, runs, opts, jobs=jobs, progress=progress)
+    with _progress(len(trace) * len(runs), show_progress) as bar:
+        results = run_grid(
+            trace,
+            runs,
+            opts,
+            jobs=jobs,
+            progress=bar.advance if bar is not None else None,
+            forking=bar.paused if bar is not None else None,
+        )
     _emit(results, shape, args, title, plot_title=f"{trace.name} ({args.mode})")
     return 0
 
@@ -553,17 +626,22 @@ def _run_advise(
     target = ADVISE_SHARE * infinite
     resolution = max(1, round(trace.num_unique_blocks * 0.005))
     arg_lists = [(p, target, opts, resolution) for p in policies]
-    with _progress(len(policies), show_progress, "policies") as progress:
-        on_done = (lambda: progress(1)) if progress is not None else None
+    with _progress(len(policies), show_progress, "policies") as bar:
+        on_done = (lambda: bar.advance(1)) if bar is not None else None
         answers: list[Advice] | None = map_trace(
-            trace, advise, arg_lists, jobs=jobs, on_done=on_done
+            trace,
+            advise,
+            arg_lists,
+            jobs=jobs,
+            on_done=on_done,
+            forking=bar.paused if bar is not None else None,
         )
         if answers is None:
             answers = []
             for a in arg_lists:
                 answers.append(advise(trace, *a))
-                if progress is not None:
-                    progress(1)
+                if bar is not None:
+                    bar.advance(1)
     failed: list[OutputError] = []
     if args.json != "-" and args.csv != "-":
         with _stdout_later(failed):

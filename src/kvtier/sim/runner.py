@@ -322,6 +322,7 @@ def map_trace(
     *,
     jobs: int = 1,
     on_done: Callable[[], None] | None = None,
+    forking: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
 ) -> list[_T] | None:
     """`[fn(trace, *args) for args in arg_lists]` over `jobs` forked processes, in order.
 
@@ -330,7 +331,10 @@ def map_trace(
     The first call to raise ends the others at once and its error is raised here; a worker
     that dies raises `ReplayError`; SIGTERM (in the main thread) ends the workers and raises
     `Terminated`. A worker dies with this process, even one killed outright (Linux). `on_done`
-    is called in this thread as each call finishes.
+    is called in this thread as each call finishes. `forking()`, if given, is entered around
+    the start of the workers: a fork copies only this thread, so any other thread must hold no
+    lock there (a progress bar's redraw thread holds rich's and stderr's while it draws), or a
+    worker that takes it (a print, a warning) waits for ever.
     """
     # A bool (True ran as one job) or a float is a caller's mistake, not a count.
     jobs = min(checked_int("jobs", jobs), len(arg_lists))
@@ -346,9 +350,11 @@ def map_trace(
             initargs=(os.getpid(),),
         )
         try:
-            index: dict[Future[_T], int] = {
-                pool.submit(_call_shared, fn, args): i for i, args in enumerate(arg_lists)
-            }
+            # With fork, the first submit forks every worker; none is forked later.
+            with forking() if forking is not None else contextlib.nullcontext():
+                index: dict[Future[_T], int] = {
+                    pool.submit(_call_shared, fn, args): i for i, args in enumerate(arg_lists)
+                }
             results: list[_T | None] = [None] * len(arg_lists)
             for fut in as_completed(index):
                 results[index[fut]] = fut.result()
@@ -376,13 +382,15 @@ def run_grid(
     *,
     jobs: int = 1,
     progress: ProgressFn | None = None,
+    forking: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
 ) -> list[RunResult]:
     """Replay `trace` once per `(policy, capacity)` in `runs`; results come in `runs` order.
 
     With `jobs > 1` the runs are spread over forked worker processes and `progress` hears of
     each run when it finishes; otherwise it hears of requests as they are replayed. A run that
     raises ends the grid with a `ReplayError` naming it; a capacity that is not an int of
-    blocks (a bool, a float) raises ValueError before any run starts.
+    blocks (a bool, a float) raises ValueError before any run starts. `forking` is as in
+    `map_trace`.
     """
     for p, c in runs:
         _checked_capacity(p, c)
@@ -393,7 +401,7 @@ def run_grid(
             _ = req.ctx
     on_done = (lambda: progress(len(trace))) if progress is not None else None
     arg_lists = [(p, c, opts) for p, c in runs]
-    results = map_trace(trace, run_named, arg_lists, jobs=jobs, on_done=on_done)
+    results = map_trace(trace, run_named, arg_lists, jobs=jobs, on_done=on_done, forking=forking)
     if results is None:
         results = [run_named(trace, p, c, opts, progress) for p, c in runs]
     return results
