@@ -285,6 +285,16 @@ class OffloadingScheduler:
             )
         # Read only at the first lookup, where a bad value would fail after side effects.
         prompt = _token_count(req_id, "num_prompt_tokens", num_prompt_tokens)
+        if not isinstance(block_hashes, Sequence) or isinstance(
+            block_hashes, (str, bytes, bytearray)
+        ):
+            # Kept and read lazily: None raised a bare TypeError ("object of type 'NoneType'
+            # has no len()") at the first lookup, and a bytes hash was read as one block per
+            # byte.
+            raise ValueError(
+                f"request {req_id!r}: block_hashes={reprlib.repr(block_hashes)} is invalid; "
+                "expected a sequence of block hashes (bytes), one per full device block"
+            )
         ctx = ReqContext(req_id, kv_transfer_params)
         # A finished request of this id that held nothing may still be due a report of a load
         # failed at allocation: it is about a request the engine has dropped, and would be
@@ -354,8 +364,12 @@ class OffloadingScheduler:
         among the jobs waited for fail, its blocks are not in `failed_load_blocks` (other
         requests may hold them by now), nor are those of a load that failed (reported, or at
         allocation) and is not yet taken (`take_finished`); the request is still reported in
-        `recving` and `failed_loads`."""
+        `recving` and `failed_loads`. A finished request is refused (`ValueError`)."""
         req = self._get(req_id)
+        if req.finished:
+            # Its blocks are held until `sending`; a preemption would drop the report of its
+            # failed load's blocks, which the engine still holds.
+            raise ValueError(f"request {req_id!r} already finished; it cannot be preempted")
         try:
             self._cancel_unsent(req)
         finally:
@@ -448,11 +462,21 @@ class OffloadingScheduler:
 
         If `reset_cache` ran since the tokens were offered, or another request's stores evicted
         an offered chunk since, they are gone: the load is reported failed at once
-        (`take_finished`), and the engine recomputes those tokens."""
+        (`take_finished`), and the engine recomputes those tokens. A request that finished, or
+        had stores planned, since the offer is refused (`ValueError`)."""
         req = self._get(req_id)
         if num_external_tokens == 0:
             req.planned_load = None
             return
+        if req.finished or req.jobs:
+            # The offer is stale: stores planned since (or a finish) would put a load beside
+            # them, into blocks the engine holds only until `sending`.
+            why = "finished" if req.finished else "has transfers in flight"
+            raise ValueError(
+                f"request {req_id!r} {why}; expected one update_state_after_alloc per offer, "
+                "after the get_num_new_matched_tokens that made it and before any step lists "
+                "the request"
+            )
         if req.planned_load is None or req.planned_load[1] != num_external_tokens:
             raise ValueError(
                 f"request {req_id!r}: num_external_tokens={num_external_tokens} does not match "
@@ -646,6 +670,12 @@ class OffloadingScheduler:
         results = list(results)
         seen: dict[int, int] = {}
         for r in results:
+            if not isinstance(r, TransferResult):
+                # A (job_id, success) tuple raised a bare AttributeError that named neither.
+                raise ValueError(
+                    f"worker result {reprlib.repr(r)} is a {type(r).__name__}; expected a "
+                    "TransferResult(job_id, success, bytes, seconds)"
+                )
             job = self._jobs.get(r.job_id)
             if job is None or not job.sent:
                 unsent = "" if job is None else " (no StepMetadata has sent it to a worker yet)"
@@ -736,9 +766,13 @@ class OffloadingScheduler:
         # A job the manager already completed (an interrupt stopped the rest of its
         # completion) uses no slot any more.
         self._jobs_before_reset = sum(not job.applied for job in self._jobs.values())
-        self.manager.reset_cache()
-        for req in self._requests.values():
-            req.next_store_chunk = 0
+        try:
+            self.manager.reset_cache()
+        finally:
+            # Even when a cache policy raised there: the manager forgets its chunks all the
+            # same, and requests that kept their store offsets never stored them again.
+            for req in self._requests.values():
+                req.next_store_chunk = 0
         if self._jobs_before_reset == 0:
             self.manager.on_reset_flushed()
 
