@@ -57,7 +57,8 @@ _DEFAULT_SLOTS_PER_BLOCK = 8
 class GenerationResult:
     """One prompt's result: greedy `tokens` (1-D), per-step `logits` `(n, vocab)`, the
     `hit_tokens` loaded from kvtier, the `prefill_tokens` the model ran over, and `ttft_s`, the
-    time from the call to the first token's logits (lookup, load and prefill)."""
+    time from the call (or from its turn, after another thread's call) to the first token's
+    logits (lookup, load and prefill)."""
 
     tokens: torch.Tensor
     logits: torch.Tensor
@@ -237,6 +238,63 @@ def _check_module(model: object) -> None:
         )
 
 
+# Config fields that leave every token's K and V as they were: token ids, output switches,
+# labels, names and versions; `resize_token_embeddings` grows `vocab_size` and keeps the rows
+# there were; the dtype has a check of its own, with a message that names the conversion.
+_KV_NEUTRAL_FIELDS = frozenset(
+    {
+        "_name_or_path",
+        "_commit_hash",
+        "architectures",
+        "dtype",
+        "torch_dtype",
+        "finetuning_task",
+        "id2label",
+        "label2id",
+        "output_attentions",
+        "output_hidden_states",
+        "prefix",
+        "problem_type",
+        "return_dict",
+        "task_specific_params",
+        "tokenizer_class",
+        "transformers_version",
+        "use_cache",
+        "vocab_size",
+    }
+)
+
+
+def _kv_config(model: Any) -> dict[str, object]:
+    """The model's config fields that decide its KV, as dotted names (sub-configs flattened)."""
+    flat: dict[str, object] = {}
+
+    def walk(fields: Mapping[str, Any], prefix: str) -> None:
+        for name, value in fields.items():
+            if name in _KV_NEUTRAL_FIELDS or str(name).endswith("_token_id"):
+                continue
+            if isinstance(value, Mapping):
+                walk(value, f"{prefix}{name}.")
+            else:
+                flat[f"{prefix}{name}"] = value
+
+    to_dict = getattr(getattr(model, "config", None), "to_dict", None)
+    if callable(to_dict):
+        walk(to_dict(), "")
+    return flat
+
+
+def _changes(before: Mapping[str, object], after: Mapping[str, object]) -> str:
+    """The first fields that differ, as `name old -> new`, for an error message."""
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+
+    def show(fields: Mapping[str, object], name: str) -> str:
+        return f"{fields[name]!r:.40}" if name in fields else "unset"
+
+    text = ", ".join(f"{k} {show(before, k)} -> {show(after, k)}" for k in changed[:3])
+    return text + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+
+
 def _checkpointing_layer(model: Any) -> str | None:
     """The first layer that gradient checkpointing makes run without the cache, if any (a
     layer checkpoints only in training mode)."""
@@ -363,52 +421,68 @@ class KVTierGenerator:
                 t[:, :, :probe_blocks].zero_()  # the buffer starts zeroed, as documented
         self.max_blocks = max_blocks
         registration = self.kv.registration()
-        if config.cpu_bytes is not None:
-            slot_bytes = HostPool.slot_bytes_for(registration, bpc)
-            if config.cpu_bytes < slot_bytes:
-                # Checked here, not left to HostPool: its error names its own byte_budget.
-                raise ConfigError(
-                    f"{config.describe('cpu_bytes')} holds no slot of {slot_bytes} bytes "
-                    f"({bpc} blocks x {registration.max_page_bytes} bytes); expected at "
-                    f"least {slot_bytes} bytes"
+        # Built in inference mode, the pool and a copy thread's staging buffers would be
+        # inference tensors, which the copy threads (never in inference mode) cannot write.
+        with torch.inference_mode(False):
+            if config.cpu_bytes is not None:
+                slot_bytes = HostPool.slot_bytes_for(registration, bpc)
+                if config.cpu_bytes < slot_bytes:
+                    # Checked here, not left to HostPool: its error names its own byte_budget.
+                    raise ConfigError(
+                        f"{config.describe('cpu_bytes')} holds no slot of {slot_bytes} bytes "
+                        f"({bpc} blocks x {registration.max_page_bytes} bytes); expected at "
+                        f"least {slot_bytes} bytes"
+                    )
+                self.pool = HostPool(
+                    registration, bpc, byte_budget=config.cpu_bytes, pin=config.pin_memory
                 )
-            self.pool = HostPool(
-                registration, bpc, byte_budget=config.cpu_bytes, pin=config.pin_memory
-            )
-        else:
-            slots = config.num_slots or _DEFAULT_SLOTS_PER_BLOCK * max_blocks // bpc
-            self.pool = HostPool(registration, bpc, num_slots=slots, pin=config.pin_memory)
-        try:
-            # A cache policy of the user's (`package.module:Class`) may raise as it is built.
-            self.manager = CPUOffloadingManager.from_config(self.pool.num_slots, config)
-            self.scheduler = OffloadingScheduler(
-                self.manager,
-                tokens_per_block=block_size,
-                blocks_per_chunk=bpc,
-                offload_prompt_only=config.offload_prompt_only,
-            )
-            self.transfer = transfer_worker_from_config(
-                registration, self.pool, config, fault_injector=fault_injector
-            )
-        except BaseException:
-            self.pool.close()  # unpinned now, not whenever the collector gets to it
-            raise
+            else:
+                slots = config.num_slots or _DEFAULT_SLOTS_PER_BLOCK * max_blocks // bpc
+                self.pool = HostPool(registration, bpc, num_slots=slots, pin=config.pin_memory)
+            try:
+                # A cache policy of the user's (`package.module:Class`) may raise as it is built.
+                self.manager = CPUOffloadingManager.from_config(self.pool.num_slots, config)
+                self.scheduler = OffloadingScheduler(
+                    self.manager,
+                    tokens_per_block=block_size,
+                    blocks_per_chunk=bpc,
+                    offload_prompt_only=config.offload_prompt_only,
+                )
+                self.transfer = transfer_worker_from_config(
+                    registration, self.pool, config, fault_injector=fault_injector
+                )
+            except BaseException:
+                self.pool.close()  # unpinned now, not whenever the collector gets to it
+                raise
         self.worker = OffloadingWorker(self.transfer)
         self.stats = GeneratorStats()
         self._free = np.ones(max_blocks, dtype=bool)
         self._held: dict[str, range] = {}
         self._req_ids = itertools.count()
         self._closed = False
+        # One caller at a time: a step's metadata carries every request's unsent loads, so a
+        # second thread's request could take another's load and leave it reading its blocks
+        # before they are loaded. Reentrant so that `generate` keeps its prompts together.
+        self._lock = threading.RLock()
         self._learned_positions = learned_position_rows(model)
         self._rope_switch = rope_switch_length(model)
+        self._config_fields = _kv_config(model)
 
     # -- public API ---------------------------------------------------------------------------
 
     def generate_one(
         self, prompt: Sequence[int] | torch.Tensor, max_new_tokens: int
     ) -> GenerationResult:
-        """Generate for one prompt: load its cached prefix, prefill the rest, store new blocks."""
-        start = time.perf_counter()
+        """Generate for one prompt: load its cached prefix, prefill the rest, store new blocks.
+
+        Calls from other threads wait for this one to end (prompts run one at a time)."""
+        with self._lock:
+            return self._generate_one(prompt, max_new_tokens)
+
+    def _generate_one(
+        self, prompt: Sequence[int] | torch.Tensor, max_new_tokens: int
+    ) -> GenerationResult:
+        start = time.perf_counter()  # once its turn has come: waiting for a thread is no TTFT
         ids, max_new_tokens, need = self._checked(prompt, max_new_tokens)
         # Ctrl-C is held back outside the model's forward passes: see _HeldInterrupts.
         with _HeldInterrupts() as held:
@@ -523,22 +597,28 @@ class KVTierGenerator:
                 f"prompts or a (batch, seq_len) tensor{hint}"
             )
         prompts = list(prompts)  # checked, then run: an iterator would be used up
-        for i, p in enumerate(prompts):
-            try:
-                self._checked(p, max_new_tokens)
-            except (TypeError, ValueError, IndexError) as e:
-                if type(e) not in (TypeError, ValueError, IndexError):
-                    raise  # a subclass may take other arguments: keep it as it is
-                raise type(e)(f"prompts[{i}]: {e}") from None
-        return [self.generate_one(p, max_new_tokens) for p in prompts]
+        with self._lock:  # another thread's prompts wait, and cannot close it in between
+            for i, p in enumerate(prompts):
+                try:
+                    self._checked(p, max_new_tokens)
+                except (TypeError, ValueError, IndexError) as e:
+                    if type(e) not in (TypeError, ValueError, IndexError):
+                        raise  # a subclass may take other arguments: keep it as it is
+                    raise type(e)(f"prompts[{i}]: {e}") from None
+            return [self.generate_one(p, max_new_tokens) for p in prompts]
 
     def flush(self) -> None:
         """Wait until every store in flight is done."""
-        self._drain()
+        with self._lock:
+            self._drain()
 
     def close(self) -> None:
         """Finish the stores in flight, stop the transfer worker and unpin the host pool; a
         closed generator refuses to generate. Closing again does nothing."""
+        with self._lock:  # after a generation in another thread, not in the middle of it
+            self._close()
+
+    def _close(self) -> None:
         if self._closed:
             return
         self._closed = True
@@ -599,6 +679,27 @@ class KVTierGenerator:
                 f"and host pool hold {page.dtype} on {page.device}, as the model was when it "
                 "was built; expected a new KVTierGenerator for the converted model"
             )
+        # KV stored before a change such as `config.sliding_window = 6` would be served to a
+        # model that now computes other KV: logits 5.7 off recompute on a Mistral.
+        fields = _kv_config(self.model)
+        if fields != self._config_fields:
+            raise ValueError(
+                "the model's config changed since this generator was built "
+                f"({_changes(self._config_fields, fields)}), so its KV is no longer what kvtier "
+                "stored; expected a new KVTierGenerator for the changed model (or the config as "
+                "it was)"
+            )
+        if torch.is_autocast_enabled(device.type):
+            autocast = torch.get_autocast_dtype(device.type)
+            if autocast != page.dtype:
+                # Its projections would then give V (and K) in the autocast dtype: the cache
+                # refused it mid-prefill, telling the user to build a buffer they never built.
+                raise ValueError(
+                    f"torch.autocast is on for {device.type} with {autocast}, so the model would "
+                    f"compute its KV in {autocast}, but this generator's KV buffer holds "
+                    f"{page.dtype}; expected generation outside autocast (or a model converted "
+                    f"to {autocast} and a new KVTierGenerator for it)"
+                )
         # Read at each call, not once when built: `resize_token_embeddings` after that (new
         # special tokens) had the new ids refused as outside a vocabulary of the old size.
         vocab = input_vocab_size(self.model)

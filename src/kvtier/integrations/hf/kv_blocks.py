@@ -196,7 +196,9 @@ def allocate_pages(
     block_size = checked_int("block_size", block_size)
     layout = kv_layout(config)
     shape = layout.page_shape(num_blocks, block_size)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)]
+    # Normal tensors even in inference mode: `extract_blocks` outside it could not write them.
+    with torch.inference_mode(False):
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)]
 
 
 def _layer_kv(layer: object, index: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:

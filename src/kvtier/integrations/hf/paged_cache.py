@@ -153,9 +153,12 @@ class PagedKVBuffer:
         self.layout = layout
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.tensors: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)
-        ]
+        # Normal tensors even when built in inference mode: inference tensors could never be
+        # written outside it again (a later generation's KV, a load by a copy thread).
+        with torch.inference_mode(False):
+            self.tensors: list[torch.Tensor] = [
+                torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)
+            ]
 
     def registration(self) -> KVCacheRegistration:
         """The buffer as kvtier's transfer engine sees it: per layer, blocks along dimension 2.
