@@ -250,9 +250,18 @@ def _build(path: Path, cmd: list[str], *, again: bool = False) -> None:
     cmd = [str(tmp) if a == "{output}" else a for a in cmd]
     try:
         subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+        os.chmod(tmp, 0o755)  # whatever the umask: `_trusted` refuses a file others may write
         os.replace(tmp, path)  # atomic: concurrent first uses never load a partial file
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _trusted(path: Path) -> bool:
+    """Whether the cached `path` may be loaded: owned by this user and writable by no other.
+    Loading runs the file's code (its constructors run even where its symbols are then found
+    missing), so a file another user placed or could rewrite is built again instead."""
+    st = path.stat()
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def _build_and_load(path: Path, cmd: list[str], load: Callable[[Path], _T]) -> _T:
@@ -260,6 +269,14 @@ def _build_and_load(path: Path, cmd: list[str], load: Callable[[Path], _T]) -> _
     by a crash, or built against another host's C library in a shared home directory) is
     built again once: otherwise every process would keep the slow fallback for good."""
     built = not path.exists()
+    if not built and not _trusted(path):
+        logger.info(
+            "kvtier: the cached %s is another user's or writable by others; building it again "
+            "instead of loading it",
+            path,
+        )
+        built = True
+        _build(path, cmd, again=True)
     _build(path, cmd)
     try:
         return load(path)
