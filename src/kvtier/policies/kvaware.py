@@ -15,7 +15,13 @@ from numbers import Real
 
 from kvtier.base import OffloadKey, ReqContext, checked_fraction, checked_int
 from kvtier.policies.base import CachePolicy, register_policy
-from kvtier.policies.kvaware_sketch import M64, MAX_COUNT, FrequencySketch, key_hash
+from kvtier.policies.kvaware_sketch import (
+    M64,
+    MAX_COUNT,
+    FrequencySketch,
+    checked_keys,
+    key_hash,
+)
 
 __all__ = ["FrequencySketch", "KVAwarePolicy", "key_hash"]
 
@@ -91,6 +97,8 @@ class KVAwarePolicy(CachePolicy):
     `mode="filter"` or `"open"` fixes the filter (rule on, no shadows), for comparisons.
     Every per-key table is bounded by the capacity (the shadows by their own, smaller one);
     the sketch has `4 * sketch_width * capacity` one-byte counters, rounded up to a power of 2.
+    Keys are bytes (`OffloadKey`): the sketch needs a hash that is the same in every process,
+    so any other key is refused, by name, before a call changes anything.
     """
 
     def __init__(
@@ -202,7 +210,11 @@ class KVAwarePolicy(CachePolicy):
 
     def _tail_of(self, ctx: ReqContext | None) -> OffloadKey | None:
         """The deepest key of `ctx`'s request, or None without positions."""
-        if ctx is None or not ctx.key_positions:
+        if ctx is None:
+            return None
+        if type(ctx) is not ReqContext and not isinstance(ctx, ReqContext):
+            raise _not_ctx(ctx)
+        if not ctx.key_positions:
             return None
         positions, req_id = ctx.key_positions, ctx.req_id
         seen, tail = 0, None
@@ -394,7 +406,8 @@ class KVAwarePolicy(CachePolicy):
     # -- the CachePolicy interface ---------------------------------------------------------
 
     def insert(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
-        # A table it cannot read raises here, before anything changed.
+        # A key or a table it cannot read raises here, before anything changed.
+        keys = checked_keys(keys)
         tail_key = self._tail_of(ctx)
         win, credit, pinned, seen = self._win, self._credit, self._pinned, self._seen
         for key in reversed(keys):
@@ -408,9 +421,9 @@ class KVAwarePolicy(CachePolicy):
                 win.move_to_end(key, last=False)
 
     def touch(self, keys: Iterable[OffloadKey], ctx: ReqContext | None) -> None:
+        keys = checked_keys(keys)
         tail_key = self._tail_of(ctx)
         win, credit, pinned = self._win, self._credit, self._pinned
-        keys = list(keys)
         seen = self._seen
         # Keys this call counted already, when it has no request to tell repeats by.
         once: set[OffloadKey] | None = None
@@ -458,7 +471,7 @@ class KVAwarePolicy(CachePolicy):
 
     def pin(self, keys: Iterable[OffloadKey]) -> None:
         win = self._win
-        for key in keys:
+        for key in checked_keys(keys):
             tail = win.pop(key, None)
             if tail is not None:
                 self._pinned[key] = _WINDOW_TAIL if tail else _WINDOW
@@ -466,6 +479,7 @@ class KVAwarePolicy(CachePolicy):
                 self._pinned[key] = _MAIN
 
     def unpin(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
+        keys = checked_keys(keys)
         tail_key = self._tail_of(ctx)
         pinned = self._pinned
         for key in reversed(keys):
@@ -485,7 +499,7 @@ class KVAwarePolicy(CachePolicy):
                 self._win[key] = where == _WINDOW_TAIL
 
     def remove(self, keys: Iterable[OffloadKey]) -> None:
-        for key in keys:
+        for key in checked_keys(keys):
             self._pinned.pop(key, None)
             self._win.pop(key, None)
             self._unplace(key)
@@ -579,12 +593,20 @@ class KVAwarePolicy(CachePolicy):
         return admit
 
     def evict(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
+        if type(n) is not int:
+            # A float failed at range(n), after the window's surplus had moved to main.
+            n = checked_int("n", n, minimum=0)
         if n <= 0:
             return []
         win, credit = self._win, self._credit
         if protected:
             if not isinstance(protected, (set, frozenset, dict)):
-                protected = set(protected)  # O(1) membership, and a repeated key counts once
+                try:
+                    protected = set(protected)  # O(1) membership; a repeated key counts once
+                except TypeError:
+                    raise TypeError(
+                        f"protected={protected!r:.80} is not a collection of offload keys (bytes)"
+                    ) from None
             blocked = sum(1 for k in protected if k in win or k in credit)
         else:
             blocked = 0
@@ -673,6 +695,8 @@ class KVAwarePolicy(CachePolicy):
             self._since_switch = 0
 
     def on_request_finished(self, ctx: ReqContext) -> None:
+        if type(ctx) is not ReqContext and not isinstance(ctx, ReqContext):
+            raise _not_ctx(ctx)
         req_id = ctx.req_id
         self._tails.pop(req_id, None)
         if req_id == self._tail_req:
@@ -712,6 +736,11 @@ class KVAwarePolicy(CachePolicy):
             # Every mode has one ("filter" and "open" too); shadows share their owner's.
             sizes["sketch_counters"] = len(self._sketch)
         return sizes
+
+
+def _not_ctx(ctx: object) -> TypeError:
+    # A bare request id or a dict failed on a missing attribute, naming neither.
+    return TypeError(f"ctx={ctx!r:.80} has type {type(ctx).__name__}; expected a ReqContext")
 
 
 def _first(

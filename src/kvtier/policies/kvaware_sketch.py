@@ -3,7 +3,10 @@ eviction, and the process-independent key hash it is indexed by."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Final
+
+from kvtier.base import OffloadKey
 
 M64: Final = (1 << 64) - 1
 MAX_COUNT: Final = 15
@@ -24,6 +27,35 @@ def key_hash(key: object) -> int:
     if type(key) is bytes or isinstance(key, bytes):
         return hash(int.from_bytes(key, "big"))
     return hash(key)
+
+
+# One key passed where a list was expected: iterating it yields ints (or one-char strs).
+_ONE_KEY = (bytes, bytearray, memoryview, str)
+
+
+def checked_keys(keys: Iterable[OffloadKey]) -> Sequence[OffloadKey]:
+    """`keys` as a list or tuple of bytes keys, else a TypeError naming the first bad one.
+
+    Called before a policy call changes anything: a key that is not bytes has no hash that is
+    the same in every process (a str's is salted), and one that cannot be hashed raised only
+    when the call reached it, after the keys before it had moved and been counted."""
+    if not isinstance(keys, (list, tuple)):
+        if isinstance(keys, _ONE_KEY):
+            raise TypeError(
+                f"keys={keys!r:.80} is one {type(keys).__name__} object; expected a list of "
+                "offload keys (bytes)"
+            )
+        try:
+            keys = list(keys)
+        except TypeError:
+            raise TypeError(
+                f"keys={keys!r:.80} has type {type(keys).__name__}; expected a list of offload "
+                "keys (bytes)"
+            ) from None
+    for key in keys:
+        if type(key) is not bytes and not isinstance(key, bytes):
+            raise TypeError(f"offload keys are bytes; got {type(key).__name__} {key!r:.80}")
+    return keys
 
 
 class FrequencySketch:
