@@ -12,7 +12,10 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
-if [ ! -x "$VENV/bin/python" ]; then
+# Also over an environment without pip (a venv made where ensurepip was missing, or with
+# --without-pip): it has a python, and every later run stopped at "No module named pip".
+# venv keeps what is installed and adds pip.
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import pip" 2>/dev/null; then
   "$PY" -m venv "$VENV"
 fi
 # shellcheck disable=SC1091
@@ -25,8 +28,10 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
 python -m pip install -q "torch==2.13.0"
 # vLLM 0.33.0 on CPU: its declared dependencies include CUDA-only pins no CPU machine can meet, so
 # it goes in without them and its pure-Python dependencies come from requirements/. Skip with
-# KVTIER_WITH_VLLM=0 (the vLLM tests then skip themselves).
-if [ "${KVTIER_WITH_VLLM:-1}" = "1" ] && ! python -c "import vllm" 2>/dev/null; then
+# KVTIER_WITH_VLLM=0 (the vLLM tests then skip themselves). Another version in a reused
+# environment is replaced: kvtier's vLLM tests and requirements/ are for this one.
+if [ "${KVTIER_WITH_VLLM:-1}" = "1" ] && ! python -c "import sys, importlib.metadata as m, vllm
+sys.exit(m.version('vllm') != '0.33.0')" 2>/dev/null; then
   python -m pip install -q --no-deps "vllm==0.33.0"
   python -m pip install -q -r requirements/vllm033-cpu.txt
   python -m pip install -q --no-deps "xgrammar==0.2.8" apache-tvm-ffi
