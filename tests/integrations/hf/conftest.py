@@ -7,6 +7,7 @@ test modules themselves `importorskip` it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,7 +85,9 @@ def run_chat(
         if stored:
             run.rebuild_bit_identical &= blocks_match(cache, pages, 0, stored, BLOCK_SIZE)
         out = generate_greedy(model, ids, new_tokens, cache=cache)
-        run.max_logit_diff = max(run.max_logit_diff, (ref.logits - out.logits).abs().max().item())
+        diff = (ref.logits - out.logits).abs().max().item()
+        # max() would keep the old value over a NaN difference, and NaN logits would pass.
+        run.max_logit_diff = diff if math.isnan(diff) else max(run.max_logit_diff, diff)
         run.tokens_equal &= torch.equal(ref.tokens, out.tokens)
         run.reused_tokens.append(stored * BLOCK_SIZE)
         run.prompt_tokens.append(ids.shape[1])
