@@ -463,3 +463,15 @@ class HeldJob:
         if job_id == self.job_id:
             self.running.set()
             self.gate.wait(30)
+
+
+def tiny_model_size(vocab: int) -> dict[str, int]:
+    """`make_demo_model` size overrides for a model small enough to build in milliseconds."""
+    return {
+        "vocab_size": vocab,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from helpers import assert_generator_clean, pool_closes, random_ids
+from helpers import assert_generator_clean, pool_closes, random_ids, tiny_model_size
 from kvtier.policies.lru import LRUPolicy
 
 torch = pytest.importorskip("torch")
@@ -23,8 +23,7 @@ from kvtier.integrations.hf.prefix import generate_greedy  # noqa: E402
 BS = 4
 VOCAB = 256
 _ids = functools.partial(random_ids, vocab=VOCAB)
-_SMALL = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128}
-_SMALL |= {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+_SMALL = tiny_model_size(VOCAB)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from helpers import assert_generator_clean, random_ids
+from helpers import assert_generator_clean, random_ids, tiny_model_size
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -22,8 +22,7 @@ from kvtier.integrations.hf.prefix import generate_greedy  # noqa: E402
 BS = 8
 VOCAB = 512
 _ids = functools.partial(random_ids, vocab=VOCAB)
-_SMALL = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128}
-_SMALL |= {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+_SMALL = tiny_model_size(VOCAB)
 
 
 @pytest.fixture(scope="module")
