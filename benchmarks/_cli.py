@@ -10,7 +10,8 @@ import argparse
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
@@ -146,3 +147,24 @@ def require_memory(parser: argparse.ArgumentParser, need: int, what: str) -> Non
 def progress(message: str) -> None:
     """One line on stderr while a long run goes on (stdout keeps the results)."""
     print(message, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def worker_pool(jobs: int) -> Iterator[ProcessPoolExecutor]:
+    """A process pool for a script's replays. Ctrl-C stops it at once: the workers ignore the
+    terminal's SIGINT (which reaches them too, and would print a traceback per worker), the
+    parent terminates them, says so in one line and exits with status 130."""
+    # Imported here: the simulator's pool helpers pull numpy in, which this module does not.
+    from kvtier.sim.runner import _stop_workers, _worker_init
+
+    pool = ProcessPoolExecutor(jobs, initializer=_worker_init, initargs=(os.getpid(),))
+    try:
+        yield pool
+    except KeyboardInterrupt:
+        _stop_workers(pool)
+        progress("interrupted")
+        raise SystemExit(130) from None
+    except BaseException:
+        _stop_workers(pool)
+        raise
+    pool.shutdown()

@@ -187,14 +187,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--trace: {e}")
     # After the trace's checks: this makes --json's folders, which a refused trace left behind.
     require_writable(parser, args.json, make_parents=True, inputs=[args.trace])
-    workloads = {"zipf": zipf_workload(args.zipf_requests), "mooncake": mooncake}
+    # Another trace is named after its file: its rows must not pass for Mooncake's.
+    same = args.trace.resolve() == MOONCAKE.resolve()
+    label = "mooncake" if same else args.trace.stem
+    if label == "zipf":  # the synthetic workload's name: its rows would be overwritten
+        label = "trace:zipf"
+    workloads = {"zipf": zipf_workload(args.zipf_requests), label: mooncake}
     rows = run(workloads, policies, args.repeats, progress)
+    w = max(9, *map(len, workloads))
     print(
-        f"{'workload':<9} {'policy':<8} {'slots':>7} {'calls/s':>11} {'blocks/s':>11} {'hit %':>6}"
+        f"{'workload':<{w}} {'policy':<8} {'slots':>7} {'calls/s':>11} {'blocks/s':>11}"
+        f" {'hit %':>6}"
     )
     for r in rows:
         print(
-            f"{r['workload']:<9} {r['policy']:<8} {r['num_slots']:>7} {r['calls_per_s']:>11,.0f}"
+            f"{r['workload']:<{w}} {r['policy']:<8} {r['num_slots']:>7} {r['calls_per_s']:>11,.0f}"
             f" {r['blocks_per_s']:>11,.0f} {100 * r['prefix_hit_ratio']:>6.1f}"
         )
     if args.json:

@@ -22,11 +22,10 @@ import itertools
 import json
 import random
 from collections.abc import Callable, Mapping
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, TypedDict
 
-from _cli import progress, require_distinct, require_writable
+from _cli import progress, require_distinct, require_writable, worker_pool
 from kvtier.policies import registered_policies
 from policy_hit_ratios import FRACTIONS, as_trace, replay
 from policy_stress import ChainIds
@@ -273,7 +272,7 @@ def main() -> None:
     tasks = [(s, names, args.engine) for s in args.seeds]
     others = [n for n in names if n != "lru"]
     rows = []
-    with ProcessPoolExecutor(args.jobs) as pool:
+    with worker_pool(args.jobs) as pool:
         for done, seed_rows in enumerate(pool.map(_run, tasks), 1):
             rows += seed_rows
             for row in seed_rows:

@@ -19,11 +19,10 @@ import json
 import random
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from _cli import progress, require_file, require_writable
+from _cli import progress, require_file, require_writable, worker_pool
 from kvtier.base import OffloadKey, make_offload_key
 from kvtier.policies import registered_policies
 from kvtier.sim import make_manager, read_trace, replay_engine, replay_flat
@@ -222,7 +221,7 @@ def main() -> None:
     start = time.perf_counter()
     ratios: dict[tuple[str, str, float, str | None], float] = {}
     every = max(1, len(tasks) // 20)
-    with ProcessPoolExecutor(args.jobs) as pool:
+    with worker_pool(args.jobs) as pool:
         for done, (task, ratio) in enumerate(zip(tasks, pool.map(_run, tasks), strict=True), 1):
             ratios[task] = ratio
             if done % every == 0 or done == len(tasks):

@@ -61,6 +61,9 @@ def main() -> int:
         caps = [parse_capacity(c, unique_blocks=unique)[0] for c in args.capacities.split(",")]
     except ValueError as e:
         p.error(f"--capacities: {e}")  # the message names the value, not the flag
+    # As `kvtier simulate` does: a capacity given twice (1% and its block count too) would be
+    # replayed twice, and weigh twice in the median.
+    caps = list(dict.fromkeys(caps))
     opts = ReplayOptions(
         mode=args.mode, device_blocks=round(0.01 * unique) if args.mode == "engine" else 0
     )

@@ -32,8 +32,8 @@ NEEDS = {
 # TRACE is a small trace, TRACE3 a 3-request one, NOTJSON a file of prose, NOHASH a JSON line
 # without hash_ids, BAD a path no file can be written to, OUT a path to write to.
 CASES: list[tuple[str, list[str], list[str], str]] = [
-    ("policy_fuzz", ["--seeds", "0:1", "--json", "BAD"], ["ProcessPoolExecutor"], "--json"),
-    ("policy_hit_ratios", ["--json", "BAD"], ["ProcessPoolExecutor"], "--json"),
+    ("policy_fuzz", ["--seeds", "0:1", "--json", "BAD"], ["worker_pool"], "--json"),
+    ("policy_hit_ratios", ["--json", "BAD"], ["worker_pool"], "--json"),
     ("policy_stress", ["--json", "BAD"], ["workloads"], "--json"),
     ("weak_locality", ["--json", "BAD"], ["load_trace"], "--json"),
     ("policy_phases", ["TRACE", "--json", "BAD"], ["read_trace"], "--json"),

@@ -105,7 +105,7 @@ def test_progress_goes_to_stderr_and_stdout_keeps_the_results(
         return requests, {"family": "loop", **params}
 
     monkeypatch.setattr(policy_fuzz, "draw", tiny)
-    monkeypatch.setattr(policy_fuzz, "ProcessPoolExecutor", ThreadPoolExecutor)
+    monkeypatch.setattr(policy_fuzz, "worker_pool", ThreadPoolExecutor)
     argv = ["policy_fuzz.py", "--seeds", "0:6", "--policies", "lru,sieve", "--jobs", "1"]
     monkeypatch.setattr(sys, "argv", argv)
     policy_fuzz.main()

@@ -75,7 +75,7 @@ def test_manager_ops_reports_each_row(tmp_path: Path, capsys: pytest.CaptureFixt
     err = capsys.readouterr().err.splitlines()
     assert err == [f"{r['workload']} {r['policy']}: done" for r in rows]
     assert [(r["workload"], r["policy"]) for r in rows] == [
-        ("zipf", "lru"), ("zipf", "arc"), ("mooncake", "lru"), ("mooncake", "arc")
+        ("zipf", "lru"), ("zipf", "arc"), ("t", "lru"), ("t", "arc")
     ]  # fmt: skip
 
 
