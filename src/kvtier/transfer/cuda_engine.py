@@ -41,6 +41,14 @@ MAX_COALESCE_DEPTH = 8
 """cudaengine.c's KVT_DEPTH_MAX."""
 _POLL = 256
 """Results fetched per engine call."""
+_WAIT_SLICE_NS = 50_000_000
+"""`wait` blocks in C this long at a time, then returns to Python, which raises a pending
+Ctrl-C (KeyboardInterrupt) only there: in one call, it waited until the copies ended."""
+_WAIT_PENDING = -1
+"""`kvt_cuda_wait_for`'s answer for a job not finished within the slice."""
+_WaitFor = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64
+)
 
 
 class _Table(NamedTuple):
@@ -94,6 +102,10 @@ def _close(
 class CUDAEngine:
     """One compiled engine for a registration and a pinned pool at `host_address`.
 
+    `host_memory` (the pool that owns that memory) is kept until the engine is freed, after its
+    copies ended: a worker dropped with its pool could otherwise see the pool unpinned and
+    unmapped first (the worker's attributes go in their order, the pool before the engine).
+
     Not thread-safe except `wait`: the worker calls the rest under its lock.
     Raises RuntimeError (with the reason) where it cannot be built.
     """
@@ -108,6 +120,7 @@ class CUDAEngine:
         copy_mode: str,
         dma_min_bytes: int,
         coalesce_depth: int = 0,
+        host_memory: object = None,
     ) -> None:
         lib = library()
         if lib is None:
@@ -138,6 +151,8 @@ class CUDAEngine:
         if not handle:
             raise RuntimeError(f"the CUDA copy engine failed to start: {err.value.decode()}")
         self._lib = lib
+        # Its own prototype: native.py's signatures are the library's shared ones.
+        self._wait_for = _WaitFor(("kvt_cuda_wait_for", lib))
         self.handle: int = handle
         """The engine's address (the submit extension takes it)."""
         self._device_index = device.index if device.index is not None else 0
@@ -154,8 +169,9 @@ class CUDAEngine:
         # (its RuntimeError sends `compiled=None` to torch ops) leaked the engine, its loaded
         # kernel image and its locks.
         self._finalizer = weakref.finalize(
-            self, _close, lib, handle, (self.tables, streams), self._drained, os.getpid()
-        )
+            self, _close, lib, handle, (self.tables, streams, host_memory), self._drained,
+            os.getpid(),
+        )  # fmt: skip
         try:
             self._host_tables = self._add_tables(registration, host_address, row_bytes)
             torch.cuda.synchronize(device)  # the tables' uploads, before any kernel reads them
@@ -268,12 +284,17 @@ class CUDAEngine:
     def wait(self, lane: int, seq: int) -> int:
         """Block until `lane`'s job `seq` (counted from 1) is launched and its copies have
         finished; at once if it has been polled (releases the GIL; needs no lock). Returns 0,
-        or the CUresult of a wait that failed: the job may then still be copying."""
-        if not self._finalizer.alive:
-            # Freed at exit: `_close` synced it, or its sync failed and the worker reports
-            # the jobs it left failed. Either way nothing is left to wait for.
-            return 0
-        return int(self._lib.kvt_cuda_wait(self.handle, lane, seq))
+        or the CUresult of a wait that failed: the job may then still be copying. Waits in
+        slices, so that a Ctrl-C raises KeyboardInterrupt within one."""
+        wait_for, handle = self._wait_for, self.handle
+        while True:
+            if not self._finalizer.alive:
+                # Freed at exit: `_close` synced it, or its sync failed and the worker reports
+                # the jobs it left failed. Either way nothing is left to wait for.
+                return 0
+            rc = wait_for(handle, lane, seq, _WAIT_SLICE_NS)
+            if rc != _WAIT_PENDING:
+                return int(rc)
 
     def sync(self) -> None:
         """Block until every queued copy has finished. Raises RuntimeError naming the CUresult

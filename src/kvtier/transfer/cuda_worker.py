@@ -11,6 +11,8 @@ per block on either path.
 from __future__ import annotations
 
 import logging
+import os
+import weakref
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -205,6 +207,24 @@ def _stage_bytes(value: object) -> int:
         raise ValueError(f"stage_bytes={value!r} must be a positive int") from None
 
 
+_KEPT: list[object] = []
+"""Buffers of torch-ops workers freed after a stream sync that failed: copies may still use
+them."""
+
+
+def _sync_lanes(streams: list[torch.cuda.Stream], keep: object, pid: int) -> None:
+    """The torch-ops path's finalizer: wait for the lanes' copies before `keep` (their buffers
+    and the pool) may be freed, or keep it for good where the wait fails."""
+    if os.getpid() != pid:
+        return  # a forked child's copy: the streams and their copies are the parent's
+    try:
+        for stream in streams:
+            stream.synchronize()
+    except RuntimeError as exc:
+        logger.error("kvtier: waiting for CUDA copies failed as the worker was freed (%s)", exc)
+        _KEPT.append(keep)
+
+
 class CUDATransferWorker(TransferWorker):
     """Transfer worker for KV tensors on one CUDA device and a pinned host pool.
 
@@ -217,6 +237,10 @@ class CUDATransferWorker(TransferWorker):
     wait on the host and leave as one batch (one wait for compute, one kernel launch per 480
     rows, one end event). A refused launch then fails every job of its batch.
     """
+
+    _forked = False
+    """Set per instance by `TransferWorker`; here also for one assembled without `__init__`
+    (the interrupt tests build a worker's state from its parts)."""
 
     def __init__(
         self,
@@ -258,7 +282,7 @@ class CUDATransferWorker(TransferWorker):
             try:
                 self._engine = CUDAEngine(
                     registration, pool.address, pool.row_bytes, host_rows, self._streams,
-                    copy_mode, self._dma_min_bytes, coalesce_depth,
+                    copy_mode, self._dma_min_bytes, coalesce_depth, pool,
                 )  # fmt: skip
             except RuntimeError as exc:
                 if compiled or coalesce_depth:
@@ -291,6 +315,14 @@ class CUDATransferWorker(TransferWorker):
         self._indices = _IndexBuffers(device)
         self._events: list[torch.cuda.Event] = []
         self._by_id: dict[int, _Record] = {}
+        if self._engine is None:
+            # Dropped without shutdown() (or at exit), the lanes' copies may still run: their
+            # index and staging buffers would go back to torch's allocator for other work, and
+            # the pool be unpinned and unmapped, under them. The engine's finalizer does this
+            # for the compiled path.
+            self._lanes_finalizer = weakref.finalize(
+                self, _sync_lanes, self._streams, (self._lanes, self._indices, pool), os.getpid()
+            )
 
     def _check_job_id(self, job_id: int) -> None:
         # The engine is freed at interpreter exit (its finalizer), possibly before a later exit
@@ -473,34 +505,61 @@ class CUDATransferWorker(TransferWorker):
             staged[n : 2 * n] = job.host_rows
         start, end = self._event(), self._event()
         record = _Record(job.job_id, job.nbytes, False, start, end, buf)
-        # Stores read KV the compute stream is producing; loads overwrite blocks it may still
-        # be reading or zeroing. Both wait for the compute queued so far.
-        ln.stream.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(ln.stream):
-            start.record(ln.stream)
-            try:
-                # Recorded before any copy is queued: an interrupt may come after any torch
-                # call, and the job is then reported failed (`ok` is still False) once the
-                # copies it queued have ended.
-                self._by_id[job.job_id] = record
-                ln.records.append(record)
-                ok = self._inject(job)
+        try:
+            # Stores read KV the compute stream is producing; loads overwrite blocks it may
+            # still be reading or zeroing. Both wait for the compute queued so far.
+            ln.stream.wait_stream(torch.cuda.current_stream(self._device))
+            with torch.cuda.stream(ln.stream):
+                start.record(ln.stream)
                 try:
-                    if ok and buf is None:
-                        assert self._dma is not None
-                        self._dma.run(job, ln.stream.cuda_stream)
-                    elif ok and buf is not None:
-                        idx = buf.device[: 2 * n]
-                        idx.copy_(buf.host[: 2 * n], non_blocking=True)
-                        ln.copier.run(job, idx[:n], idx[n:])
-                except Exception:
-                    logger.exception("transfer job %d (%s) failed", job.job_id, job.direction.value)
-                    ok = False
-                record.ok = ok
-            finally:
-                # Recorded even on failure: kernels already launched must finish before the
-                # job is reported and its buffers are reused.
-                end.record(ln.stream)
+                    # Recorded before any copy is queued: an interrupt may come after any
+                    # torch call, and the job is then reported failed (`ok` is still False)
+                    # once the copies it queued have ended.
+                    self._by_id[job.job_id] = record
+                    ln.records.append(record)
+                    ok = self._inject(job)
+                    try:
+                        if ok and buf is None:
+                            assert self._dma is not None
+                            self._dma.run(job, ln.stream.cuda_stream)
+                        elif ok and buf is not None:
+                            idx = buf.device[: 2 * n]
+                            idx.copy_(buf.host[: 2 * n], non_blocking=True)
+                            ln.copier.run(job, idx[:n], idx[n:])
+                    except Exception:
+                        logger.exception(
+                            "transfer job %d (%s) failed", job.job_id, job.direction.value
+                        )
+                        ok = False
+                    record.ok = ok
+                finally:
+                    # Recorded even on failure: kernels already launched must finish before
+                    # the job is reported and its buffers are reused.
+                    self._end(ln, record)
+        except BaseException:
+            if self._by_id.get(job.job_id) is not record:
+                # Raised before the job was recorded (a CUDA call refused the lane's wait
+                # or start): no copy reads its buffers, which were otherwise lost for good.
+                self._events += (start, end)
+                if buf is not None:
+                    self._indices.give(buf)
+            raise
+
+    def _end(self, ln: _Lane, record: _Record) -> None:
+        """Record `record`'s end event on its lane. Where that raises, the event keeps an
+        older state, which `get_finished` would take for the end of these copies (its index
+        buffer then handed to the next job under them): the lane is synced first and the
+        job failed, its buffer never reused if even that fails."""
+        try:
+            record.end.record(ln.stream)
+        except BaseException:
+            record.ok = False
+            try:
+                ln.stream.synchronize()
+            except BaseException:
+                record.indices = None
+                raise
+            raise
 
     def _event(self) -> torch.cuda.Event:
         if self._events:
@@ -512,7 +571,11 @@ class CUDATransferWorker(TransferWorker):
         nothing leaves the engine before the worker holds it (`CUDAEngine.peek`, then `drop`),
         and each result goes into `_ready` with its job's removal from `_live` in steps with
         no call between them. A call cut short leaves the results it moved in the engine, and
-        the next one skips them (no longer live) and drops them."""
+        the next one skips them (no longer live) and drops them. In a forked child it raises
+        (as `wait` does) before any CUDA call: the driver's state and the engine's threads are
+        the parent's, and its mutex may have been held by one of them at the fork."""
+        if self._forked:
+            raise RuntimeError(FORKED)
         engine = self._engine
         if engine is None:
             self._take_records(self._ready, self._ready_ids)
@@ -636,6 +699,11 @@ class CUDATransferWorker(TransferWorker):
             for stream in self._streams:
                 stream.synchronize()
             return
+        engine = self._engine
+        for lane in range(len(LANES)):
+            # In slices first (Ctrl-C is seen between them), then the sync below is short.
+            if engine.alive and engine.wait(lane, engine.accepted(lane)):
+                break  # failed: the sync below fails too, and says so
         try:
             self._engine.sync()  # the lanes' streams are the engine's: synced there
         except RuntimeError as exc:

@@ -16,15 +16,18 @@
  * instead of one per job, and the submitter neither launches nor records timing events.
  *
  * The driver is reached with dlopen: building needs no CUDA headers, and on a machine without
- * CUDA nothing here runs. Submits and polls are serialised by the caller; kvt_cuda_wait and
- * the launch threads may run alongside them (the lanes are guarded by the engine's mutex).
+ * CUDA nothing here runs. Submits and polls are serialised by the caller; kvt_cuda_wait,
+ * kvt_cuda_wait_for (and its waiter thread) and the launch threads may run alongside them (the
+ * lanes are guarded by the engine's mutex).
  */
 #include <dlfcn.h>
+#include <errno.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "kvtier.h"
 
@@ -156,6 +159,10 @@ typedef struct { /* a ring of the lane's jobs in submission order */
     kvt_job *jobs;
     int *oks;
     size_t jobs_cap;
+    /* kvt_cuda_wait_for's waiter thread: the highest seq a caller waits for, the highest whose
+     * copies it has seen end, and the CUresult of a failed wait with the seq it covered */
+    uint64_t want, reached, failed_upto;
+    int failed_rc;
 } kvt_lane;
 
 typedef struct {
@@ -180,6 +187,9 @@ typedef struct {
     int started; /* launch threads that have tried to enter (kvt_cuda_coalesce waits for all) */
     size_t depth;
     int last_error; /* the CUresult behind a submit's -1 through kvt_cuda_submit_ext */
+    pthread_cond_t waited;   /* the waiter thread saw a job's copies end */
+    pthread_t waiter;        /* blocks on end events for kvt_cuda_wait_for's callers */
+    int waiter_on, waiter_quit;
 } kvt_cuda;
 
 static int load_driver(kvt_cuda *c, char *err, size_t errlen) {
@@ -280,12 +290,24 @@ kvt_cuda *kvt_cuda_new(const void *image, const uint64_t *streams, void *batch, 
         pthread_mutex_destroy(&c->mu);
         goto no_sync;
     }
+    /* kvt_cuda_wait_for's deadlines are monotonic: a wall-clock step cannot stretch one. */
+    pthread_condattr_t mono;
+    int waited_made = !pthread_condattr_init(&mono);
+    if (waited_made) {
+#ifdef __linux__
+        pthread_condattr_setclock(&mono, CLOCK_MONOTONIC);
+#endif
+        waited_made = !pthread_cond_init(&c->waited, &mono);
+        pthread_condattr_destroy(&mono);
+    }
     int made = 0;
-    while (made < KVT_LANES && !pthread_cond_init(&c->lanes[made].work, NULL))
+    while (waited_made && made < KVT_LANES && !pthread_cond_init(&c->lanes[made].work, NULL))
         made++;
     if (made < KVT_LANES) {
         while (made--)
             pthread_cond_destroy(&c->lanes[made].work);
+        if (waited_made)
+            pthread_cond_destroy(&c->waited);
         pthread_cond_destroy(&c->launched);
         pthread_mutex_destroy(&c->mu);
         goto no_sync;
@@ -980,6 +1002,134 @@ int kvt_cuda_wait(kvt_cuda *c, int lane, uint64_t seq) {
     return r;
 }
 
+#ifdef __linux__
+#define KVT_WAIT_CLOCK CLOCK_MONOTONIC
+#else
+#define KVT_WAIT_CLOCK CLOCK_REALTIME
+#endif
+/* kvt_cuda_wait_for asks the event itself this long before it hands the wait over: on an H200
+ * a handed-over wait cost 9-20 us more, and one asked here no more than kvt_cuda_wait. */
+#define KVT_WAIT_SPIN_NS 1000000u
+
+/* The waiter thread of kvt_cuda_wait_for: for each lane whose wanted job is launched (or
+ * polled), block on its batch's end event outside the mutex, then tell the callers. Only this
+ * thread blocks without a bound; callers wait for it in slices. */
+static void *waiter(void *arg) {
+    kvt_cuda *c = arg;
+    CUcontext none;
+    CUresult entered = enter(c, &none);
+    pthread_mutex_lock(&c->mu);
+    while (!c->waiter_quit) {
+        kvt_lane *l = NULL;
+        for (int i = 0; i < KVT_LANES && !l; i++) {
+            kvt_lane *m = &c->lanes[i];
+            if (m->want > m->reached &&
+                (m->want < m->first_seq || m->want >= m->first_seq + m->len ||
+                 m->want < m->first_seq + m->launched))
+                l = m;
+        }
+        if (!l) {
+            pthread_cond_wait(&c->launched, &c->mu);
+            continue;
+        }
+        uint64_t seq = l->want;
+        CUevent end = NULL;
+        if (seq >= l->first_seq && seq < l->first_seq + l->len)
+            end = at_seq(l, at_seq(l, seq)->last)->end;
+        pthread_mutex_unlock(&c->mu);
+        if (end && entered != CUDA_SUCCESS) /* asked again: it may have started too early */
+            entered = enter(c, &none);
+        CUresult r = CUDA_SUCCESS;
+        if (end)
+            r = entered != CUDA_SUCCESS ? entered : c->cu.event_sync(end);
+        pthread_mutex_lock(&c->mu);
+        if (r != CUDA_SUCCESS)
+            l->failed_rc = r, l->failed_upto = seq;
+        if (seq > l->reached)
+            l->reached = seq;
+        pthread_cond_broadcast(&c->waited);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+/* End the waiter thread (it first finishes the wait it is in). */
+static void stop_waiter(kvt_cuda *c) {
+    pthread_mutex_lock(&c->mu);
+    int on = c->waiter_on;
+    c->waiter_quit = 1;
+    pthread_cond_broadcast(&c->launched);
+    pthread_mutex_unlock(&c->mu);
+    if (on)
+        pthread_join(c->waiter, NULL);
+}
+
+/* kvt_cuda_wait for at most `timeout_ns`: 0 once `lane`'s job `seq` has finished (or at once
+ * if it is polled or was never queued), -1 if it has not by then, or the CUresult of a wait
+ * that failed (the job may then still be copying). A Python caller waits in slices and
+ * returns to Python between them, where a Ctrl-C is raised: in one call (kvt_cuda_wait) it
+ * was not seen until the copies ended, or ever where they never did. A job already done costs
+ * one event query; otherwise a waiter thread blocks on the event and wakes the callers. */
+int kvt_cuda_wait_for(kvt_cuda *c, int lane, uint64_t seq, uint64_t timeout_ns) {
+    if (lane < 0 || lane >= KVT_LANES)
+        return CUDA_ERROR_INVALID_VALUE;
+    kvt_lane *l = &c->lanes[lane];
+    CUcontext prev;
+    CUresult r = enter(c, &prev);
+    if (r != CUDA_SUCCESS)
+        return r;
+    struct timespec until;
+    clock_gettime(KVT_WAIT_CLOCK, &until);
+    uint64_t now_ns = (uint64_t)until.tv_sec * 1000000000u + (uint64_t)until.tv_nsec;
+    until.tv_sec += (time_t)(timeout_ns / 1000000000u);
+    until.tv_nsec += (long)(timeout_ns % 1000000000u);
+    if (until.tv_nsec >= 1000000000L)
+        until.tv_sec++, until.tv_nsec -= 1000000000L;
+    pthread_mutex_lock(&c->mu);
+    CUevent end = NULL;
+    if (seq >= l->first_seq && seq < l->first_seq + l->launched && seq > l->reached)
+        end = at_seq(l, at_seq(l, seq)->last)->end;
+    pthread_mutex_unlock(&c->mu);
+    /* Most copies end within a millisecond: asked here first (as cuEventSynchronize spins),
+     * since handing the wait to the waiter thread costs a wake-up. A slot reused meanwhile by
+     * a later job only makes this longer. */
+    uint64_t spin_ns = timeout_ns < KVT_WAIT_SPIN_NS ? timeout_ns : KVT_WAIT_SPIN_NS;
+    for (CUresult q = end ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS; q == CUDA_ERROR_NOT_READY;) {
+        q = c->cu.event_query(end);
+        if (q == CUDA_SUCCESS) {
+            leave(c, prev);
+            return 0;
+        }
+        struct timespec t;
+        clock_gettime(KVT_WAIT_CLOCK, &t);
+        if ((uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec - now_ns >= spin_ns)
+            break;
+    }
+    pthread_mutex_lock(&c->mu);
+    int rc = 0;
+    if (seq >= l->first_seq && seq < l->first_seq + l->len && seq > l->reached) {
+        if (seq > l->want)
+            l->want = seq;
+        if (!c->waiter_on && !c->waiter_quit)
+            c->waiter_on = !pthread_create(&c->waiter, NULL, waiter, c);
+        pthread_cond_broadcast(&c->launched); /* the waiter waits on it for work */
+        while (c->waiter_on && !c->waiter_quit && seq >= l->first_seq && seq > l->reached)
+            if (pthread_cond_timedwait(&c->waited, &c->mu, &until) == ETIMEDOUT)
+                break;
+        if (seq < l->first_seq || seq <= l->reached)
+            rc = seq <= l->failed_upto ? l->failed_rc : 0;
+        else /* no waiter (it could not start): wait here without a bound, as kvt_cuda_wait */
+            rc = c->waiter_on ? -1 : CUDA_ERROR_NOT_READY;
+    } else if (seq >= l->first_seq && seq < l->first_seq + l->len) {
+        rc = seq <= l->failed_upto ? l->failed_rc : 0; /* the waiter saw it end */
+    }
+    pthread_mutex_unlock(&c->mu);
+    leave(c, prev);
+    if (rc == CUDA_ERROR_NOT_READY)
+        return kvt_cuda_wait(c, lane, seq);
+    return rc;
+}
+
 /* Block until every job submitted so far is launched and its copies have finished. Returns 0,
  * or the CUresult of a failed enter or synchronize: copies may then still be running (or never
  * launched, where enter failed), and their jobs stay queued for kvt_cuda_poll. */
@@ -1003,8 +1153,10 @@ int kvt_cuda_sync(kvt_cuda *c) {
 void kvt_cuda_free(kvt_cuda *c) {
     if (!c)
         return;
-    if (c->sync_made) /* with coalescing, every lane has its thread */
+    if (c->sync_made) { /* with coalescing, every lane has its thread */
         stop_launchers(c, c->coalesce ? KVT_LANES : 0);
+        stop_waiter(c);
+    }
     CUcontext prev;
     if (c->ctx && enter(c, &prev) == CUDA_SUCCESS) {
         for (int i = 0; i < KVT_LANES; i++) {
@@ -1033,6 +1185,7 @@ void kvt_cuda_free(kvt_cuda *c) {
     if (c->sync_made) {
         for (int i = 0; i < KVT_LANES; i++)
             pthread_cond_destroy(&c->lanes[i].work);
+        pthread_cond_destroy(&c->waited);
         pthread_cond_destroy(&c->launched);
         pthread_mutex_destroy(&c->mu);
     }
