@@ -125,6 +125,76 @@ class DemoResult:
     options: dict[str, Any] = field(default_factory=dict)
 
 
+def _demo_size(opts: DemoOptions) -> dict[str, Any]:
+    """The demo model's size overrides: positions for the workload's longest conversation."""
+    longest = opts.system_tokens + opts.turns * (2 * opts.user_tokens + opts.new_tokens)
+    return {"max_position_embeddings": max(4096, 2 * longest)}
+
+
+def _cannot_load(opts: DemoOptions, e: Exception) -> ValueError:
+    # transformers' message for a non-causal-LM config lists every supported config class
+    # (hundreds of names); its first line says what is wrong.
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return ValueError(
+        f"--model {opts.model}: cannot load it as a causal LM ({first}); expected a "
+        "checkpoint AutoModelForCausalLM loads"
+    )
+
+
+def _model_config(opts: DemoOptions) -> Any:
+    """The config of the model `_load_model` loads, read without its weights: the workload is
+    checked against it before the model is built or loaded."""
+    if opts.model is None:
+        from kvtier.integrations.hf.models import demo_config
+
+        return demo_config("llama", **_demo_size(opts))
+    from transformers import AutoConfig
+
+    auto: Any = AutoConfig  # untyped upstream
+    try:
+        return auto.from_pretrained(str(opts.model), local_files_only=True)
+    except (ValueError, OSError, KeyError) as e:
+        raise _cannot_load(opts, e) from None
+
+
+def _weight_bytes(opts: DemoOptions, model_config: Any) -> int:
+    """Bytes of the model's weights in float32 (as the demo loads them), found without
+    reading or building them: the demo model's counted on the meta device, a checkpoint's
+    from its files. 0 where they cannot be told (`_load_model` then says what is wrong)."""
+    import torch
+
+    if opts.model is None:
+        from transformers import AutoModelForCausalLM
+
+        auto: Any = AutoModelForCausalLM  # untyped upstream
+        with torch.device("meta"):  # shapes only: no memory
+            model: torch.nn.Module = auto.from_config(model_config)
+        return 4 * sum(p.numel() for p in model.parameters())
+    # transformers loads the safetensors files where there are any, else pytorch_model*.bin.
+    try:
+        files = sorted(opts.model.glob("*.safetensors"))
+        if files:
+            return 4 * sum(_safetensors_values(f) for f in files)
+        stored = sum(f.stat().st_size for f in opts.model.glob("pytorch_model*.bin"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0  # an unreadable file: loading it says which
+    dtype = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else 4
+    return stored * 4 // itemsize
+
+
+def _safetensors_values(path: Path) -> int:
+    """The number of values in a safetensors file, from its header (its first bytes)."""
+    with path.open("rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if size > 2**27:  # a header of 128 MiB is no header: a corrupt file
+            raise ValueError(f"{path}: not a safetensors file")
+        header = json.loads(f.read(size))
+    return sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+
+
 def _load_model(opts: DemoOptions) -> tuple[Any, str]:
     """(model, namespace): the local checkpoint, or the seeded random-weight Llama demo model."""
     import torch
@@ -132,10 +202,7 @@ def _load_model(opts: DemoOptions) -> tuple[Any, str]:
     if opts.model is None:
         from kvtier.integrations.hf.models import make_demo_model
 
-        longest = opts.system_tokens + opts.turns * (2 * opts.user_tokens + opts.new_tokens)
-        model, _ = make_demo_model(
-            "llama", opts.seed, max_position_embeddings=max(4096, 2 * longest)
-        )
+        model, _ = make_demo_model("llama", opts.seed, **_demo_size(opts))
         return model, f"kvtier-demo-llama-seed{opts.seed}"
     from transformers import AutoModelForCausalLM
 
@@ -143,13 +210,7 @@ def _load_model(opts: DemoOptions) -> tuple[Any, str]:
     try:
         model = auto.from_pretrained(str(opts.model), local_files_only=True, dtype=torch.float32)
     except (ValueError, OSError, KeyError) as e:
-        # transformers' message for a non-causal-LM config lists every supported config class
-        # (hundreds of names); its first line says what is wrong.
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(
-            f"--model {opts.model}: cannot load it as a causal LM ({first}); expected a "
-            "checkpoint AutoModelForCausalLM loads"
-        ) from None
+        raise _cannot_load(opts, e) from None
     model.eval()
     return model, f"{opts.model.resolve()}:float32"
 
@@ -205,11 +266,13 @@ def physical_memory() -> int | None:
     return limit if ram is None else min(ram, limit)
 
 
-def _check_memory(opts: DemoOptions, model_config: Any) -> None:
-    """Refuse a workload whose KV cannot fit in this machine's memory, before drawing it.
+def _check_memory(opts: DemoOptions, model_config: Any, weight_bytes: int = 0) -> None:
+    """Refuse a workload whose KV, with the model's `weight_bytes`, cannot fit in this
+    machine's memory, before drawing it or building the model.
 
-    Otherwise a large --user-tokens fails allocating its token ids with a traceback, and a
-    large --conversations or --turns allocates (or page-faults in) a host pool for hours."""
+    Otherwise a large --user-tokens fails allocating its token ids with a traceback, a large
+    --conversations or --turns allocates (or page-faults in) a host pool for hours, and a
+    checkpoint too large for the machine swaps (or is killed) as it loads."""
     from kvtier.integrations.hf.kv_blocks import kv_layout
 
     try:
@@ -232,6 +295,13 @@ def _check_memory(opts: DemoOptions, model_config: Any) -> None:
             f"{opts.system_tokens}, --user-tokens {opts.user_tokens}, --new-tokens "
             f"{opts.new_tokens}: the workload's KV may need {_size(need)}, more than this "
             f"machine's {_size(ram)} of memory; expected a smaller workload"
+        )
+    if ram is not None and need + weight_bytes > ram:
+        model = "the demo model" if opts.model is None else f"--model {opts.model}"
+        raise ValueError(
+            f"{model}: its weights ({_size(weight_bytes)} in float32) and the workload's KV "
+            f"({_size(need)}) need {_size(need + weight_bytes)}, more than this machine's "
+            f"{_size(ram)} of memory; expected a smaller model or workload"
         )
 
 
@@ -303,14 +373,16 @@ def run_demo(opts: DemoOptions, on_request: Callable[[], None] = lambda: None) -
     from kvtier.integrations.hf.prefix import generate_greedy
 
     start = time.perf_counter()
-    model, namespace = _load_model(opts)
-    _check_memory(opts, model.config)
+    # Every refusal comes before the model is built or loaded (seconds to minutes, and more
+    # memory than the machine has for a checkpoint too large for it).
+    model_config = _model_config(opts)
+    _check_memory(opts, model_config, _weight_bytes(opts, model_config))
     # A multimodal checkpoint's config (Gemma 3's) keeps these in its text config, as
     # kv_layout reads them: `model.config.vocab_size` ended the run in an AttributeError.
     text_config = (
-        model.config.get_text_config(decoder=True)
-        if hasattr(model.config, "get_text_config")
-        else model.config
+        model_config.get_text_config(decoder=True)
+        if hasattr(model_config, "get_text_config")
+        else model_config
     )
     vocab = int(text_config.vocab_size)
     rng = torch.Generator().manual_seed(opts.seed)
@@ -329,6 +401,7 @@ def run_demo(opts: DemoOptions, on_request: Callable[[], None] = lambda: None) -
             f"positions, the model has {positions} (max_position_embeddings); expected fewer "
             "--turns, --user-tokens, --system-tokens or --new-tokens"
         )
+    model, namespace = _load_model(opts)
     max_blocks = -(-longest // BLOCK_SIZE)
     # Replies are stored too (offload_prompt_only=False): in a chat the next turn's prompt
     # starts with this turn's reply, so its KV is as reusable as the prompt's. The pool holds

@@ -170,6 +170,8 @@ def test_multi_turn_chat_loads_the_stored_bytes_and_matches_recompute(
         audit = ByteAudit(gen)
         hits, worst = _interleaved_chat(model, gen)
         stats = gen.stats
+        # close() releases the pages: their size is read before.
+        page_bytes = sum(p[:, :, 0].numel() * p.element_size() for p in gen.pages)
     # Conversation 0 turn 0 (76 tokens) starts cold; conversation 1 turn 0 reuses the 40-token
     # system prompt's 2 full blocks. Turn k+1 reuses every full block of turn k's cache (prompt
     # and reply but the last token): 76+8-1 = 83 tokens -> 5 blocks, then 120+8-1 -> 7 blocks.
@@ -182,7 +184,6 @@ def test_multi_turn_chat_loads_the_stored_bytes_and_matches_recompute(
     assert stats.failed_loads == 0
     assert stats.hit_tokens == sum(hits)
     # The byte totals agree with the audited blocks (each block is one page of every layer).
-    page_bytes = sum(p[:, :, 0].numel() * p.element_size() for p in gen.pages)
     assert stats.bytes_loaded == audit.blocks_loaded * page_bytes
     assert stats.bytes_stored == audit.blocks_stored * page_bytes
 

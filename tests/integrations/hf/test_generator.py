@@ -155,9 +155,10 @@ def test_bad_input_is_refused_before_any_work(model: Any) -> None:
 def test_close_stops_the_transfer_worker(model: Any) -> None:
     with KVTierGenerator(model, block_size=BS, max_blocks=8) as gen:
         gen.generate_one(_ids(40, 18), 2)
+        transfer = gen.transfer  # close() releases it
     assert gen.scheduler.num_jobs_in_flight() == 0
     with pytest.raises(RuntimeError, match="shut down"):
-        gen.transfer.submit_store(10_000, [0], [0])
+        transfer.submit_store(10_000, [0], [0])
 
 
 def test_a_failed_generation_frees_its_blocks_and_request(model: Any) -> None:

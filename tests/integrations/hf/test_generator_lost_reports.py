@@ -109,21 +109,23 @@ def test_an_interrupted_close_still_applies_every_result_and_unpins_the_pool(mod
         gen = KVTierGenerator(model, block_size=BS, max_blocks=12, fault_injector=slow_stores)
         gen.generate_one(random_ids(30, 3, vocab=VOCAB), 3)  # its stores wait at the gate
         assert gen.scheduler.num_jobs_in_flight() > 0
-        gen.transfer.wait = interrupt_once(gen.transfer.wait, "before")  # type: ignore[method-assign]
+        pool, transfer = gen.pool, gen.transfer  # close() releases them
+        transfer.wait = interrupt_once(transfer.wait, "before")  # type: ignore[method-assign]
         threading.Timer(0.2, gate.set).start()  # the copies end while the worker shuts down
         with pytest.raises(KeyboardInterrupt):
             gen.close()
         gen.close()  # closing again does nothing
-    assert closed == [gen.pool]
+    assert closed == [pool]
     assert gen.scheduler.num_jobs_in_flight() == 0
     assert gen.scheduler.num_requests() == 0
     stats = gen.manager.get_stats()
     assert (stats.pending_writes, stats.pinned) == (0, 0)
     assert bool(gen._free.all())
-    assert gen.transfer.get_finished() == []
+    assert transfer.get_finished() == []
 
 
 def test_close_unpins_the_host_pool(model: Any) -> None:
     with pool_closes() as closed, KVTierGenerator(model, block_size=BS, max_blocks=12) as gen:
         gen.generate_one(random_ids(30, 4, vocab=VOCAB), 3)
-    assert closed == [gen.pool]
+        pool = gen.pool  # close() releases it
+    assert closed == [pool]

@@ -110,6 +110,7 @@ def test_close_from_another_thread_waits_for_the_generation(model: Any) -> None:
             time.sleep(0.3)  # close() is called meanwhile
 
     gen = KVTierGenerator(model, KVTierConfig(num_slots=64), block_size=BS, max_blocks=64)
+    block_bytes = gen.kv.registration().max_page_bytes  # close() releases the buffer
     handle = model.register_forward_pre_hook(pause_once)
     try:
         results: dict[str, GenerationResult | BaseException] = {}
@@ -121,7 +122,6 @@ def test_close_from_another_thread_waits_for_the_generation(model: Any) -> None:
         handle.remove()
         gen.close()
     assert isinstance(results["A"], GenerationResult), results["A"]
-    block_bytes = gen.kv.registration().max_page_bytes
     assert gen.stats.bytes_stored == (48 // BS) * block_bytes  # every full prompt block
     assert gen.scheduler.num_jobs_in_flight() == 0
     assert bool(gen._free.all())

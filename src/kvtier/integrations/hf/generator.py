@@ -45,7 +45,7 @@ from kvtier.integrations.hf.prefix import (
     learned_position_rows,
     rope_switch_length,
 )
-from kvtier.transfer import FaultInjector, HostPool
+from kvtier.transfer import FaultInjector, HostPool, TransferWorker
 from kvtier.transfer.factory import transfer_worker_from_config
 
 __all__ = ["GenerationResult", "GeneratorStats", "KVTierGenerator"]
@@ -404,23 +404,22 @@ class KVTierGenerator:
                 f"stored; expected max_blocks >= {bpc}"
             )
         device = next(model.parameters()).device
-        self.kv = PagedKVBuffer(
+        self._kv = PagedKVBuffer(
             model.config, max_blocks, block_size, dtype=model.dtype, device=device
         )
-        self.pages = self.kv.tensors
-        """Per layer, `(2, kv_heads, max_blocks, block_size, head_dim)`: the device KV."""
+        self._pages = self._kv.tensors
         # Probes of what the config cannot tell, before any KV exists to store: a block's KV
         # must depend on its prefix only, and the model must write it into the paged cache.
         check_causal(model)
         probe_tokens = min(2, max_blocks * block_size)
         probe_blocks = -(-probe_tokens // block_size)
         try:
-            check_cache_written(model, self.kv.cache(0, probe_blocks, 0), probe_tokens)
+            check_cache_written(model, self._kv.cache(0, probe_blocks, 0), probe_tokens)
         finally:
-            for t in self.pages:
+            for t in self._pages:
                 t[:, :, :probe_blocks].zero_()  # the buffer starts zeroed, as documented
         self.max_blocks = max_blocks
-        registration = self.kv.registration()
+        registration = self._kv.registration()
         # Built in inference mode, the pool and a copy thread's staging buffers would be
         # inference tensors, which the copy threads (never in inference mode) cannot write.
         with torch.inference_mode(False):
@@ -433,28 +432,28 @@ class KVTierGenerator:
                         f"({bpc} blocks x {registration.max_page_bytes} bytes); expected at "
                         f"least {slot_bytes} bytes"
                     )
-                self.pool = HostPool(
+                self._pool = HostPool(
                     registration, bpc, byte_budget=config.cpu_bytes, pin=config.pin_memory
                 )
             else:
                 slots = config.num_slots or _DEFAULT_SLOTS_PER_BLOCK * max_blocks // bpc
-                self.pool = HostPool(registration, bpc, num_slots=slots, pin=config.pin_memory)
+                self._pool = HostPool(registration, bpc, num_slots=slots, pin=config.pin_memory)
             try:
                 # A cache policy of the user's (`package.module:Class`) may raise as it is built.
-                self.manager = CPUOffloadingManager.from_config(self.pool.num_slots, config)
+                self.manager = CPUOffloadingManager.from_config(self._pool.num_slots, config)
                 self.scheduler = OffloadingScheduler(
                     self.manager,
                     tokens_per_block=block_size,
                     blocks_per_chunk=bpc,
                     offload_prompt_only=config.offload_prompt_only,
                 )
-                self.transfer = transfer_worker_from_config(
-                    registration, self.pool, config, fault_injector=fault_injector
+                self._transfer = transfer_worker_from_config(
+                    registration, self._pool, config, fault_injector=fault_injector
                 )
             except BaseException:
-                self.pool.close()  # unpinned now, not whenever the collector gets to it
+                self._pool.close()  # unpinned now, not whenever the collector gets to it
                 raise
-        self.worker = OffloadingWorker(self.transfer)
+        self._worker = OffloadingWorker(self._transfer)
         self.stats = GeneratorStats()
         self._free = np.ones(max_blocks, dtype=bool)
         self._held: dict[str, range] = {}
@@ -467,6 +466,38 @@ class KVTierGenerator:
         self._learned_positions = learned_position_rows(model)
         self._rope_switch = rope_switch_length(model)
         self._config_fields = _kv_config(model)
+
+    # -- the memory, until close() releases it --------------------------------------------------
+
+    @property
+    def kv(self) -> PagedKVBuffer:
+        """The paged buffer the model reads and writes KV in (the device KV)."""
+        self._check_open("its KV buffer was released")
+        return self._kv
+
+    @property
+    def pages(self) -> list[torch.Tensor]:
+        """Per layer, `(2, kv_heads, max_blocks, block_size, head_dim)`: the device KV."""
+        self._check_open("its KV buffer was released")
+        return self._pages
+
+    @property
+    def pool(self) -> HostPool:
+        """The host pool kvtier stores chunks in."""
+        self._check_open("its host pool was released")
+        return self._pool
+
+    @property
+    def transfer(self) -> TransferWorker:
+        """The transfer worker that copies between the pages and the host pool."""
+        self._check_open("its transfer worker was released")
+        return self._transfer
+
+    @property
+    def worker(self) -> OffloadingWorker:
+        """kvtier's worker half, over `transfer`."""
+        self._check_open("its transfer worker was released")
+        return self._worker
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -517,16 +548,16 @@ class KVTierGenerator:
                 scheduler.update_state_after_alloc(req_id, [blocks], hit)
                 if hit:
                     load = scheduler.build_step_metadata()
-                    self.worker.start_step(load)
-                    self.worker.wait_for_loads(load)
+                    self._worker.start_step(load)
+                    self._worker.wait_for_loads(load)
                     self._collect()
                     if req_id in self._last_failed_loads:
                         hit = 0  # never use the blocks of a failed load: recompute them
                         self.stats.failed_loads += 1
                 # The model reads the loaded blocks and writes every new token's KV in place, so
                 # the request's blocks hold its whole KV when generation ends: nothing to copy out.
-                cache = self.kv.cache(blocks.start, need, hit)
-                device = self.pages[0].device
+                cache = self._kv.cache(blocks.start, need, hit)
+                device = self._pages[0].device
                 with held.allowed():  # the model's time: Ctrl-C stops it at once
                     out = generate_greedy(
                         self.model, ids.unsqueeze(0).to(device), max_new_tokens, cache
@@ -547,8 +578,8 @@ class KVTierGenerator:
                 stores = scheduler.build_step_metadata(
                     [StepProgress(req_id, [blocks], held_tokens)]
                 )
-                self.worker.start_step(stores)
-                self.worker.finish_step(stores)
+                self._worker.start_step(stores)
+                self._worker.finish_step(stores)
             except BaseException:
                 # An error or interrupt anywhere (while waiting for a store, in the load, in the
                 # model, while the stores are planned or handed over) ends the request and frees
@@ -558,7 +589,7 @@ class KVTierGenerator:
                 # for them forever), so the worker gets every one of them: their KV is complete.
                 try:
                     if stores is not None:
-                        self.worker.finish_step(stores)  # skips the ones it already has
+                        self._worker.finish_step(stores)  # skips the ones it already has
                 finally:
                     self._release(req_id, blocks, (load, stores))
                 raise
@@ -608,13 +639,15 @@ class KVTierGenerator:
             return [self.generate_one(p, max_new_tokens) for p in prompts]
 
     def flush(self) -> None:
-        """Wait until every store in flight is done."""
+        """Wait until every store in flight is done (on a closed generator none is)."""
         with self._lock:
-            self._drain()
+            if not self._closed:
+                self._drain()
 
     def close(self) -> None:
-        """Finish the stores in flight, stop the transfer worker and unpin the host pool; a
-        closed generator refuses to generate. Closing again does nothing."""
+        """Finish the stores in flight, stop the transfer worker and release the host pool and
+        the KV buffer (their memory goes once no other reference holds it); a closed generator
+        refuses to generate, and `stats` stays readable. Closing again does nothing."""
         with self._lock:  # after a generation in another thread, not in the middle of it
             self._close()
 
@@ -628,14 +661,25 @@ class KVTierGenerator:
             # Also after an error or an interrupt in the drain: the worker reports the jobs it
             # never ran as failed, and once it has stopped no copy can run, so what it still
             # holds is applied and the reports that never came are failed.
+            stopped = False
             try:
-                self.transfer.shutdown()
+                self._transfer.shutdown()
+                stopped = True
                 try:
                     self._collect()
                 finally:
                     self._fail_lost_reports()
             finally:
-                self.pool.close()
+                try:
+                    self._pool.close()
+                finally:
+                    if stopped:
+                        # The pool (GiBs of host memory) and the pages (device memory) would
+                        # otherwise live as long as this object: a user who closes it and
+                        # builds another holds both. The transfer worker holds them as well.
+                        # Kept where the worker did not stop (Ctrl-C in its shutdown): a copy
+                        # may still run, into memory that must not be handed out again.
+                        del self._worker, self._transfer, self._pool, self._kv, self._pages
 
     def __enter__(self) -> KVTierGenerator:
         return self
@@ -672,7 +716,7 @@ class KVTierGenerator:
         # built: after `model.half()` or `.to(...)` the model's KV no longer fits them, and
         # the cache's error told the user to build a buffer they never built.
         dtype, device = self.model.dtype, next(self.model.parameters()).device
-        page = self.pages[0]
+        page = self._pages[0]
         if (dtype, device) != (page.dtype, page.device):
             raise ValueError(
                 f"the model now runs in {dtype} on {device}, but this generator's KV buffer "
@@ -735,11 +779,12 @@ class KVTierGenerator:
             )
         return ids, max_new_tokens, need
 
-    def _check_open(self) -> None:
+    def _check_open(self, released: str = "") -> None:
         if self._closed:
             # Its transfer worker is gone: every load and store would fail, one logged error
             # each, and the generator would quietly recompute everything.
-            raise RuntimeError("this KVTierGenerator is closed; create a new one to generate")
+            why = f" and {released}" if released else ""
+            raise RuntimeError(f"this KVTierGenerator is closed{why}; create a new one to generate")
 
     _last_failed_loads: frozenset[str] = frozenset()
     _reports_lost = False
@@ -794,7 +839,7 @@ class KVTierGenerator:
         # their jobs in flight forever (flush and close run this outside generate_one).
         with _HeldInterrupts():
             try:
-                self.scheduler.on_worker_results(self.worker.get_finished())
+                self.scheduler.on_worker_results(self._worker.get_finished())
             except BaseException:
                 # A manager call that raised (a cache policy's) left jobs in flight whose
                 # reports the worker has already handed over: `_drain` fails them.
@@ -814,7 +859,7 @@ class KVTierGenerator:
             self._free[blocks.start : blocks.stop] = True
 
     def _drain(self) -> None:
-        self.transfer.wait(self.scheduler.job_ids_in_flight())
+        self._transfer.wait(self.scheduler.job_ids_in_flight())
         self._collect()
         if self._reports_lost:
             # Every copy has ended and every report the worker held is applied: the jobs still

@@ -22,6 +22,9 @@ can, which would make the token check weaker.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import inspect
 import math
 import numbers
 import operator
@@ -29,7 +32,7 @@ from typing import Any, Final
 
 import torch
 
-__all__ = ["DEMO_ARCHS", "make_demo_model"]
+__all__ = ["DEMO_ARCHS", "demo_config", "make_demo_model"]
 
 DEMO_ARCHS: Final = ("llama", "qwen2", "mistral")
 """Architectures `make_demo_model` builds."""
@@ -59,13 +62,53 @@ def _config_class(arch: str) -> Any:
     return classes[arch]
 
 
+def _declared_fields(config_cls: Any) -> set[str]:
+    """The fields `config_cls` defines: its dataclass fields (transformers 5) or its
+    `__init__` parameters, and the aliases of its `attribute_map`."""
+    if dataclasses.is_dataclass(config_cls):
+        names = {f.name for f in dataclasses.fields(config_cls)}
+    else:
+        params = inspect.signature(config_cls.__init__).parameters.values()
+        names = {p.name for p in params if p.kind is not p.VAR_KEYWORD}
+    names.update(getattr(config_cls, "attribute_map", {}))
+    names.discard("self")
+    return names
+
+
+def demo_config(arch: str = "llama", **size: Any) -> Any:
+    """The config `make_demo_model(arch, **size)` builds its model from, without the model.
+
+    A `size` field that `arch`'s config class does not define is refused: transformers would
+    keep it as a stray attribute and build the default size instead (`hiden_size=8`)."""
+    config_cls = _config_class(arch)
+    fields = {**_DEFAULT_SIZE, **size}
+    if arch == "mistral":
+        fields.setdefault("sliding_window", None)
+    config = config_cls(**fields)
+    declared = _declared_fields(config_cls)
+    # Keyword aliases the class consumes (`rope_theta` into `rope_parameters`) are no stray
+    # attribute: only a name the config kept as given and does not define is one.
+    stray = [name for name in size if name not in declared and name in vars(config)]
+    if stray:
+        name = stray[0]
+        public = sorted(n for n in declared if not n.startswith("_"))
+        close = difflib.get_close_matches(name, public, n=1)
+        expected = f"did you mean {close[0]!r}?" if close else "expected a field it defines"
+        raise ValueError(
+            f"{name}={size[name]!r} is not a field of {config_cls.__name__} (arch={arch!r}); "
+            f"{expected}"
+        )
+    return config
+
+
 def make_demo_model(
     arch: str = "llama", seed: int = 0, *, logit_scale: float = 4.0, **size: Any
 ) -> tuple[Any, Any]:
     """A small float32 model of `arch` with seeded random weights, in eval mode: (model, config).
 
     `size` overrides config fields (`hidden_size`, `num_hidden_layers`, `vocab_size`,
-    `initializer_range`, ...); `logit_scale` (a positive finite number) multiplies the final
+    `initializer_range`, ...; a name `arch`'s config does not define is a `ValueError` that
+    suggests the closest field); `logit_scale` (a positive finite number) multiplies the final
     norm's gain. The same `arch`, `seed` and `size` give bit-identical weights in
     every process. Mistral gets `sliding_window=None` unless `size` sets one, so the default
     model attends to its whole context like the other two.
@@ -74,7 +117,7 @@ def make_demo_model(
 
     auto: Any = AutoModelForCausalLM  # untyped upstream
 
-    config_cls = _config_class(arch)
+    _config_class(arch)  # the architecture first: the other checks name it
     try:
         index = None if isinstance(seed, bool) else operator.index(seed)  # numpy ints too
     except TypeError:
@@ -92,10 +135,7 @@ def make_demo_model(
         raise ValueError(
             f"logit_scale={logit_scale!r} is invalid; expected a positive finite float"
         )
-    fields = {**_DEFAULT_SIZE, **size}
-    if arch == "mistral":
-        fields.setdefault("sliding_window", None)
-    config = config_cls(**fields)
+    config = demo_config(arch, **size)
     # Seed a private generator state: the caller's global RNG stream is left as it was.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -22,6 +22,7 @@ heads interleaved token by token; decode attention over it was ~30% slower per c
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -156,9 +157,21 @@ class PagedKVBuffer:
         # Normal tensors even when built in inference mode: inference tensors could never be
         # written outside it again (a later generation's KV, a load by a copy thread).
         with torch.inference_mode(False):
-            self.tensors: list[torch.Tensor] = [
-                torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)
-            ]
+            try:
+                self.tensors: list[torch.Tensor] = [
+                    torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)
+                ]
+            except RuntimeError as e:
+                if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+                    raise
+                # torch's message names a byte count only, not what asked for it.
+                nbytes = layout.num_layers * math.prod(shape) * dtype.itemsize
+                raise MemoryError(
+                    f"cannot allocate the paged KV buffer: num_blocks={num_blocks} blocks of "
+                    f"{block_size} tokens x {layout.num_layers} layers is {nbytes} bytes "
+                    f"({nbytes / 2**30:,.1f} GiB) of {dtype} on {device}; expected fewer "
+                    "blocks (KVTierGenerator's max_blocks)"
+                ) from e
 
     def registration(self) -> KVCacheRegistration:
         """The buffer as kvtier's transfer engine sees it: per layer, blocks along dimension 2.
