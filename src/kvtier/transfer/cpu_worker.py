@@ -200,6 +200,7 @@ class CPUTransferWorker(TransferWorker):
         self._finalizer = weakref.finalize(self, self._jobs.stop)
         self._finalizer.atexit = False  # exit calls `shutdown()` instead (`shutdown_at_exit`)
         self._at_exit = shutdown_at_exit(self)
+        pool._add_user(self)  # last: a worker that failed to build never held the pool
 
     _DEVICE = ("cpu", "the CPU")
     """(device type the KV tensors must be on, its name in errors)"""
@@ -248,6 +249,9 @@ class CPUTransferWorker(TransferWorker):
         jobs.results, jobs.result_ids = empty, no_ids
         self._ready += taken
         self._ready_ids |= ids
+
+    def _copying(self) -> set[int]:
+        return self._jobs.in_flight  # queued or running, until the thread reports them
 
     @property
     def _in_flight(self) -> set[int]:

@@ -55,17 +55,24 @@ _Fn12 = ctypes.CFUNCTYPE(
 )  # fmt: skip
 
 _cached: tuple[object, bool] | None = None
+_looked_up = False
+"""Whether `_cached` holds the answer, a failed lookup's None too: it opened libcuda (or
+searched the library path for it) again on every call."""
+_NOT_INITIALIZED = 3
+"""CUDA_ERROR_NOT_INITIALIZED: a driver that may answer once CUDA is set up, so not cached."""
 
 
 def _lookup() -> tuple[object, bool] | None:
     """The driver's cuMemcpyBatchAsync and whether it has the CUDA 13 signature."""
-    global _cached
-    if _cached is not None:
+    global _cached, _looked_up
+    if _looked_up or _cached is not None:
         return _cached
     try:
         lib = ctypes.CDLL("libcuda.so.1")
         version = ctypes.c_int()
-        if lib.cuDriverGetVersion(ctypes.byref(version)) != 0:
+        err = lib.cuDriverGetVersion(ctypes.byref(version))
+        if err != 0:
+            _looked_up = err != _NOT_INITIALIZED
             return None
         new = version.value >= 13000
         get = lib.cuGetProcAddress_v2
@@ -75,11 +82,12 @@ def _lookup() -> tuple[object, bool] | None:
         want = 13000 if new else 12080
         err = get(b"cuMemcpyBatchAsync", ctypes.byref(pfn), want, 0, ctypes.byref(status))
         if err != 0 or not pfn.value:
+            _looked_up = err != _NOT_INITIALIZED
             return None
-        fn = (_Fn if new else _Fn12)(pfn.value)
+        _cached = ((_Fn if new else _Fn12)(pfn.value), new)
     except (OSError, AttributeError):
-        return None
-    _cached = (fn, new)
+        _cached = None  # no driver library, or one without these entry points
+    _looked_up = True
     return _cached
 
 

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 import weakref
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -198,6 +200,14 @@ def check_cuda_options(copy_mode: object, compiled: object, coalesce_depth: obje
     return depth
 
 
+def _ended(event: torch.cuda.Event) -> bool:
+    """Whether `event` is known to have completed (a query that raises: not known)."""
+    try:
+        return bool(event.query())  # type: ignore[no-untyped-call]
+    except RuntimeError:
+        return False
+
+
 def _stage_bytes(value: object) -> int:
     """`stage_bytes` as an int, checked as the factory checks it, and numpy's integers and 0-d
     integer tensors taken as the rest of the transfer API takes them (never a bool)."""
@@ -207,9 +217,53 @@ def _stage_bytes(value: object) -> int:
         raise ValueError(f"stage_bytes={value!r} must be a positive int") from None
 
 
+_POLL_S = 1e-3
+"""How long a torch-ops wait polls before it hands the wait to a thread (`_wait_until`)."""
+_SPIN_S = 1e-4
+"""How long it polls without sleeping first (a Ctrl-C is raised at the loop's back edge)."""
+_WAIT_SLICE_S = 0.05
+"""A handed-over wait returns to Python this often, where a pending Ctrl-C is raised."""
+
+
+def _wait_until(query: Callable[[], object] | None, synchronize: Callable[[], object]) -> None:
+    """Block until `synchronize()` (of an event or streams) would return, raising what it
+    raises (a CUDA error). One synchronize is a call that a Ctrl-C does not end: it was not
+    seen until the copies ended. Here `query()` is polled for up to 1 ms (spinning 0.1 ms,
+    then in sleeps that let the GIL go), which sees a short copy end within a microsecond or
+    so and costs no thread; then a thread synchronizes, and this one waits for it in slices,
+    as the compiled path does."""
+    if query is not None:
+        start = time.perf_counter()
+        while not query():
+            waited = time.perf_counter() - start
+            if waited >= _POLL_S:
+                break
+            if waited >= _SPIN_S:  # spun first: the shortest sleep takes ~60 us (timer slack)
+                time.sleep(50e-6)
+        else:
+            return
+    ended = threading.Event()
+    failed: list[BaseException] = []
+
+    def sync() -> None:
+        try:
+            synchronize()
+        except BaseException as exc:  # handed to the waiting thread
+            failed.append(exc)
+        finally:
+            ended.set()
+
+    # A daemon: where the copies never end, exit does not wait for it either.
+    threading.Thread(target=sync, name="kvtier-cuda-wait", daemon=True).start()
+    while not ended.wait(_WAIT_SLICE_S):
+        pass
+    if failed:
+        raise failed[0]
+
+
 _KEPT: list[object] = []
-"""Buffers of torch-ops workers freed after a stream sync that failed: copies may still use
-them."""
+"""Buffers that copies may still use after a stream sync failed: those of torch-ops workers
+freed then, and the index buffers of the jobs a shutdown reported failed then."""
 
 
 def _sync_lanes(streams: list[torch.cuda.Stream], keep: object, pid: int) -> None:
@@ -323,6 +377,7 @@ class CUDATransferWorker(TransferWorker):
             self._lanes_finalizer = weakref.finalize(
                 self, _sync_lanes, self._streams, (self._lanes, self._indices, pool), os.getpid()
             )
+        pool._add_user(self)  # last: a worker that failed to build never held the pool
 
     def _check_job_id(self, job_id: int) -> None:
         # The engine is freed at interpreter exit (its finalizer), possibly before a later exit
@@ -442,6 +497,17 @@ class CUDATransferWorker(TransferWorker):
 
     def _accepted(self, job_id: int) -> bool:
         return job_id in self._live or job_id in self._by_id
+
+    def _copying(self) -> list[int]:
+        engine = self._engine
+        if engine is None:
+            return [j for j, r in self._by_id.items() if not _ended(r.end)]
+        if not engine.alive:
+            return []  # freed at exit: synced, or the pool kept for good (`cuda_engine._close`)
+        # Not waited for (no slice): -1 while pending, a CUresult where the wait failed (the
+        # copies may then still run), 0 once done. The engine has no other query.
+        query, handle = engine._wait_for, engine.handle
+        return [j for j, live in self._live.items() if query(handle, live.lane, live.seq, 0)]
 
     def _inject(self, job: Job) -> bool:
         """Run the fault injector; False if it raised (the job then fails)."""
@@ -668,7 +734,7 @@ class CUDATransferWorker(TransferWorker):
         with self._lock:
             events = [self._by_id[j].end for j in job_ids if j in self._by_id]
         for event in events:
-            event.synchronize()
+            _wait_until(event.query, event.synchronize)
 
     def _fail_live(self) -> None:
         """Report the jobs still live failed, each lane in submission order, into `_ready` at
@@ -683,6 +749,23 @@ class CUDATransferWorker(TransferWorker):
         self._ready_ids |= ids
         self._live = none
 
+    def _fail_records(self) -> list[int]:
+        """The torch-ops path's `_fail_live` (lock held): report every job still recorded
+        failed, each lane in submission order; returns their ids. Their copies may still run:
+        their index buffers are kept for good, and their events are not reused."""
+        left = [r for ln in self._lanes.values() for r in ln.records if r.job_id in self._by_id]
+        failed = [TransferResult(r.job_id, False, 0, 0.0) for r in left]
+        ids = {r.job_id for r in left}
+        if left:
+            _KEPT.append([r.indices for r in left])
+        by_id: dict[int, _Record] = {}
+        # No call from here on: an interrupt comes before these steps or after them. The
+        # records left in the lanes are dropped by `_take_records`, no longer in `_by_id`.
+        self._ready += failed
+        self._ready_ids |= ids
+        self._by_id = by_id
+        return [r.job_id for r in left]
+
     def shutdown(self) -> None:
         """Wait for every launched copy (CUDA work cannot be cancelled) and refuse new jobs.
         If the driver's wait fails (a poisoned context, say), logs it and reports every job
@@ -696,8 +779,21 @@ class CUDATransferWorker(TransferWorker):
         # Every call waits, not only the first: a second one (another thread's) returned while
         # the first still waited for the launched copies, with jobs neither done nor reported.
         if self._engine is None:
-            for stream in self._streams:
-                stream.synchronize()
+            streams = self._streams
+
+            def sync_all() -> None:
+                for stream in streams:
+                    stream.synchronize()
+
+            try:
+                _wait_until(None, sync_all)  # rare: no polling, the thread at once
+            except RuntimeError as exc:
+                # As the compiled path: raised, it left the jobs held for good (and escaped
+                # `__exit__`); waiting more could hang.
+                with self._lock:
+                    self._take_finished()
+                    failed = self._fail_records()
+                logger.error("kvtier: shutdown: %s; jobs %s are reported failed", exc, failed)
             return
         engine = self._engine
         for lane in range(len(LANES)):

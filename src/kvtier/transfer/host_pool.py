@@ -15,6 +15,7 @@ import os
 import sys
 import warnings
 import weakref
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -23,6 +24,17 @@ from kvtier.base import checked_int
 from kvtier.transfer.registration import KVCacheRegistration
 
 logger = logging.getLogger(__name__)
+
+
+class PoolUser(Protocol):
+    """A transfer worker as `HostPool.close` sees it."""
+
+    def _pool_jobs(self) -> list[int] | None:
+        """None once it will never again copy to or from the pool (shut down and no copy
+        running); else the ids of its jobs whose copies may still run (none: idle, not shut
+        down)."""
+        ...
+
 
 _CUDA_HOST_REGISTER_PORTABLE_MAPPED = 1 | 2
 """cudaHostRegisterPortable | cudaHostRegisterMapped: usable by every device, and addressable
@@ -107,6 +119,10 @@ class HostPool:
         )
         if self._finalizer is not None:
             self._finalizer.atexit = False  # process exit frees it; CUDA may be torn down by then
+        self.closed = False
+        """True once `close()` returned: no worker copies to or from the pool again."""
+        self._users: weakref.WeakSet[PoolUser] = weakref.WeakSet()
+        """The workers built on the pool (`_add_user`), which `close()` asks."""
 
     @staticmethod
     def slot_bytes_for(registration: KVCacheRegistration, blocks_per_chunk: int) -> int:
@@ -167,8 +183,34 @@ class HostPool:
             return False
         return True
 
+    def _add_user(self, worker: PoolUser) -> None:
+        """Record a transfer worker built on the pool (once, as its construction ends), for
+        `close()`; held weakly."""
+        self._users.add(worker)
+
     def close(self) -> None:
-        """Unpin the pool. The memory itself goes when the last view of it is dropped."""
+        """Unpin the pool; the memory itself goes when the last view of it is dropped. Closing
+        again does nothing.
+
+        Raises RuntimeError, leaving the pool open (and pinned) as it was, while a transfer
+        worker built on it is not shut down or still has copies running: they read and write
+        the pool by address, and a GPU's copies fault once it is unpinned. Shut the workers
+        down first (`shutdown()` waits for the copies running and fails the queued jobs)."""
+        if self.closed:
+            return
+        busy = [(w, jobs) for w in list(self._users) if (jobs := w._pool_jobs()) is not None]
+        if busy:
+            named = "; ".join(
+                f"{type(w).__name__} at {id(w):#x} ("
+                + (f"jobs {jobs} queued or copying" if jobs else "idle, not shut down")
+                + ")"
+                for w, jobs in busy
+            )
+            raise RuntimeError(
+                f"cannot close the host pool: transfer workers still use it: {named}; call "
+                "their shutdown() first (an interrupted one: again), then close the pool"
+            )
+        self.closed = True
         if self.pinned:
             self.pinned = False
             if self._finalizer is not None:

@@ -332,6 +332,7 @@ class NativeCPUTransferWorker(TransferWorker):
         # Not freed at exit: the hook above stops the threads, and an exit handler or daemon
         # thread that polls or waits after the free (legal after shutdown) read freed memory.
         self._finalizer.atexit = False
+        pool._add_user(self)  # last: a worker that failed to build never held the pool
 
     @property
     def shared_jobs(self) -> int:
@@ -487,6 +488,11 @@ class NativeCPUTransferWorker(TransferWorker):
 
     def _accepted(self, job_id: int) -> bool:
         return job_id in self._live
+
+    def _copying(self) -> list[int]:
+        # Jobs finished and not yet collected are still live: the engine says which are done.
+        done, engine = self._lib.kvt_engine_wait_for, self._engine
+        return [j for j, live in self._live.items() if not done(engine, live.lane, live.seq, 0)]
 
     def _take_finished(self) -> None:
         """Results are read from the engine first and dropped from it only once every one

@@ -103,6 +103,9 @@ def check_pool(registration: KVCacheRegistration, pool: HostPool) -> None:
             "this pinned host pool was created before the process forked and its memory is "
             "not mapped here; create a HostPool in this process"
         )
+    if pool.closed:
+        # Its workers are refused its closing (`HostPool.close`); a later one copied into it.
+        raise ValueError("this host pool is closed; expected an open HostPool (create a new one)")
 
 
 _EMPTY = np.empty(0, dtype=np.int64)
@@ -338,6 +341,21 @@ class TransferWorker(ABC):
         """Whether this backend's records hold `job_id` (called with the lock held, after
         `_submit` raised). `_submit` leaves a job fully recorded or not at all: on a
         BaseException it keeps the records of a job its engine took, and drops the rest."""
+
+    def _pool_jobs(self) -> list[int] | None:
+        """For `HostPool.close` (`host_pool.PoolUser`): None once this worker will never again
+        copy to or from its pool, else the ids of its jobs whose copies may still run."""
+        if self._forked:
+            return None  # a forked child's copy: the copies, if any, are the parent's
+        with self._lock:
+            copying = sorted(self._copying())
+            closed = self._closed
+        return None if closed and not copying else copying
+
+    def _copying(self) -> Iterable[int]:
+        """Ids of the jobs whose copies may still run: queued, running, or not known to have
+        ended (called with the lock held, by `HostPool.close` only)."""
+        raise NotImplementedError
 
     def _collect(self) -> list[TransferResult]:
         """Take the finished results (called with the lock held), for `_take_finished`'s

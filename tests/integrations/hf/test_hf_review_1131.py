@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import functools
 import gc
+import threading
 import weakref
 from typing import Any
 
 import pytest
 
-from helpers import random_ids, tiny_model_size
+from helpers import interrupt_once, random_ids, tiny_model_size
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -100,3 +101,29 @@ def test_a_page_buffer_too_large_to_allocate_names_max_blocks(model: Any) -> Non
     space, so the allocation fails at once even where memory is overcommitted."""
     with pytest.raises(MemoryError, match=r"num_blocks=1000000000000 blocks of 8 tokens x 2 lay"):
         KVTierGenerator(model, block_size=BS, max_blocks=10**12)
+
+
+def test_ctrl_c_as_close_stops_the_worker_is_raised_and_the_pool_kept(model: Any) -> None:
+    # A pool now refuses to close while a worker on it may copy (`HostPool.close`): closing it
+    # in a `finally` after an interrupted shutdown turned the Ctrl-C into that RuntimeError.
+    gate = threading.Event()
+
+    def slow_stores(job: int, direction: str) -> None:
+        if direction == "store":
+            gate.wait(10)
+
+    gen = KVTierGenerator(model, block_size=BS, max_blocks=12, fault_injector=slow_stores)
+    gen.generate_one(_ids(30, 3), 3)  # its stores wait at the gate
+    transfer, pool = gen.transfer, gen.pool
+    transfer.shutdown = interrupt_once(transfer.shutdown, "before")  # type: ignore[method-assign]
+    transfer.wait = interrupt_once(transfer.wait, "before")  # type: ignore[method-assign]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            gen.close()
+        assert not pool.closed  # copies may still run into it
+        assert gen._pool is pool  # kept, not released under them
+    finally:
+        gate.set()
+        transfer.shutdown()
+    pool.close()
+    assert pool.closed

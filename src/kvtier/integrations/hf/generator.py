@@ -670,15 +670,16 @@ class KVTierGenerator:
                 finally:
                     self._fail_lost_reports()
             finally:
-                try:
-                    self._pool.close()
-                finally:
-                    if stopped:
+                # Kept, and pinned, where the worker did not stop (Ctrl-C in its shutdown): a
+                # copy may still run, into memory that must not be handed out again, and the
+                # pool refuses to close under it (`HostPool.close`).
+                if stopped:
+                    try:
+                        self._pool.close()
+                    finally:
                         # The pool (GiBs of host memory) and the pages (device memory) would
                         # otherwise live as long as this object: a user who closes it and
                         # builds another holds both. The transfer worker holds them as well.
-                        # Kept where the worker did not stop (Ctrl-C in its shutdown): a copy
-                        # may still run, into memory that must not be handed out again.
                         del self._worker, self._transfer, self._pool, self._kv, self._pages
 
     def __enter__(self) -> KVTierGenerator:

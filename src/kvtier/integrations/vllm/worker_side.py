@@ -356,7 +356,7 @@ class KVTierWorkerSide:
         """Stop the transfer worker (jobs not started are reported failed) and unpin its host
         pool: it may be many GiB, and the collector may not get to it before the engine ends."""
         if self.transfer is not None:
-            try:
-                self.transfer.shutdown()
-            finally:
-                self.transfer.pool.close()
+            # The pool is unpinned only once the worker has stopped: interrupted, its copies
+            # may still run, and the pool refuses to close under them (`HostPool.close`).
+            self.transfer.shutdown()
+            self.transfer.pool.close()

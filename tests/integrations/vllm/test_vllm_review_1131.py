@@ -1,0 +1,45 @@
+"""The worker side's shutdown with a host pool that refuses to close under a live worker."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (pip install 'kvtier[vllm]')", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine import make_engine
+from test_vllm import EXTRA, PROMPT, gate, vllm_loaded
+
+from helpers import interrupt_once
+
+__all__ = ["vllm_loaded"]  # the module-scoped fixture, shared with test_vllm
+
+
+def test_ctrl_c_in_the_transfer_shutdown_is_raised_and_the_pool_stays_open(
+    vllm_loaded: None,
+) -> None:
+    # The pool was closed in a `finally`: with copies still running it now refuses, and that
+    # RuntimeError replaced the Ctrl-C (before the refusal, it unpinned under the copies).
+    engine = make_engine("KVTierConnector", EXTRA)
+    opened = gate(engine)  # every transfer waits until the gate opens
+    engine.add("a", PROMPT)
+    for _ in range(3):
+        engine.step(settle=False)
+    ws = engine.kvtier_worker()
+    transfer = ws.transfer
+    pool = transfer.pool
+    assert ws._jobs, "expected a's stores in flight"
+    transfer.shutdown = interrupt_once(transfer.shutdown, "before")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ws.shutdown()
+        assert not pool.closed
+    finally:
+        opened.set()
+    ws.shutdown()  # again, as after any interrupted shutdown: now it stops and closes
+    assert pool.closed
