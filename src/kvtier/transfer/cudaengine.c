@@ -576,6 +576,8 @@ static void launched(kvt_cuda *c, kvt_lane *l, const kvt_job *j, size_t k, const
     }
     l->flight[l->nflight++] = last;
     pthread_cond_broadcast(&c->launched);
+    if (l->want > l->reached && l->want <= last)
+        pthread_cond_broadcast(&c->waited); /* the waiter thread waits for this launch */
 }
 
 /* Launch one batch of lane `l`'s waiting jobs: take them under the mutex, queue them without
@@ -1029,7 +1031,10 @@ static void *waiter(void *arg) {
                 l = m;
         }
         if (!l) {
-            pthread_cond_wait(&c->launched, &c->mu);
+            /* Not on `launched`, which every launch broadcasts: woken there, it took the
+             * mutex from the submitter once a job. A launch wakes it here only for a job a
+             * caller waits for (`launched`). */
+            pthread_cond_wait(&c->waited, &c->mu);
             continue;
         }
         uint64_t seq = l->want;
@@ -1058,7 +1063,7 @@ static void stop_waiter(kvt_cuda *c) {
     pthread_mutex_lock(&c->mu);
     int on = c->waiter_on;
     c->waiter_quit = 1;
-    pthread_cond_broadcast(&c->launched);
+    pthread_cond_broadcast(&c->waited);
     pthread_mutex_unlock(&c->mu);
     if (on)
         pthread_join(c->waiter, NULL);
@@ -1112,7 +1117,7 @@ int kvt_cuda_wait_for(kvt_cuda *c, int lane, uint64_t seq, uint64_t timeout_ns) 
             l->want = seq;
         if (!c->waiter_on && !c->waiter_quit)
             c->waiter_on = !pthread_create(&c->waiter, NULL, waiter, c);
-        pthread_cond_broadcast(&c->launched); /* the waiter waits on it for work */
+        pthread_cond_broadcast(&c->waited); /* the waiter waits on it for work */
         while (c->waiter_on && !c->waiter_quit && seq >= l->first_seq && seq > l->reached)
             if (pthread_cond_timedwait(&c->waited, &c->mu, &until) == ETIMEDOUT)
                 break;
