@@ -170,19 +170,33 @@ def _weight_bytes(opts: DemoOptions, model_config: Any) -> int:
         with torch.device("meta"):  # shapes only: no memory
             model: torch.nn.Module = auto.from_config(model_config)
         return 4 * sum(p.numel() for p in model.parameters())
-    # transformers loads the safetensors files where there are any, else pytorch_model*.bin.
     try:
-        files = sorted(opts.model.glob("*.safetensors"))
-        if files:
+        files, safetensors = _checkpoint_files(opts.model)
+        if safetensors:
             return 4 * sum(_safetensors_values(f) for f in files)
-        stored = sum(f.stat().st_size for f in opts.model.glob("pytorch_model*.bin"))
-    except (OSError, ValueError, KeyError, TypeError):
+        stored = sum(f.stat().st_size for f in files)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return 0  # an unreadable file: loading it says which
     dtype = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
     itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else 4
     return stored * 4 // itemsize
+
+
+def _checkpoint_files(directory: Path) -> tuple[list[Path], bool]:
+    """The weight files `from_pretrained` loads from `directory`, in its order of preference,
+    and whether they are safetensors. Only those: a directory may hold other weights too
+    (Mistral's `consolidated.safetensors` beside the model's shards, a PEFT adapter), which
+    counted as well made the model twice its size."""
+    for name, safetensors in (("model.safetensors", True), ("pytorch_model.bin", False)):
+        if (directory / name).is_file():
+            return [directory / name], safetensors
+        index = directory / f"{name}.index.json"
+        if index.is_file():
+            shards = json.loads(index.read_text())["weight_map"].values()
+            return [directory / shard for shard in sorted(set(shards))], safetensors
+    return [], False
 
 
 def _safetensors_values(path: Path) -> int:

@@ -13,6 +13,7 @@ import logging
 import mmap
 import os
 import sys
+import threading
 import warnings
 import weakref
 from typing import Protocol
@@ -123,6 +124,9 @@ class HostPool:
         """True once `close()` returned: no worker copies to or from the pool again."""
         self._users: weakref.WeakSet[PoolUser] = weakref.WeakSet()
         """The workers built on the pool (`_add_user`), which `close()` asks."""
+        self._users_lock = threading.RLock()  # reentrant: a finalizer may close it meanwhile
+        """Held by `close()` from its check of the workers to `closed`, and by `_add_user`:
+        a worker built by another thread meanwhile is refused, not left on a closed pool."""
 
     @staticmethod
     def slot_bytes_for(registration: KVCacheRegistration, blocks_per_chunk: int) -> int:
@@ -185,8 +189,15 @@ class HostPool:
 
     def _add_user(self, worker: PoolUser) -> None:
         """Record a transfer worker built on the pool (once, as its construction ends), for
-        `close()`; held weakly."""
-        self._users.add(worker)
+        `close()`; held weakly. Raises ValueError where the pool was closed after the worker's
+        `check_pool` (by another thread): its copies would go to an unpinned pool."""
+        with self._users_lock:
+            if self.closed:
+                raise ValueError(
+                    "this host pool was closed while a transfer worker was built on it; "
+                    "expected an open HostPool (create a new one)"
+                )
+            self._users.add(worker)
 
     def close(self) -> None:
         """Unpin the pool; the memory itself goes when the last view of it is dropped. Closing
@@ -196,21 +207,22 @@ class HostPool:
         worker built on it is not shut down or still has copies running: they read and write
         the pool by address, and a GPU's copies fault once it is unpinned. Shut the workers
         down first (`shutdown()` waits for the copies running and fails the queued jobs)."""
-        if self.closed:
-            return
-        busy = [(w, jobs) for w in list(self._users) if (jobs := w._pool_jobs()) is not None]
-        if busy:
-            named = "; ".join(
-                f"{type(w).__name__} at {id(w):#x} ("
-                + (f"jobs {jobs} queued or copying" if jobs else "idle, not shut down")
-                + ")"
-                for w, jobs in busy
-            )
-            raise RuntimeError(
-                f"cannot close the host pool: transfer workers still use it: {named}; call "
-                "their shutdown() first (an interrupted one: again), then close the pool"
-            )
-        self.closed = True
+        with self._users_lock:  # a second close() returns once this one has decided
+            if self.closed:
+                return
+            busy = [(w, jobs) for w in list(self._users) if (jobs := w._pool_jobs()) is not None]
+            if busy:
+                named = "; ".join(
+                    f"{type(w).__name__} at {id(w):#x} ("
+                    + (f"jobs {jobs} queued or copying" if jobs else "idle, not shut down")
+                    + ")"
+                    for w, jobs in busy
+                )
+                raise RuntimeError(
+                    f"cannot close the host pool: transfer workers still use it: {named}; call "
+                    "their shutdown() first (an interrupted one: again), then close the pool"
+                )
+            self.closed = True
         if self.pinned:
             self.pinned = False
             if self._finalizer is not None:

@@ -647,12 +647,21 @@ class KVTierGenerator:
     def close(self) -> None:
         """Finish the stores in flight, stop the transfer worker and release the host pool and
         the KV buffer (their memory goes once no other reference holds it); a closed generator
-        refuses to generate, and `stats` stays readable. Closing again does nothing."""
+        refuses to generate, and `stats` stays readable. Closing again does nothing, except
+        after a close that was cut short as the worker stopped (Ctrl-C): it then stops the
+        worker and releases the memory, as the first would have."""
         with self._lock:  # after a generation in another thread, not in the middle of it
             self._close()
 
+    _released = False
+    """Whether `close()` released the worker, the pool and the KV buffer."""
+
     def _close(self) -> None:
         if self._closed:
+            if not self._released:
+                # Otherwise nothing could ever stop the worker or unpin the pool: `transfer`
+                # and `pool` refuse on a closed generator.
+                self._stop_and_release()
             return
         self._closed = True
         try:
@@ -661,26 +670,30 @@ class KVTierGenerator:
             # Also after an error or an interrupt in the drain: the worker reports the jobs it
             # never ran as failed, and once it has stopped no copy can run, so what it still
             # holds is applied and the reports that never came are failed.
-            stopped = False
+            self._stop_and_release()
+
+    def _stop_and_release(self) -> None:
+        stopped = False
+        try:
+            self._transfer.shutdown()
+            stopped = True
             try:
-                self._transfer.shutdown()
-                stopped = True
-                try:
-                    self._collect()
-                finally:
-                    self._fail_lost_reports()
+                self._collect()
             finally:
-                # Kept, and pinned, where the worker did not stop (Ctrl-C in its shutdown): a
-                # copy may still run, into memory that must not be handed out again, and the
-                # pool refuses to close under it (`HostPool.close`).
-                if stopped:
-                    try:
-                        self._pool.close()
-                    finally:
-                        # The pool (GiBs of host memory) and the pages (device memory) would
-                        # otherwise live as long as this object: a user who closes it and
-                        # builds another holds both. The transfer worker holds them as well.
-                        del self._worker, self._transfer, self._pool, self._kv, self._pages
+                self._fail_lost_reports()
+        finally:
+            # Kept, and pinned, where the worker did not stop (Ctrl-C in its shutdown): a
+            # copy may still run, into memory that must not be handed out again, and the
+            # pool refuses to close under it (`HostPool.close`).
+            if stopped:
+                try:
+                    self._pool.close()
+                finally:
+                    # The pool (GiBs of host memory) and the pages (device memory) would
+                    # otherwise live as long as this object: a user who closes it and
+                    # builds another holds both. The transfer worker holds them as well.
+                    self._released = True  # first: a Ctrl-C in the del leaves no retry to fail
+                    del self._worker, self._transfer, self._pool, self._kv, self._pages
 
     def __enter__(self) -> KVTierGenerator:
         return self
@@ -784,7 +797,7 @@ class KVTierGenerator:
         if self._closed:
             # Its transfer worker is gone: every load and store would fail, one logged error
             # each, and the generator would quietly recompute everything.
-            why = f" and {released}" if released else ""
+            why = f" and {released}" if released and self._released else ""
             raise RuntimeError(f"this KVTierGenerator is closed{why}; create a new one to generate")
 
     _last_failed_loads: frozenset[str] = frozenset()

@@ -52,6 +52,10 @@ _DEFAULT_SIZE: Final[dict[str, Any]] = {
     "tie_word_embeddings": False,
 }
 
+_READ_UNDECLARED: Final = frozenset({"head_dim"})
+"""Fields a config class may not define that the demo architectures' models still read
+(`getattr(config, "head_dim", ...)`: Qwen2Config has no `head_dim`, Qwen2 attention takes it)."""
+
 
 def _config_class(arch: str) -> Any:
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
@@ -64,7 +68,7 @@ def _config_class(arch: str) -> Any:
 
 def _declared_fields(config_cls: Any) -> set[str]:
     """The fields `config_cls` defines: its dataclass fields (transformers 5) or its
-    `__init__` parameters, and the aliases of its `attribute_map`."""
+    `__init__` parameters, the aliases of its `attribute_map`, and `_READ_UNDECLARED`."""
     if dataclasses.is_dataclass(config_cls):
         names = {f.name for f in dataclasses.fields(config_cls)}
     else:
@@ -72,7 +76,7 @@ def _declared_fields(config_cls: Any) -> set[str]:
         names = {p.name for p in params if p.kind is not p.VAR_KEYWORD}
     names.update(getattr(config_cls, "attribute_map", {}))
     names.discard("self")
-    return names
+    return names | _READ_UNDECLARED
 
 
 def demo_config(arch: str = "llama", **size: Any) -> Any:
