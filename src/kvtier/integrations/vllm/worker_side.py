@@ -199,10 +199,12 @@ class KVTierWorkerSide:
             num_slots,
             num_slots * transfer.pool.slot_bytes / 2**30,
         )
-        # Free the old pool before allocating the new one.
+        # Free the old pool before allocating the new one: unpinned here, not whenever the last
+        # reference to it goes (a finalizer's arguments hold it until its worker is collected).
         self.transfer = None
         self._worker = None
         transfer.shutdown()
+        transfer.pool.close()
         del transfer
         self._start_transfer(num_slots)
 
