@@ -17,8 +17,8 @@
  *
  * The driver is reached with dlopen: building needs no CUDA headers, and on a machine without
  * CUDA nothing here runs. Submits and polls are serialised by the caller; kvt_cuda_wait,
- * kvt_cuda_wait_for (and its waiter thread) and the launch threads may run alongside them (the
- * lanes are guarded by the engine's mutex).
+ * kvt_cuda_wait_for (and its lanes' waiter threads) and the launch threads may run alongside
+ * them (the lanes are guarded by the engine's mutex).
  */
 #include <dlfcn.h>
 #include <errno.h>
@@ -160,9 +160,12 @@ typedef struct { /* a ring of the lane's jobs in submission order */
     int *oks;
     size_t jobs_cap;
     /* kvt_cuda_wait_for's waiter thread: the highest seq a caller waits for, the highest whose
-     * copies it has seen end, and the CUresult of a failed wait with the seq it covered */
+     * copies it has seen end, and the CUresult of a failed wait with the seq it covered. One
+     * thread a lane: one for all blocked on a lane's job while another lane's ended. */
     uint64_t want, reached, failed_upto;
     int failed_rc;
+    pthread_t waiter;
+    int waiter_on;
 } kvt_lane;
 
 typedef struct {
@@ -187,9 +190,8 @@ typedef struct {
     int started; /* launch threads that have tried to enter (kvt_cuda_coalesce waits for all) */
     size_t depth;
     int last_error; /* the CUresult behind a submit's -1 through kvt_cuda_submit_ext */
-    pthread_cond_t waited;   /* the waiter thread saw a job's copies end */
-    pthread_t waiter;        /* blocks on end events for kvt_cuda_wait_for's callers */
-    int waiter_on, waiter_quit;
+    pthread_cond_t waited;   /* a waiter thread saw a job's copies end */
+    int waiter_quit;
 } kvt_cuda;
 
 static int load_driver(kvt_cuda *c, char *err, size_t errlen) {
@@ -576,8 +578,8 @@ static void launched(kvt_cuda *c, kvt_lane *l, const kvt_job *j, size_t k, const
     }
     l->flight[l->nflight++] = last;
     pthread_cond_broadcast(&c->launched);
-    if (l->want > l->reached && l->want <= last)
-        pthread_cond_broadcast(&c->waited); /* the waiter thread waits for this launch */
+    if (l->want >= first) /* the lane's waiter thread waits for this launch */
+        pthread_cond_broadcast(&c->waited);
 }
 
 /* Launch one batch of lane `l`'s waiting jobs: take them under the mutex, queue them without
@@ -1013,60 +1015,72 @@ int kvt_cuda_wait(kvt_cuda *c, int lane, uint64_t seq) {
  * a handed-over wait cost 9-20 us more, and one asked here no more than kvt_cuda_wait. */
 #define KVT_WAIT_SPIN_NS 1000000u
 
-/* The waiter thread of kvt_cuda_wait_for: for each lane whose wanted job is launched (or
- * polled), block on its batch's end event outside the mutex, then tell the callers. Only this
- * thread blocks without a bound; callers wait for it in slices. */
+/* A lane's waiter thread of kvt_cuda_wait_for: while a caller waits for a job not yet seen
+ * to end, block on the end event of the lane's oldest such batch, once launched, outside the
+ * mutex, then tell the callers. Batch by batch, in order: blocked on the latest wanted job
+ * alone, it left a caller of an earlier one waiting after that job had ended (until its
+ * timeout). Only these threads block without a bound; callers wait for them in slices. The
+ * engine's context stays current on it, as on a launch thread: the thread is the engine's. */
 static void *waiter(void *arg) {
-    kvt_cuda *c = arg;
+    kvt_cuda *c = ((kvt_launcher_arg *)arg)->c;
+    kvt_lane *l = ((kvt_launcher_arg *)arg)->l;
+    free(arg);
     CUcontext none;
     CUresult entered = enter(c, &none);
     pthread_mutex_lock(&c->mu);
     while (!c->waiter_quit) {
-        kvt_lane *l = NULL;
-        for (int i = 0; i < KVT_LANES && !l; i++) {
-            kvt_lane *m = &c->lanes[i];
-            if (m->want > m->reached &&
-                (m->want < m->first_seq || m->want >= m->first_seq + m->len ||
-                 m->want < m->first_seq + m->launched))
-                l = m;
+        if (l->want > l->reached && l->want < l->first_seq) { /* polled: it has ended */
+            l->reached = l->want;
+            pthread_cond_broadcast(&c->waited);
+            continue;
         }
-        if (!l) {
+        uint64_t next = l->reached < l->first_seq ? l->first_seq : l->reached + 1;
+        if (l->want < next || next >= l->first_seq + l->launched) {
             /* Not on `launched`, which every launch broadcasts: woken there, it took the
              * mutex from the submitter once a job. A launch wakes it here only for a job a
              * caller waits for (`launched`). */
             pthread_cond_wait(&c->waited, &c->mu);
             continue;
         }
-        uint64_t seq = l->want;
-        CUevent end = NULL;
-        if (seq >= l->first_seq && seq < l->first_seq + l->len)
-            end = at_seq(l, at_seq(l, seq)->last)->end;
+        uint64_t last = at_seq(l, next)->last;
+        CUevent end = at_seq(l, last)->end;
         pthread_mutex_unlock(&c->mu);
-        if (end && entered != CUDA_SUCCESS) /* asked again: it may have started too early */
+        if (entered != CUDA_SUCCESS) /* asked again: it may have started too early */
             entered = enter(c, &none);
-        CUresult r = CUDA_SUCCESS;
-        if (end)
-            r = entered != CUDA_SUCCESS ? entered : c->cu.event_sync(end);
+        CUresult r = entered != CUDA_SUCCESS ? entered : c->cu.event_sync(end);
         pthread_mutex_lock(&c->mu);
         if (r != CUDA_SUCCESS)
-            l->failed_rc = r, l->failed_upto = seq;
-        if (seq > l->reached)
-            l->reached = seq;
+            l->failed_rc = r, l->failed_upto = last;
+        if (last > l->reached)
+            l->reached = last;
         pthread_cond_broadcast(&c->waited);
     }
     pthread_mutex_unlock(&c->mu);
     return NULL;
 }
 
-/* End the waiter thread (it first finishes the wait it is in). */
+/* Start lane `l`'s waiter thread if it has none; under the mutex. */
+static void start_waiter(kvt_cuda *c, kvt_lane *l) {
+    if (l->waiter_on || c->waiter_quit)
+        return;
+    kvt_launcher_arg *a = malloc(sizeof *a);
+    if (a)
+        *a = (kvt_launcher_arg){c, l};
+    l->waiter_on = a && !pthread_create(&l->waiter, NULL, waiter, a);
+    if (!l->waiter_on)
+        free(a);
+}
+
+/* End the waiter threads, each after the wait it is in: a job whose copies never end holds
+ * kvt_cuda_free up here, as it does kvt_cuda_sync (which Python's engine calls first). */
 static void stop_waiter(kvt_cuda *c) {
     pthread_mutex_lock(&c->mu);
-    int on = c->waiter_on;
     c->waiter_quit = 1;
     pthread_cond_broadcast(&c->waited);
     pthread_mutex_unlock(&c->mu);
-    if (on)
-        pthread_join(c->waiter, NULL);
+    for (int i = 0; i < KVT_LANES; i++)
+        if (c->lanes[i].waiter_on)
+            pthread_join(c->lanes[i].waiter, NULL);
 }
 
 /* kvt_cuda_wait for at most `timeout_ns`: 0 once `lane`'s job `seq` has finished (or at once
@@ -1092,7 +1106,9 @@ int kvt_cuda_wait_for(kvt_cuda *c, int lane, uint64_t seq, uint64_t timeout_ns) 
         until.tv_sec++, until.tv_nsec -= 1000000000L;
     pthread_mutex_lock(&c->mu);
     CUevent end = NULL;
-    if (seq >= l->first_seq && seq < l->first_seq + l->launched && seq > l->reached)
+    /* Asked again where a failed wait covered it: that failure must not outlive the copies. */
+    if (seq >= l->first_seq && seq < l->first_seq + l->launched &&
+        (seq > l->reached || seq <= l->failed_upto))
         end = at_seq(l, at_seq(l, seq)->last)->end;
     pthread_mutex_unlock(&c->mu);
     /* Most copies end within a millisecond: asked here first (as cuEventSynchronize spins),
@@ -1115,16 +1131,17 @@ int kvt_cuda_wait_for(kvt_cuda *c, int lane, uint64_t seq, uint64_t timeout_ns) 
     if (seq >= l->first_seq && seq < l->first_seq + l->len && seq > l->reached) {
         if (seq > l->want)
             l->want = seq;
-        if (!c->waiter_on && !c->waiter_quit)
-            c->waiter_on = !pthread_create(&c->waiter, NULL, waiter, c);
+        start_waiter(c, l);
         pthread_cond_broadcast(&c->waited); /* the waiter waits on it for work */
-        while (c->waiter_on && !c->waiter_quit && seq >= l->first_seq && seq > l->reached)
+        while (l->waiter_on && !c->waiter_quit && seq >= l->first_seq && seq > l->reached)
             if (pthread_cond_timedwait(&c->waited, &c->mu, &until) == ETIMEDOUT)
                 break;
-        if (seq < l->first_seq || seq <= l->reached)
+        if (seq < l->first_seq) /* polled: ended, and reported by the poll */
+            rc = 0;
+        else if (seq <= l->reached)
             rc = seq <= l->failed_upto ? l->failed_rc : 0;
         else /* no waiter (it could not start): wait here without a bound, as kvt_cuda_wait */
-            rc = c->waiter_on ? -1 : CUDA_ERROR_NOT_READY;
+            rc = l->waiter_on ? -1 : CUDA_ERROR_NOT_READY;
     } else if (seq >= l->first_seq && seq < l->first_seq + l->len) {
         rc = seq <= l->failed_upto ? l->failed_rc : 0; /* the waiter saw it end */
     }
@@ -1154,7 +1171,8 @@ int kvt_cuda_sync(kvt_cuda *c) {
     return r;
 }
 
-/* Stop the launch threads (each launches what waits first) and free everything. */
+/* Stop the launch threads (each launches what waits first) and the waiter threads (each ends
+ * the wait it is in: copies that never end hold this up) and free everything. */
 void kvt_cuda_free(kvt_cuda *c) {
     if (!c)
         return;
