@@ -21,7 +21,8 @@ import pytest
 from kvtier.base import OffloadingEvent, OffloadKey, ReqContext, TransferResult, make_offload_key
 
 if TYPE_CHECKING:
-    from kvtier.transfer import TransferWorker
+    from kvtier.transfer import HostPool, KVCacheRegistration, TransferWorker
+    from kvtier.transfer.cuda_worker import CUDATransferWorker
 
 
 def key(i: int, group: int = 0) -> OffloadKey:
@@ -382,6 +383,24 @@ def small_worker(
     reg = KVCacheRegistration([KVTensor(torch.zeros(8, 256, dtype=torch.uint8), 0)])
     cls = NativeCPUTransferWorker if native else CPUTransferWorker
     return cls(reg, HostPool(reg, 1, num_slots=8), fault_injector=fault_injector)
+
+
+def gpu_cuda_worker(
+    reg: KVCacheRegistration, compiled: bool
+) -> tuple[CUDATransferWorker, HostPool]:
+    """A CUDA worker over `reg` (tensors on the GPU) and a pinned pool of 8 one-block slots,
+    on the compiled path or on torch ops (`copy_mode="kernel"`); skips the test where the
+    compiled engine does not build."""
+    from kvtier.transfer import HostPool
+    from kvtier.transfer.cuda_worker import CUDATransferWorker
+
+    pool = HostPool(reg, 1, num_slots=8, pin=True)
+    w = CUDATransferWorker(reg, pool, compiled=None if compiled else False, copy_mode="kernel")
+    if w.copy_path != ("compiled" if compiled else "torch"):
+        w.shutdown()
+        pool.close()
+        pytest.skip("the compiled engine does not build here")
+    return w, pool
 
 
 MANAGER_KEY_CALLS: dict[str, Callable[[Any, Any], object]] = {

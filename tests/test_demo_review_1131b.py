@@ -1,28 +1,23 @@
-"""Second look at the 2026-11-31 demo and generator changes: each test failed before its fix.
+"""Second look at the 2026-11-28 demo changes: each test failed before its fix.
 
 Before, `kvtier demo` counted every `*.safetensors` file of a checkpoint as its weights (a
 Mistral download's `consolidated.safetensors` beside the shards doubled the model, and a model
-that fits was refused), `make_demo_model` refused `head_dim` for Qwen2 although Qwen2's
-attention reads it, and a generator whose `close()` a Ctrl-C cut short could never be closed:
-closing again did nothing, so its worker ran on and its host pool stayed pinned for good."""
+that fits was refused), and `make_demo_model` refused `head_dim` for Qwen2 although Qwen2's
+attention reads it. (A generator whose `close()` a Ctrl-C cut short: test_hf_review_1131.py.)"""
 
 from __future__ import annotations
 
 import json
 import shutil
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from helpers import interrupt_once, random_ids, tiny_model_size
-
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kvtier.demo import DemoOptions, _model_config, _weight_bytes  # noqa: E402
-from kvtier.integrations.hf.generator import KVTierGenerator  # noqa: E402
 from kvtier.integrations.hf.models import make_demo_model  # noqa: E402
 
 _TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 256}
@@ -87,32 +82,3 @@ def test_qwen2_takes_head_dim_which_its_attention_reads() -> None:
     assert tuple(model.model.layers[0].self_attn.q_proj.weight.shape) == (4 * 32, 64)
     with pytest.raises(ValueError, match=r"head_dims=32 .* did you mean 'head_dim'"):
         make_demo_model("qwen2", 0, head_dims=32, **size)
-
-
-def test_closing_again_after_a_ctrl_c_in_close_stops_the_worker_and_releases_the_pool() -> None:
-    model = make_demo_model("llama", seed=8, **tiny_model_size(512))[0]
-    gate = threading.Event()
-
-    def slow_stores(job: int, direction: str) -> None:
-        if direction == "store":
-            gate.wait(10)
-
-    gen = KVTierGenerator(model, block_size=8, max_blocks=12, fault_injector=slow_stores)
-    gen.generate_one(random_ids(30, 3, vocab=512), 3)  # its stores wait at the gate
-    transfer, pool = gen.transfer, gen.pool
-    transfer.shutdown = interrupt_once(transfer.shutdown, "before")  # type: ignore[method-assign]
-    transfer.wait = interrupt_once(transfer.wait, "before")  # type: ignore[method-assign]
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            gen.close()
-        assert not pool.closed
-    finally:
-        gate.set()
-    gen.close()  # the user's second try: the one way left to stop the worker
-    assert pool.closed, "the host pool stayed open (and pinned) after closing again"
-    assert transfer._pool_jobs() is None, "the transfer worker was never shut down"
-    assert not hasattr(gen, "_pool") and not hasattr(gen, "_transfer")  # released
-    with pytest.raises(RuntimeError, match="closed and its host pool was released"):
-        gen.pool  # noqa: B018
-    assert gen.stats.requests == 1
-    gen.close()  # done: closing again does nothing

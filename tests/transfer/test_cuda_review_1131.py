@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import run_over_fake_cuda
+from helpers import gpu_cuda_worker, run_over_fake_cuda
 from kvtier.base import TransferResult
 from kvtier.transfer import HostPool, KVCacheRegistration, cuda_worker
 from kvtier.transfer.cuda_worker import CUDATransferWorker
@@ -370,15 +370,8 @@ def test_get_finished_on_a_torch_ops_worker_in_a_forked_child_raises(
 
 
 def _gpu_worker(compiled: bool) -> tuple[CUDATransferWorker, HostPool]:
-    kvs = make_layout("flash", torch.float16, "cuda", seed=2)
-    reg = KVCacheRegistration(kvs)
-    pool = HostPool(reg, 1, num_slots=8, pin=True)
-    w = CUDATransferWorker(reg, pool, compiled=None if compiled else False, copy_mode="kernel")
-    if w.copy_path != ("compiled" if compiled else "torch"):
-        w.shutdown()
-        pool.close()
-        pytest.skip("the compiled engine does not build here")
-    return w, pool
+    reg = KVCacheRegistration(make_layout("flash", torch.float16, "cuda", seed=2))
+    return gpu_cuda_worker(reg, compiled)
 
 
 class _CtrlC(Exception):

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import FakeCudaEvent, run_over_fake_cuda, small_worker
+from helpers import FakeCudaEvent, gpu_cuda_worker, run_over_fake_cuda, small_worker
 from kvtier.base import TransferResult
 from kvtier.transfer import HostPool, NativeCPUTransferWorker, cuda_dma, native_worker
 from kvtier.transfer.cuda_worker import CUDATransferWorker, _Live, _Record
@@ -204,13 +204,7 @@ def _gpu_worker(compiled: bool) -> tuple[CUDATransferWorker, HostPool]:
     from kvtier.transfer import KVCacheRegistration, KVTensor
 
     reg = KVCacheRegistration([KVTensor(torch.zeros(8, 256, dtype=torch.uint8, device="cuda"), 0)])
-    pool = HostPool(reg, 1, num_slots=8, pin=True)
-    w = CUDATransferWorker(reg, pool, compiled=None if compiled else False, copy_mode="kernel")
-    if w.copy_path != ("compiled" if compiled else "torch"):
-        w.shutdown()
-        pool.close()
-        pytest.skip("the compiled engine does not build here")
-    return w, pool
+    return gpu_cuda_worker(reg, compiled)
 
 
 def _sleep_on_gpu(ms: int) -> None:

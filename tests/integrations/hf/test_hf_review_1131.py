@@ -103,9 +103,12 @@ def test_a_page_buffer_too_large_to_allocate_names_max_blocks(model: Any) -> Non
         KVTierGenerator(model, block_size=BS, max_blocks=10**12)
 
 
-def test_ctrl_c_as_close_stops_the_worker_is_raised_and_the_pool_kept(model: Any) -> None:
+def test_ctrl_c_as_close_stops_the_worker_keeps_the_pool_until_closing_again(
+    model: Any,
+) -> None:
     # A pool now refuses to close while a worker on it may copy (`HostPool.close`): closing it
     # in a `finally` after an interrupted shutdown turned the Ctrl-C into that RuntimeError.
+    # And the generator, marked closed, then had no way left to stop the worker.
     gate = threading.Event()
 
     def slow_stores(job: int, direction: str) -> None:
@@ -124,6 +127,11 @@ def test_ctrl_c_as_close_stops_the_worker_is_raised_and_the_pool_kept(model: Any
         assert gen._pool is pool  # kept, not released under them
     finally:
         gate.set()
-        transfer.shutdown()
-    pool.close()
-    assert pool.closed
+    gen.close()  # the user's second try: the one way left to stop the worker
+    assert pool.closed, "the host pool stayed open (and pinned) after closing again"
+    assert transfer._pool_jobs() is None, "the transfer worker was never shut down"
+    assert not hasattr(gen, "_pool") and not hasattr(gen, "_transfer")  # released
+    with pytest.raises(RuntimeError, match="closed and its host pool was released"):
+        gen.pool  # noqa: B018
+    assert gen.stats.requests == 1
+    gen.close()  # done: closing again does nothing
