@@ -57,6 +57,20 @@ _READ_UNDECLARED: Final = frozenset({"head_dim"})
 (`getattr(config, "head_dim", ...)`: Qwen2Config has no `head_dim`, Qwen2 attention takes it)."""
 
 
+_SHAPE_FIELDS: Final = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "head_dim",
+)
+"""Sizes that must be positive ints: transformers builds a model from 0 or -1 layers, or a
+0-token vocabulary, which then fails at its first forward, far from the bad value."""
+
+
 def _config_class(arch: str) -> Any:
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
@@ -85,10 +99,25 @@ def demo_config(arch: str = "llama", **size: Any) -> Any:
     A `size` field that `arch`'s config class does not define is refused: transformers would
     keep it as a stray attribute and build the default size instead (`hiden_size=8`)."""
     config_cls = _config_class(arch)
-    fields = {**_DEFAULT_SIZE, **size}
+    for name in _SHAPE_FIELDS:
+        value = size.get(name)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1
+        ):
+            raise ValueError(f"{name}={value!r} is invalid; expected a positive int")
+    # The strict configs refuse a numpy int where they expect int.
+    ints = {n: int(v) for n, v in size.items() if n in _SHAPE_FIELDS and v is not None}
+    fields = {**_DEFAULT_SIZE, **size, **ints}
     if arch == "mistral":
         fields.setdefault("sliding_window", None)
-    config = config_cls(**fields)
+    try:
+        config = config_cls(**fields)
+    except Exception as e:
+        # transformers 5's configs are strict dataclasses whose errors (a float field given
+        # 1, sizes that do not divide) derive from Exception alone: callers catch ValueError.
+        if not type(e).__name__.startswith("StrictDataclass"):
+            raise
+        raise ValueError(f"{config_cls.__name__} (arch={arch!r}) refused its fields: {e}") from e
     declared = _declared_fields(config_cls)
     # Keyword aliases the class consumes (`rope_theta` into `rope_parameters`) are no stray
     # attribute: only a name the config kept as given and does not define is one.
@@ -112,7 +141,8 @@ def make_demo_model(
 
     `size` overrides config fields (`hidden_size`, `num_hidden_layers`, `vocab_size`,
     `initializer_range`, ...; a name `arch`'s config does not define is a `ValueError` that
-    suggests the closest field); `logit_scale` (a positive finite number) multiplies the final
+    suggests the closest field, as is a size that is not a positive int or that the config
+    class refuses); `logit_scale` (a positive finite number) multiplies the final
     norm's gain. The same `arch`, `seed` and `size` give bit-identical weights in
     every process. Mistral gets `sliding_window=None` unless `size` sets one, so the default
     model attends to its whole context like the other two.
