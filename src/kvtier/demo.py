@@ -173,7 +173,10 @@ def _weight_bytes(opts: DemoOptions, model_config: Any) -> int:
     try:
         files, safetensors = _checkpoint_files(opts.model)
         if safetensors:
-            return 4 * sum(_safetensors_values(f) for f in files)
+            shapes: dict[str, list[int]] = {}
+            for f in files:
+                shapes.update(_safetensors_shapes(f))
+            return 4 * sum(math.prod(shape) for shape in _loaded(shapes, model_config).values())
         stored = sum(f.stat().st_size for f in files)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return 0  # an unreadable file: loading it says which
@@ -199,14 +202,26 @@ def _checkpoint_files(directory: Path) -> tuple[list[Path], bool]:
     return [], False
 
 
-def _safetensors_values(path: Path) -> int:
-    """The number of values in a safetensors file, from its header (its first bytes)."""
+def _safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """Each tensor's shape in a safetensors file, from its header (its first bytes)."""
     with path.open("rb") as f:
         size = int.from_bytes(f.read(8), "little")
         if size > 2**27:  # a header of 128 MiB is no header: a corrupt file
             raise ValueError(f"{path}: not a safetensors file")
         header = json.loads(f.read(size))
-    return sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+    return {k: list(t["shape"]) for k, t in header.items() if k != "__metadata__"}
+
+
+def _loaded(shapes: dict[str, list[int]], model_config: Any) -> dict[str, list[int]]:
+    """The tensors a model keeps of those stored: with tied word embeddings, an `lm_head`
+    stored beside its embedding is the same memory once loaded (a checkpoint saved with both
+    counted a 128k-token vocabulary's matrix twice)."""
+    if not getattr(model_config, "tie_word_embeddings", False):
+        return shapes
+    head = shapes.get("lm_head.weight")
+    if head is None or not any("embed" in k and v == head for k, v in shapes.items()):
+        return shapes
+    return {k: v for k, v in shapes.items() if k != "lm_head.weight"}
 
 
 def _load_model(opts: DemoOptions) -> tuple[Any, str]:
