@@ -73,4 +73,9 @@ def advise(
             hi = max(1, mid)
         else:
             lo = mid
+    if lo == 0 and hi > 1 and reaches(ratio(1), target):
+        # Every tier tried reached the target (a device cache in front that reaches it alone):
+        # the smallest tier does too. Stopping within `resolution` of 0 answered up to 0.5% of
+        # the unique blocks (44 GiB of Llama-3-8B on the Mooncake trace) for none needed.
+        hi = 1
     return Advice(policy, target, hi, hi / unique, seen[hi], replays)

@@ -27,14 +27,35 @@ _MAX_ID: Final = (1 << 64) - 1
 _MAX_TOKEN: Final = (1 << 32) - 1
 _decode = msgspec.json.Decoder()
 _BOM: Final = b"\xef\xbb\xbf"
+# How a trace file is often shipped instead of UTF-8 JSONL, by its first bytes (none can start
+# a JSON value): the decoder called each only "invalid character (byte 0)".
+_NOT_JSONL: Final = (
+    (b"\x1f\x8b", "gzip-compressed", "decompress it first, e.g. gunzip -k"),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it first, e.g. zstd -d"),
+    (b"BZh", "bzip2-compressed", "decompress it first, e.g. bunzip2 -k"),
+    (b"\xfd7zXZ\x00", "xz-compressed", "decompress it first, e.g. unxz -k"),
+    (b"PK\x03\x04", "a zip archive", "extract the trace first, e.g. unzip"),
+    # UTF-32 before UTF-16: the little-endian marks share their first two bytes.
+    (b"\xff\xfe\x00\x00", "UTF-32 text", "convert it, e.g. iconv -f UTF-32 -t UTF-8"),
+    (b"\x00\x00\xfe\xff", "UTF-32 text", "convert it, e.g. iconv -f UTF-32 -t UTF-8"),
+    (b"\xff\xfe", "UTF-16 text", "convert it, e.g. iconv -f UTF-16 -t UTF-8"),
+    (b"\xfe\xff", "UTF-16 text", "convert it, e.g. iconv -f UTF-16 -t UTF-8"),
+)
 
 
 def _lines(path: Path) -> Generator[tuple[int, dict[str, Any]], None, None]:
     """Yield (line number, JSON object) for every non-blank line."""
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
-            if lineno == 1 and raw.startswith(_BOM):
-                raw = raw[len(_BOM) :]  # editors on Windows start UTF-8 files with one
+            if lineno == 1:
+                if raw.startswith(_BOM):
+                    raw = raw[len(_BOM) :]  # editors on Windows start UTF-8 files with one
+                for magic, what, fix in _NOT_JSONL:
+                    if raw.startswith(magic):
+                        raise TraceFormatError(
+                            f"{path}:1: not a JSONL trace: the file is {what}; expected "
+                            f"uncompressed UTF-8 JSON Lines ({fix})"
+                        )
             if not raw.strip():
                 continue
             try:
@@ -58,6 +79,16 @@ def _lines(path: Path) -> Generator[tuple[int, dict[str, Any]], None, None]:
                     f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}"
                 )
             yield lineno, obj
+
+
+def _got(obj: dict[str, Any], name: str) -> str:
+    """What a line has in place of a required field, for its error message."""
+    if name not in obj:
+        return "it is missing"
+    value = obj[name]
+    text = "null" if value is None else repr(value)
+    # A line's value can be megabytes long; the start says what it is.
+    return f"got {text if len(text) <= 60 else text[:57] + '...'}"
 
 
 def _int_field(obj: dict[str, Any], name: str, where: str, *, default: int | None = None) -> int:
@@ -117,7 +148,9 @@ def _read_mooncake(
         where = f"{path}:{lineno}"
         ids = obj.get("hash_ids")
         if not isinstance(ids, list):
-            raise TraceFormatError(f"{where}: field 'hash_ids' must be a list of block ids")
+            raise TraceFormatError(
+                f"{where}: field 'hash_ids' must be a list of block ids; {_got(obj, 'hash_ids')}"
+            )
         length = _int_field(obj, "input_length", where)
         n = len(ids)
         fits = (n - 1) * block_tokens < length <= n * block_tokens
@@ -186,7 +219,9 @@ def read_token_prompts(
         where = f"{path}:{lineno}"
         tokens = obj.get("token_ids")
         if not isinstance(tokens, list):
-            raise TraceFormatError(f"{where}: field 'token_ids' must be a list of token ids")
+            raise TraceFormatError(
+                f"{where}: field 'token_ids' must be a list of token ids; {_got(obj, 'token_ids')}"
+            )
         conv = obj.get("conversation_id")
         if conv is not None and type(conv) not in (str, int):
             raise TraceFormatError(
@@ -242,7 +277,8 @@ def infer_block_tokens(path: str | Path, *, max_lines: int = 1000) -> int:
     `(n - 1) * B < L <= n * B`. The sizes every line allows form a range: 512 (the published
     Mooncake traces) when it is in it, else the smallest power of two in it, else its smallest
     value. Traces with other block sizes (Qwen-Bailian's 16-token `hash_ids`) thus load
-    without `--block-tokens`; lines that agree on no size raise `TraceFormatError`.
+    without `--block-tokens`; lines that agree on no size raise `TraceFormatError`. A line that
+    fits no size by itself ends the search, and the reader reports it.
     """
     path = Path(path)
     low, high = 1, None  # allowed sizes: low..high (None: unbounded)
@@ -250,9 +286,15 @@ def infer_block_tokens(path: str | Path, *, max_lines: int = 1000) -> int:
         ids, length = obj.get("hash_ids"), obj.get("input_length")
         if isinstance(ids, list) and ids and type(length) is int and length > 0:
             n = len(ids)
-            low = max(low, -(-length // n))
-            if n > 1:
-                cap = (length - 1) // (n - 1)
+            line_low = -(-length // n)
+            cap = (length - 1) // (n - 1) if n > 1 else None
+            if cap is not None and line_low > cap:
+                # This line fits no block size: the reader reports it as the bad line. Taken
+                # into the range, it blamed every line before it and sent the user to
+                # --block-tokens, which cannot help.
+                break
+            low = max(low, line_low)
+            if cap is not None:
                 high = cap if high is None else min(high, cap)
             if high is not None and low > high:
                 raise TraceFormatError(

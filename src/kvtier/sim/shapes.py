@@ -87,6 +87,18 @@ _MAX_DIGITS: Final = 4000  # below the 4,300 digits Python's int() reads; 1e308 
 _SIZE_UNITS: Final = ("B", "KB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB")
 
 
+def _bytes_text(n: int) -> str:
+    """`n` bytes in the largest binary unit it fills: "64 MiB", "1.75 GiB", "512 B"."""
+    if n >= 2**1000:
+        return f"{n:,} bytes"  # beyond a float (a block size inferred from absurd lengths)
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            text = f"{n / size:.4g}"
+            # The exact count too where the short form rounds (a "1 MiB" block one byte larger).
+            return f"{text} {unit}" + ("" if float(text) * size == n else f" ({n:,} bytes)")
+    return f"{n} B"
+
+
 def parse_capacity(
     spec: str, *, unique_blocks: int, block_bytes: int | None = None, allow_zero: bool = False
 ) -> tuple[int, float]:
@@ -143,6 +155,14 @@ def parse_capacity(
             )
         blocks = nbytes // block_bytes
     if blocks < 1 and not (allow_zero and exact == 0):
+        if unit and unit != "%" and block_bytes is not None and exact > 0:
+            # The block's size comes from the trace and the model shape: without it the user
+            # had to work out how much is enough.
+            raise ValueError(
+                f"capacity {spec!r} is less than one block; expected at least "
+                f"{_bytes_text(block_bytes)}, the KV cache of one block of this trace with "
+                "this model shape"
+            )
         raise ValueError(f"capacity {spec!r} is less than one block")
     if blocks > _MAX_BLOCKS:  # its share of the trace must stay a finite float
         raise ValueError(f"capacity {spec!r} is too large; expected at most 1e308 blocks")
