@@ -557,7 +557,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.store_threshold:
         title += f", store threshold {args.store_threshold}"
     if args.advise:
-        return _run_advise(trace, policies, opts, jobs, args, show_progress)
+        return _run_advise(trace, policies, opts, jobs, args, show_progress, block_bytes)
 
     runs = [(p, c) for p in policies for c in capacities] + [("infinite", unique)]
     with _progress(len(trace) * len(runs), show_progress) as bar:
@@ -621,6 +621,7 @@ def _run_advise(
     jobs: int,
     args: argparse.Namespace,
     show_progress: bool,
+    block_bytes: int | None,
 ) -> int:
     infinite = run_one(trace, "infinite", trace.num_unique_blocks, opts).block_hit_ratio
     target = ADVISE_SHARE * infinite
@@ -645,8 +646,13 @@ def _run_advise(
     failed: list[OutputError] = []
     if args.json != "-" and args.csv != "-":
         with _stdout_later(failed):
-            _print_table(advice_table(answers, trace.num_unique_blocks, infinite))
+            _print_table(advice_table(answers, trace.num_unique_blocks, infinite, block_bytes))
     advice_rows = [dataclasses.asdict(a) for a in answers]
+    if block_bytes is not None:
+        # The question --advise answers is how much host memory to give the tier.
+        for row in advice_rows:
+            blocks = row["capacity_blocks"]
+            row["capacity_bytes"] = None if blocks is None else blocks * block_bytes
     if args.json is not None:
         with _stdout_later(failed), _open_out("--json", args.json) as f:
             json.dump(advice_rows, f, indent=2)

@@ -107,31 +107,33 @@ def results_table(
     return _whole_cells(table, body)
 
 
-def advice_table(advice: Sequence[Advice], unique_blocks: int, infinite: float) -> Table:
-    """A rich table of `--advise` answers."""
+def advice_table(
+    advice: Sequence[Advice], unique_blocks: int, infinite: float, block_bytes: int | None = None
+) -> Table:
+    """A rich table of `--advise` answers; with `block_bytes` (a model shape), the host memory
+    each capacity takes."""
     table = Table(
         title=f"smallest capacity reaching {100 * advice[0].target:.2f}% block hits "
         f"(95% of the infinite cache's {100 * infinite:.2f}%; {unique_blocks:,} unique blocks)"
         if advice
         else None
     )
-    for name in ("policy", "capacity", "% uniq", "block hit %", "replays"):
+    names = ["policy", "capacity", "% uniq"]
+    if block_bytes is not None:
+        names.append("GiB")
+    for name in (*names, "block hit %", "replays"):
         table.add_column(name, justify="left" if name == "policy" else "right")
     body: list[list[str]] = []
     for a in advice:
         if a.capacity_blocks is None or a.capacity_frac is None:
             reached = f"{100 * a.block_hit_ratio:.2f}" if a.block_hit_ratio is not None else ""
-            body.append([a.policy, "never", "", reached, str(a.replays)])
+            cells = [a.policy, "never", ""] + ([""] if block_bytes is not None else [])
+            body.append([*cells, reached, str(a.replays)])
         else:
-            body.append(
-                [
-                    a.policy,
-                    f"{a.capacity_blocks:,}",
-                    f"{100 * a.capacity_frac:.1f}",
-                    f"{100 * (a.block_hit_ratio or 0.0):.2f}",
-                    str(a.replays),
-                ]
-            )
+            cells = [a.policy, f"{a.capacity_blocks:,}", f"{100 * a.capacity_frac:.1f}"]
+            if block_bytes is not None:
+                cells.append(f"{a.capacity_blocks * block_bytes / _GIB:,.1f}")
+            body.append([*cells, f"{100 * (a.block_hit_ratio or 0.0):.2f}", str(a.replays)])
     return _whole_cells(table, body)
 
 
