@@ -30,7 +30,7 @@ def test_a_line_past_the_inferred_block_size_names_it_and_the_option(tmp_path: P
     with pytest.raises(TraceFormatError) as info:
         read_trace(path)
     message = str(info.value)
-    assert message.startswith(f"{path}:1001: input_length=600 does not fit 1 blocks of 512 ")
+    assert message.startswith(f"{path}:1001: input_length=600 does not fit 1 block of 512 ")
     assert "512 is the block size inferred from the trace's first lines" in message
     assert "this line fits blocks of 600 or more tokens" in message
     assert message.endswith("(--block-tokens)")

@@ -75,7 +75,7 @@ def test_a_line_nested_too_deeply_names_its_line(tmp_path: Path, depth: int) -> 
         ('{"hash_ids": [0]}', "missing field 'input_length'"),
         ('{"input_length": -1, "hash_ids": []}', "input_length=-1"),
         ('{"input_length": 5.5, "hash_ids": [0]}', "input_length=5.5"),
-        ('{"input_length": 513, "hash_ids": [0]}', "does not fit 1 blocks"),
+        ('{"input_length": 513, "hash_ids": [0]}', "does not fit 1 block"),
         ('{"input_length": 512, "hash_ids": [0, 1]}', "does not fit 2 blocks"),
         ('{"input_length": 5, "hash_ids": [-1]}', "hash id -1"),
         ('{"input_length": 5, "hash_ids": ["a"]}', "hash id 'a'"),
