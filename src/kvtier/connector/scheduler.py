@@ -63,6 +63,9 @@ class _Request:
     keys: list[list[OffloadKey]]  # per group, per chunk; grown lazily
     next_store_chunk: int = 0
     reused_chunks: int = 0  # leading chunks this request used: device hits, then loads
+    # End chunk of the request's load in flight (else 0): reused once every group's job has
+    # succeeded, or if the request ends while it is sent (its outcome unknown then).
+    loading_chunks: int = 0
     touched_device_hits: bool = False
     # (first token, number of tokens, cache generation) of a load planned by
     # get_num_new_matched_tokens
@@ -322,9 +325,11 @@ class OffloadingScheduler:
         """The engine is done with a request. Returns True when its device blocks must be held
         until the request appears in `take_finished().sending` (transfers still use them).
 
-        The reused prefix is touched now; the manager hears of the end (`on_request_finished`)
-        now if no job of the request is in flight, else when its last job completes. An error
-        from the policy propagates, with the request ended all the same."""
+        The reused prefix (device hits, loads that succeeded and a load still in flight; not
+        a load that failed, was cancelled or was outlived by a preemption) is touched now; the
+        manager hears of the end (`on_request_finished`) now if no job of the request is in
+        flight, else when its last job completes. An error from the policy propagates, with
+        the request ended all the same."""
         req = self._get(req_id)
         if req.finished:
             raise ValueError(f"request {req_id!r} already finished")
@@ -338,7 +343,7 @@ class OffloadingScheduler:
                     self._cancel_unsent(req)
                 finally:
                     for g in range(len(self.groups)):
-                        n = min(req.reused_chunks, self._num_chunks(req))
+                        n = min(max(req.reused_chunks, req.loading_chunks), self._num_chunks(req))
                         used = self._chunk_keys(req, 0, n, g)
                         if used:
                             self.manager.touch(used, req.ctx)
@@ -380,6 +385,7 @@ class OffloadingScheduler:
             # Readmitted, it is offered hits again, even after a failed load; one that fails
             # after this (among the jobs waited for) stops the offers until the next preemption.
             req.offers_stopped = False
+            req.loading_chunks = 0  # the engine lost the blocks a load in flight writes
             self._wait_for.extend(sorted(req.jobs))
             req.planned_load = None
             # Readmitted, it offers every chunk again (as vLLM's connector does): one turned
@@ -530,7 +536,9 @@ class OffloadingScheduler:
             )
             self._track(req, job, keys[g])
         req.next_store_chunk = max(req.next_store_chunk, end_chunk)
-        req.reused_chunks = max(req.reused_chunks, end_chunk)
+        # Not reused yet: a load that fails, is cancelled, or is outlived by a preemption
+        # serves nothing, and by the request's end its chunks may be the request's own stores.
+        req.loading_chunks = end_chunk
 
     # -- stores and steps ---------------------------------------------------------------------
 
@@ -859,6 +867,9 @@ class OffloadingScheduler:
                     self._finished.recving.add(spec.req_id)
                     if req.load_failed:
                         self._finished.failed_loads.add(spec.req_id)
+                    else:
+                        req.reused_chunks = max(req.reused_chunks, req.loading_chunks)
+                    req.loading_chunks = 0
             if last and req.finished:
                 self._finished.sending.add(spec.req_id)
                 del self._requests[spec.req_id]
@@ -938,6 +949,8 @@ class OffloadingScheduler:
         if not mine:
             return
         self._unsent = [job for job in self._unsent if job.req_id != req_id]
+        if any(job.kind is JobKind.LOAD for job in mine):
+            req.loading_chunks = 0  # a cancelled load serves nothing (its jobs are all unsent)
         error: Exception | None = None
         for job in mine:
             record = self._jobs.pop(job.job_id)
