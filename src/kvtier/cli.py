@@ -83,6 +83,9 @@ STDOUT = "standard output"
 # interrupted command exits with. Not 1, which `kvtier demo` uses for "tokens differ".
 BROKEN_PIPE = 141
 
+# Ctrl-C: 128 + SIGINT, what a shell reports for a command that SIGINT ended.
+INTERRUPTED = 130
+
 # An uncaught exception: sysexits.h's EX_SOFTWARE, apart from every status a command gives
 # as its answer.
 INTERNAL_ERROR = 70
@@ -243,11 +246,21 @@ def _write_failed(command: str, e: OSError) -> int:
     return 2
 
 
+def _interrupted() -> int:
+    print("kvtier: interrupted", file=sys.stderr)
+    return INTERRUPTED
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kvtier` console script; returns the exit status."""
     if sys.stdout is None:
         sys.stdout = _ClosedStdout()
-    parser = build_parser()
+    # Building the parser imports every command's module: a Ctrl-C in those first moments
+    # (seconds on a loaded machine) printed a traceback instead of `kvtier: interrupted`.
+    try:
+        parser = build_parser()
+    except KeyboardInterrupt:
+        return _interrupted()
     try:
         args = parser.parse_args(argv)
     except OSError as e:  # writing --help or --version
@@ -258,6 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if failed:
             return failed
         raise
+    except KeyboardInterrupt:
+        return _interrupted()
     try:
         status: int = args._run(args)
         failed = _flush_stdout(f"kvtier {args.command}")
@@ -274,8 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvtier {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("kvtier: interrupted", file=sys.stderr)
-        return 130
+        return _interrupted()
     except Exception as e:
         # Imported only now: commands that never replay do not pay for the simulator.
         from kvtier.sim.runner import ReplayError

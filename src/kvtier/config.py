@@ -550,10 +550,18 @@ def _field_for(
             # The routing keys too: accepted (and ignored), so a list without them misleads.
             known += [*_VLLM_ALIASES, _VLLM_MODULE_PATH, *sorted(_VLLM_ROUTING_KEYS)]
     if name not in _PARSERS:
-        close = difflib.get_close_matches(
-            key.upper() if source == "environment" else key, known, n=1
-        )
-        hint = f"did you mean {close[0]!r}? " if close else ""
+        # vLLM's names, which only from_vllm_extra_config reads: spelling-based matching sent
+        # KVTIER_BLOCK_SIZE to KVTIER_MAX_TRACKER_SIZE, and eviction_policy nowhere.
+        vllm_name = key[len(ENV_PREFIX) :].lower() if source == "environment" else key
+        alias = _VLLM_ALIASES.get(vllm_name) if source != _VLLM_SOURCE else None
+        if alias is not None:
+            known_name = ENV_PREFIX + alias.upper() if source == "environment" else alias
+            hint = f"did you mean {known_name!r}? ({vllm_name!r} is vLLM's name for it); "
+        else:
+            close = difflib.get_close_matches(
+                key.upper() if source == "environment" else key, known, n=1
+            )
+            hint = f"did you mean {close[0]!r}? " if close else ""
         raise ConfigError(
             f"{key}={_shown(raw)} (from {source}): unknown key; {hint}expected one of: "
             + ", ".join(known)
@@ -624,8 +632,9 @@ def _read_file(path: Path, name: str) -> dict[str, Any]:
             with path.open(encoding="utf-8") as f:
                 data = yaml.load(f, Loader=_ConfigLoader)
         elif suffix == ".toml":
-            with path.open("rb") as f:
-                data = tomllib.load(f)
+            # utf-8-sig: a leading byte order mark (Notepad's, PowerShell's) is skipped, as
+            # PyYAML skips it; tomllib refused it as "Invalid statement (at line 1, column 1)".
+            data = tomllib.loads(path.read_bytes().decode("utf-8-sig"))
         else:
             raise ConfigError(f"{name}: unknown format {suffix!r}; expected .yaml, .yml or .toml")
     except OSError as e:

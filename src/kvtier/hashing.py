@@ -12,6 +12,7 @@ is never used: it changes with `PYTHONHASHSEED`.
 from __future__ import annotations
 
 import hashlib
+import reprlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final, TypeAlias
 
@@ -134,11 +135,18 @@ def _decimal(n: int) -> bytes:
 def _as_token_array(token_ids: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[np.uint32]:
     # asarray, not fromiter(dtype=int64): fromiter silently turns 1.5 and "3" into ints.
     arr = np.asarray(token_ids)
+    is_array = isinstance(token_ids, np.ndarray) or hasattr(token_ids, "__array__")
+    if arr.ndim == 0 and not is_array:
+        # A generator, map, set or str becomes one object, not ids: "has shape ()" named
+        # neither what was given nor what to give instead.
+        raise TypeError(
+            f"token_ids {reprlib.repr(token_ids)} has type {type(token_ids).__name__}; expected a "
+            "1-D sequence of token ids: a list, a tuple or a numpy or torch integer array"
+        )
     if arr.ndim != 1:
         raise ValueError(f"token_ids has shape {arr.shape}; expected a 1-D sequence")
     if arr.size == 0:
         return np.empty(0, dtype=_TOKEN_DTYPE)
-    is_array = isinstance(token_ids, np.ndarray) or hasattr(token_ids, "__array__")
     if not is_array and arr.dtype.kind in "iu":
         # asarray turns [True, 2] into int64 [1, 2]: a flag would hash as token 1. One pass over
         # the element types in C, far cheaper than the conversion itself.
