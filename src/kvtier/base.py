@@ -9,10 +9,11 @@ from __future__ import annotations
 import enum
 import numbers
 import operator
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NewType
+from typing import Any, Final, NewType
 
 import numpy as np
 import numpy.typing as npt
@@ -284,3 +285,25 @@ def checked_int(name: str, value: object, minimum: int = 1) -> int:
     if n is None or n < minimum:
         raise ValueError(f"{name}={value!r} is invalid; expected an integer >= {minimum}")
     return n
+
+
+TRUE_WORDS: Final = frozenset({"1", "true", "yes", "on"})
+FALSE_WORDS: Final = frozenset({"0", "false", "no", "off"})
+"""The spellings of a boolean setting, in a config file, the environment or a switch."""
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """The boolean environment variable `name` (`default` when unset or blank), read as the
+    config reads booleans: `KVTIER_NATIVE_COPY=false` was taken for "on", since only `0`
+    switched it off."""
+    raw = os.environ.get(name, "")
+    word = raw.strip().lower()
+    if not word:
+        return default
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise ValueError(
+        f"{name}={raw!r} is invalid; expected a boolean (true/false, yes/no, on/off, 1/0)"
+    )

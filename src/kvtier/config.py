@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Final, Literal, cast
 import numpy as np
 import yaml
 
-from kvtier.base import checked_int
+from kvtier.base import FALSE_WORDS, TRUE_WORDS, checked_int
 from kvtier.hashing import HASH_ALGORITHMS
 from kvtier.policies import get_policy_cls, registered_policies
 
@@ -87,8 +87,6 @@ _INT_RE: Final = re.compile(r"\+?[0-9]+(?:_[0-9]+)*")
 # here and fail later with OverflowError ("cannot fit 'int' into an index-sized integer").
 _MAX_INT: Final = 2**63 - 1
 _NONE_WORDS: Final = frozenset({"none", "null"})
-_TRUE_WORDS: Final = frozenset({"1", "true", "yes", "on"})
-_FALSE_WORDS: Final = frozenset({"0", "false", "no", "off"})
 
 
 def parse_size(value: str | int | np.integer[Any]) -> int:
@@ -174,9 +172,9 @@ def _parse_bool(raw: object) -> bool:
             word = str(checked_int("value", raw, 0))  # 1 and 0, numpy's included
         except ValueError:
             word = None
-    if word in _TRUE_WORDS:
+    if word in TRUE_WORDS:
         return True
-    if word in _FALSE_WORDS:
+    if word in FALSE_WORDS:
         return False
     raise _Invalid("a boolean (true/false, yes/no, on/off, 1/0)")
 

@@ -45,6 +45,7 @@ from typing import TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from kvtier.base import env_flag
 from kvtier.transfer.plan import JobPlanner
 from kvtier.transfer.registration import KVCacheRegistration
 
@@ -322,7 +323,7 @@ def _load_extension() -> ModuleType | None:
 
 
 def _load() -> ctypes.CDLL | None:
-    if os.environ.get("KVTIER_NATIVE_COPY", "1") == "0":
+    if not env_flag("KVTIER_NATIVE_COPY", True):
         return None
     cc = _compiler()
     if cc is None:
@@ -330,7 +331,7 @@ def _load() -> ctypes.CDLL | None:
         return None
     # Streaming stores where the compiler targets SSE2 (x86-64); memcpy per row elsewhere,
     # or everywhere with KVTIER_PORTABLE_COPY=1 (rowcopy.c).
-    flags = ["-DKVT_PORTABLE_COPY"] if os.environ.get("KVTIER_PORTABLE_COPY") == "1" else []
+    flags = ["-DKVT_PORTABLE_COPY"] if env_flag("KVTIER_PORTABLE_COPY", False) else []
     # The machine is in the key: a home directory shared by x86-64 and Arm hosts must not
     # hand one the other's build.
     key = b"".join(p.read_bytes() for p in (*_SOURCES, _HEADER))
