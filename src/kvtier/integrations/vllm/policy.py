@@ -21,9 +21,10 @@ request's token positions, before the policy is next asked or told anything.
 A kvtier unpin counts as a use. vLLM also pins chunks that no request reads: a tiering
 manager's cascade to a secondary tier (`prepare_read`), which must not change recency. The
 adapter therefore pins a chunk in the kvtier policy only once a request's access follows the
-pin (vLLM's `on_request_access`, which `prepare_load` makes right after pinning); until then
-the chunk stays a kvtier candidate that `evict` passes over as protected, and its unpin is no
-use.
+pin (vLLM's `on_request_access`, which `prepare_load` makes right after pinning, with no
+lookup of the chunk in between; a store offer of a chunk a cascade pinned looks it up first);
+until then the chunk stays a kvtier candidate that `evict` passes over as protected, and its
+unpin is no use.
 """
 
 from __future__ import annotations
@@ -62,11 +63,14 @@ class KVTierPolicyAdapter(VCachePolicy):
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
-        if isinstance(cache_capacity, int) and cache_capacity == 0:
-            # vLLM sizes the tier as cpu_bytes_to_use // bytes per chunk (all workers).
+        if isinstance(cache_capacity, int) and cache_capacity < 1:
+            # vLLM sizes the tier as int(cpu_bytes_to_use) // bytes per chunk (all workers),
+            # checking only that the setting is truthy: a negative one floors to a negative
+            # count, which kvtier's policy refused naming its own `capacity`, not the key.
             raise ValueError(
-                "vLLM's CPU tier holds 0 chunks: cpu_bytes_to_use (kv_connector_extra_config) "
-                "is smaller than one chunk's bytes on all workers together; expected at least that"
+                f"vLLM's CPU tier holds {cache_capacity} chunks: cpu_bytes_to_use "
+                "(kv_connector_extra_config) is negative or smaller than one chunk's bytes on "
+                "all workers together; expected a positive number of bytes, at least that"
             )
         self._inner: CachePolicy = self.policy(cache_capacity)
         self.chunks: dict[VOffloadKey, ChunkStatus] = {}
@@ -82,6 +86,10 @@ class KVTierPolicyAdapter(VCachePolicy):
         # Chunks vLLM pinned that no request's access has claimed (a tiering cascade's read):
         # kvtier candidates still, never victims, and their unpin is no use.
         self._held: set[VOffloadKey] = set()
+        # Pins since their key was last looked up: vLLM's prepare_load looks a key up, pins it
+        # and reports the request's access next, while a store offer of a chunk a cascade
+        # pinned earlier looks it up again first. Only these pins are a request's load.
+        self._fresh: set[VOffloadKey] = set()
 
     def _flush(self) -> None:
         """Give the collected completions to the kvtier policy: stores as `insert`, loads as
@@ -120,6 +128,8 @@ class KVTierPolicyAdapter(VCachePolicy):
         return self._inner
 
     def get(self, key: VOffloadKey) -> ChunkStatus | None:
+        if self._fresh:
+            self._fresh.discard(key)
         return self.chunks.get(key)
 
     def insert(self, key: VOffloadKey, chunk: ChunkStatus, req_context: VReqContext) -> None:
@@ -134,6 +144,7 @@ class KVTierPolicyAdapter(VCachePolicy):
         del self.chunks[key]
         self._readers.pop(key, None)
         self._held.discard(key)
+        self._fresh.discard(key)
         if self._pending.pop(key, None) is None:
             self._flush()
             self._inner.remove([OffloadKey(key)])
@@ -147,13 +158,17 @@ class KVTierPolicyAdapter(VCachePolicy):
 
     def on_request_access(self, keys: Iterable[VOffloadKey], req_context: VReqContext) -> None:
         chunks, readers, held, ctx = self.chunks, self._readers, self._held, _ctx(req_context)
+        fresh = self._fresh
+        if fresh:  # claimed now or never
+            self._fresh = set()
         loaded: list[OffloadKey] = []
         for k in keys:
             if k in chunks:
                 readers[k] = ctx
-                if k in held:
+                if k in fresh and k in held:
                     # The pin just before is this request's load: kvtier pins it, and its
-                    # unpin will be the request's use.
+                    # unpin will be the request's use. A cascade's pin that this access
+                    # merely follows (a store offer of the chunk) stays no use.
                     held.discard(k)
                     loaded.append(OffloadKey(k))
         if loaded:
@@ -206,6 +221,7 @@ class KVTierPolicyAdapter(VCachePolicy):
         self._readers.clear()
         self._completed.clear()
         self._held.clear()
+        self._fresh.clear()
         self._inner.clear()
 
     def mark_evictable(self, key: VOffloadKey) -> None:
@@ -214,6 +230,7 @@ class KVTierPolicyAdapter(VCachePolicy):
             self._completed.append((True, OffloadKey(key), ctx))  # store completed
         elif key in self._held:
             self._held.discard(key)  # a read no request made: no use, no move
+            self._fresh.discard(key)
         else:
             # Last load completed: a use by the request that read it, where known.
             self._completed.append((False, OffloadKey(key), self._readers.get(key)))
@@ -221,6 +238,7 @@ class KVTierPolicyAdapter(VCachePolicy):
     def mark_non_evictable(self, key: VOffloadKey) -> None:
         # Pinned in the kvtier policy when a request's access claims the read.
         self._held.add(key)
+        self._fresh.add(key)
 
 
 _ADAPTERS: dict[str, type[KVTierPolicyAdapter]] = {}

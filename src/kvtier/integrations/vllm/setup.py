@@ -183,21 +183,32 @@ def resolve_setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Vl
     layer_pages = _layer_pages(kv_cache_config)
     page_bytes = tuple(_group_page_bytes(g, layer_pages) for g in groups)
     slot_bytes = blocks_per_chunk * max(page_bytes)
+    # A chunk takes one slot in every KV-cache group (it hits only if all groups hold it):
+    # fewer slots than groups store nothing, ever, and the engine ran on as if offloading.
+    num_groups = len(groups)
     if config.num_slots is not None:
         num_slots = config.num_slots
+        if num_slots < num_groups:
+            raise ConfigError(
+                f"num_slots={extra.get('num_slots', num_slots)!r} (from vLLM "
+                f"kv_connector_extra_config) holds no chunk of the engine's {num_groups} "
+                f"KV-cache groups (one slot each); expected at least {num_groups}"
+            )
     elif config.cpu_bytes is not None:
         # The budget is the engine's, as in vLLM's own offloading: every worker (tensor and
         # pipeline ranks) keeps a pool of num_slots chunks of its own share of the KV, with
         # num_slots the scheduler's (from the first worker's pages; see fit_pool).
         world_size = vllm_config.parallel_config.world_size
         num_slots = config.cpu_bytes // (slot_bytes * world_size)
-        if num_slots < 1:
+        if num_slots < num_groups:
             key = "cpu_bytes_to_use" if "cpu_bytes_to_use" in extra else "cpu_bytes"
+            per_groups = f" in each of {num_groups} KV-cache groups" if num_groups > 1 else ""
             raise ConfigError(
                 f"{key}={extra.get(key, config.cpu_bytes)!r} (from vLLM "
                 f"kv_connector_extra_config) holds no chunk of {slot_bytes} bytes "
-                f"({blocks_per_chunk} blocks x {max(page_bytes)} bytes) on each of "
-                f"{world_size} workers; expected at least {slot_bytes * world_size} bytes"
+                f"({blocks_per_chunk} blocks x {max(page_bytes)} bytes){per_groups} on each "
+                f"of {world_size} workers; expected at least "
+                f"{slot_bytes * num_groups * world_size} bytes"
             )
     else:
         raise ConfigError(
