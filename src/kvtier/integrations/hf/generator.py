@@ -39,6 +39,7 @@ from kvtier.integrations.hf.paged_cache import PagedKVBuffer
 from kvtier.integrations.hf.prefix import (
     check_cache_written,
     check_causal,
+    check_decoder_only,
     check_positions,
     generate_greedy,
     input_vocab_size,
@@ -236,6 +237,19 @@ def _check_module(model: object) -> None:
             f"model is {what}; expected a transformers causal LM, a torch.nn.Module (e.g. "
             "AutoModelForCausalLM.from_pretrained(...))"
         )
+    # A plain torch module failed on a bare "'Linear' object has no attribute 'config'", one
+    # without parameters on a bare StopIteration.
+    if getattr(model, "config", None) is None:
+        raise TypeError(
+            f"model is a {type(model).__name__} without a config: it is not a transformers "
+            "model; expected a transformers causal LM (e.g. AutoModelForCausalLM.from_pretrained"
+            "(...))"
+        )
+    if next(model.parameters(), None) is None:
+        raise ValueError(
+            f"model is a {type(model).__name__} without parameters, so it has no dtype or "
+            "device for its KV buffer; expected a transformers causal LM with its weights"
+        )
 
 
 # Config fields that leave every token's K and V as they were: token ids, output switches,
@@ -253,6 +267,7 @@ _KV_NEUTRAL_FIELDS = frozenset(
         "label2id",
         "output_attentions",
         "output_hidden_states",
+        "output_router_logits",  # MoE models' router logits, an output switch like the two above
         "prefix",
         "problem_type",
         "return_dict",
@@ -382,6 +397,7 @@ class KVTierGenerator:
         fault_injector: FaultInjector | None = None,
     ) -> None:
         _check_module(model)
+        check_decoder_only(model)
         config = config if config is not None else KVTierConfig()
         if not isinstance(config, KVTierConfig):
             # A dict failed later, on a missing attribute, naming neither argument nor fix.

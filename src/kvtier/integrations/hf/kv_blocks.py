@@ -194,6 +194,10 @@ def allocate_pages(
     """Zeroed paged buffers for `config`'s model: `(num_blocks, 2, block_size, H, D)` a layer."""
     num_blocks = checked_int("num_blocks", num_blocks)
     block_size = checked_int("block_size", block_size)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        # As PagedKVBuffer refuses it: int64 pages were built, and refused only later, by
+        # `extract_blocks` naming the cache's dtype; a string failed on torch's bare message.
+        raise TypeError(f"dtype={dtype!r} is invalid; expected a floating-point torch dtype")
     layout = kv_layout(config)
     shape = layout.page_shape(num_blocks, block_size)
     # Normal tensors even in inference mode: `extract_blocks` outside it could not write them.

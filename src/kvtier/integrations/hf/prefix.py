@@ -30,6 +30,7 @@ __all__ = [
     "GreedyOutput",
     "check_cache_written",
     "check_causal",
+    "check_decoder_only",
     "check_positions",
     "generate_greedy",
     "learned_position_rows",
@@ -88,6 +89,20 @@ def _check_ids(model: Any, input_ids: torch.Tensor) -> None:
                 f"the model's vocabulary (its input embedding has {vocab} rows); expected "
                 f"0..{vocab - 1}"
             )
+
+
+def check_decoder_only(model: Any) -> None:
+    """Refuse an encoder-decoder model (T5, `BartForConditionalGeneration`): the prompt would
+    go to its encoder and the reply come from its decoder, so no KV of the prompt's tokens
+    exists to store by prefix. T5 failed inside its forward on a bare "You must specify
+    exactly one of input_ids or inputs_embeds", Bart's generator on "not causal ... needs
+    is_decoder=True". Its decoder alone (`BartForCausalLM`) is decoder-only and runs."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False) is True:
+        raise ValueError(
+            f"{type(model).__name__} is an encoder-decoder model (config.is_encoder_decoder="
+            "True): the prompt would go to its encoder, so there is no per-token KV of the "
+            "prompt to reuse; expected a decoder-only causal LM (AutoModelForCausalLM)"
+        )
 
 
 def input_vocab_size(model: Any) -> int | None:
@@ -421,6 +436,7 @@ def prefill(
     (ValueError: load at most `T - 1` tokens). `cache=None` starts a fresh `DynamicCache`
     (the recompute path).
     """
+    check_decoder_only(model)
     _check_ids(model, input_ids)
     check_positions(learned_position_rows(model), input_ids.shape[1], 1)
     if cache is None:
@@ -458,6 +474,7 @@ def generate_greedy(
     `max_new_tokens`). See `prefill` for what `cache` must hold.
     """
     max_new_tokens = checked_int("max_new_tokens", max_new_tokens)
+    check_decoder_only(model)
     _check_ids(model, input_ids)
     check_positions(learned_position_rows(model), input_ids.shape[1], max_new_tokens)
     logits, cache, ran = prefill(model, input_ids, cache)
