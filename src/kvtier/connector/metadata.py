@@ -34,6 +34,18 @@ class TransferJob:
     device_blocks: npt.NDArray[np.int64]
     skip_blocks: int = 0
 
+    def __eq__(self, other: object) -> bool:
+        # The generated comparison took the truth value of `array == array`: comparing two
+        # jobs of several blocks (a StepMetadata with its pickled copy) raised ValueError.
+        if not isinstance(other, TransferJob):
+            return NotImplemented
+        return (
+            (self.job_id, self.kind, self.req_id, self.group, self.skip_blocks)
+            == (other.job_id, other.kind, other.req_id, other.group, other.skip_blocks)
+            and bool(np.array_equal(self.slots, other.slots))
+            and bool(np.array_equal(self.device_blocks, other.device_blocks))
+        )
+
 
 @dataclass(slots=True)
 class StepMetadata:

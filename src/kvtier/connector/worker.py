@@ -58,6 +58,20 @@ class OffloadingWorker:
     """
 
     def __init__(self, transfer: TransferBackend) -> None:
+        # Refused here: any other object (None before the transfer worker is built, the
+        # factory function itself) had every job of the step logged and reported failed, as a
+        # submit that raised is, before get_finished raised AttributeError. `holds` may be
+        # missing: a backend that cannot answer is taken to have queued nothing (`_holds`).
+        missing = [
+            name
+            for name in ("submit_store", "submit_load", "get_finished", "wait")
+            if not callable(getattr(transfer, name, None))
+        ]
+        if missing:
+            raise TypeError(
+                f"transfer={transfer!r:.80} is a {type(transfer).__name__} without "
+                f"{', '.join(missing)}; expected a transfer worker (make_transfer_worker)"
+            )
         self.transfer = transfer
         # Jobs the transfer worker refused to queue, reported failed by the next get_finished.
         self._refused: list[TransferResult] = []
@@ -150,7 +164,7 @@ class OffloadingWorker:
         if job.job_id in self._submitted or job.job_id in fed:
             logger.warning(
                 "kvtier: %s job %d of request %s was already submitted; not submitted again",
-                job.kind.value,
+                _kind(job),
                 job.job_id,
                 job.req_id,
             )
@@ -168,8 +182,12 @@ class OffloadingWorker:
                 self.transfer.submit_load(
                     job.job_id, job.slots, job.device_blocks, job.group, job.skip_blocks
                 )
-            else:
+            elif job.kind is JobKind.STORE:
                 self.transfer.submit_store(job.job_id, job.device_blocks, job.slots, job.group)
+            else:
+                # Anything else ran as a store: a load given as "load" overwrote its slots'
+                # chunks with the device blocks it was to fill, and was reported done.
+                raise ValueError(f"kind={job.kind!r}; expected JobKind.LOAD or JobKind.STORE")
         except Exception:
             # A backend may raise after it queued the job (`holds` says so, per the protocol):
             # it reports the job then, and a refusal too would be a second report, which the
@@ -178,9 +196,9 @@ class OffloadingWorker:
             # lose the report.
             self._unsettled.add(job.job_id)
             logger.exception(
-                "kvtier: the transfer worker raised submitting %s job %d of request %s; "
-                "reported failed unless it was queued all the same",
-                job.kind.value,
+                "kvtier: submitting %s job %d of request %s raised; reported failed unless "
+                "the transfer worker queued it all the same",
+                _kind(job),
                 job.job_id,
                 job.req_id,
             )
@@ -211,3 +229,8 @@ class OffloadingWorker:
         except Exception:
             logger.exception("kvtier: holds(%d) raised after a failed submit", job_id)
             return False
+
+
+def _kind(job: TransferJob) -> object:
+    """The job's kind for a log line: its name, or what stands there instead of a JobKind."""
+    return job.kind.value if isinstance(job.kind, JobKind) else repr(job.kind)

@@ -82,11 +82,20 @@ def transfer_worker_from_config(
     raises `ConfigError` naming the settings, as a bad value would; a mistake of the caller's
     own (a pool of another registration, a fault injector that is not callable) stays a
     `ValueError`."""
-    from kvtier.config import ConfigError
+    from kvtier.config import ConfigError, KVTierConfig
 
     # Checked here, outside the wrapping below: not the configuration's fault.
+    if not isinstance(config, KVTierConfig):  # a dict raised AttributeError on its first read
+        raise TypeError(
+            f"config must be a KVTierConfig (KVTierConfig.from_dict for a dict), got "
+            f"{type(config).__name__}"
+        )
     _check_options({"fault_injector": fault_injector})
     check_pool(registration, pool)
+    # Loaded here too, outside the wrapping: a bad KVTIER_NATIVE_COPY or KVTIER_PORTABLE_COPY
+    # raised inside it and was reported as the transfer_* settings' fault. Every backend
+    # loads the library, so this builds nothing that the worker would not.
+    library()
     settings = {
         "transfer_backend": config.transfer_backend,
         "transfer_cpus": config.transfer_cpus,

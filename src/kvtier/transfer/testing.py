@@ -93,7 +93,10 @@ def make_layout(
     name: str, dtype: torch.dtype, device: str = "cpu", seed: int = 0, nb: int = NUM_BLOCKS
 ) -> list[KVTensor]:
     """KV tensors of layout `name`, filled with random bytes."""
-    kvs = LAYOUTS[name](nb, dtype, device)
+    make = LAYOUTS.get(name)
+    if make is None:  # a bare KeyError named the value but not the choices
+        raise ValueError(f"layout {name!r} is unknown; expected one of {sorted(LAYOUTS)}")
+    kvs = make(nb, dtype, device)
     for i, kv in enumerate(kvs):
         fill_random_bytes(kv.tensor, seed * 1000 + i)
     return kvs
