@@ -18,8 +18,10 @@ from kvtier.policies.base import CachePolicy, register_policy
 from kvtier.policies.kvaware_sketch import (
     M64,
     MAX_COUNT,
+    MAX_WIDTH,
     FrequencySketch,
     checked_keys,
+    checked_protected,
     key_hash,
 )
 
@@ -120,6 +122,13 @@ class KVAwarePolicy(CachePolicy):
         window = checked_fraction("window", window)
         sketch_width = checked_int("sketch_width", sketch_width)
         model_size = checked_int("model_size", model_size)
+        if sketch_width * capacity > MAX_WIDTH:
+            # bytearray raised "cannot fit 'int' into an index-sized integer", naming neither.
+            # A MemoryError, as the manager reads one: its num_slots is then what is too large.
+            raise MemoryError(
+                f"sketch_width={sketch_width} x capacity={capacity} is "
+                f"{sketch_width * capacity} counters per sketch row; expected at most 2**60"
+            )
         if mode not in _MODE_NAMES:
             raise ValueError(f"mode={mode!r} is invalid; expected one of {_MODE_NAMES}")
         self._win_target = max(1, int(window * capacity))
@@ -266,6 +275,17 @@ class KVAwarePolicy(CachePolicy):
         else:
             # Once per table: O(request length).
             tail = max(positions, key=positions.__getitem__)
+            deepest = positions[tail]
+            if not isinstance(deepest, Real) or deepest != deepest:
+                # max() compares nothing in a one-entry table, and strs only with each other
+                # ("9" > "16"): such a table was taken, its deepest key by string order. A
+                # TypeError is named by `_tail_of`; NaN compares false with every position.
+                if isinstance(deepest, Real):
+                    raise ValueError(
+                        f"key_positions of request {req_id!r} maps {tail!r} to {deepest!r}; "
+                        "expected an int token position"
+                    )
+                raise TypeError(f"key_positions maps {tail!r} to {deepest!r}")
         self._tail_req, self._tail_pos = req_id, positions
         self._tail_len, self._tail_key = n, tail
         if req_id not in self._finished:
@@ -292,7 +312,7 @@ class KVAwarePolicy(CachePolicy):
         h = (
             hash(int.from_bytes(key, "big"))
             if type(key) is bytes or isinstance(key, bytes)
-            else hash(key)
+            else key_hash(key)
         )
         if ctx is not None:
             if ctx.req_id != self._counted_req:
@@ -600,13 +620,7 @@ class KVAwarePolicy(CachePolicy):
             return []
         win, credit = self._win, self._credit
         if protected:
-            if not isinstance(protected, (set, frozenset, dict)):
-                try:
-                    protected = set(protected)  # O(1) membership; a repeated key counts once
-                except TypeError:
-                    raise TypeError(
-                        f"protected={protected!r:.80} is not a collection of offload keys (bytes)"
-                    ) from None
+            protected = checked_protected(protected)
             blocked = sum(1 for k in protected if k in win or k in credit)
         else:
             blocked = 0

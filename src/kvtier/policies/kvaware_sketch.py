@@ -3,13 +3,16 @@ eviction, and the process-independent key hash it is indexed by."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Final
 
-from kvtier.base import OffloadKey
+from kvtier.base import OffloadKey, checked_int
 
 M64: Final = (1 << 64) - 1
 MAX_COUNT: Final = 15
+# Counters per row at most: a row is indexed by the top bits of a 64-bit product, and the four
+# rows (4 * 2**60 bytes) must still fit a bytearray's size (sys.maxsize).
+MAX_WIDTH: Final = 1 << 60
 # Odd 64-bit multipliers, one per sketch row.
 _R0, _R1, _R2, _R3 = (
     0x9E3779B97F4A7C15,
@@ -21,12 +24,15 @@ _HALVE = bytes(v >> 1 for v in range(256))
 
 
 def key_hash(key: object) -> int:
-    """A hash of `key` that is the same in every process (`hash()` of bytes is salted)."""
+    """A hash of `key` that is the same in every process (`hash()` of bytes is salted); a key
+    that is not bytes is refused."""
     # A bytes subclass too (numpy.bytes_): equal to the plain key, it must count with it, and
     # its inherited hash() is salted.
     if type(key) is bytes or isinstance(key, bytes):
         return hash(int.from_bytes(key, "big"))
-    return hash(key)
+    # hash() of a str (or of a tuple holding one) is salted per process: returned, it broke
+    # the promise above without a word.
+    raise TypeError(f"offload keys are bytes; got {type(key).__name__} {key!r:.80}")
 
 
 # One key passed where a list was expected: iterating it yields ints (or one-char strs).
@@ -58,6 +64,25 @@ def checked_keys(keys: Iterable[OffloadKey]) -> Sequence[OffloadKey]:
     return keys
 
 
+def checked_protected(protected: Collection[OffloadKey]) -> Collection[OffloadKey]:
+    """`protected` as a set, dict or frozenset (one given is returned as it is), else a
+    TypeError naming it. One key given as the collection was taken for a collection of its
+    bytes (ints), so the key it meant to protect could be evicted."""
+    if isinstance(protected, (set, frozenset, dict)):
+        return protected
+    if isinstance(protected, _ONE_KEY):
+        raise TypeError(
+            f"protected={protected!r:.80} is one {type(protected).__name__} object; expected "
+            "a collection of offload keys (bytes)"
+        )
+    try:
+        return set(protected)  # O(1) membership; a repeated key counts once
+    except TypeError:
+        raise TypeError(
+            f"protected={protected!r:.80} is not a collection of offload keys (bytes)"
+        ) from None
+
+
 class FrequencySketch:
     """Count-min sketch of recent access counts: 4 rows of `width` one-byte counters capped at
     15, all halved once `period` accesses are counted, so that old popularity fades. The count
@@ -65,8 +90,17 @@ class FrequencySketch:
     accesses. Fixed size."""
 
     def __init__(self, width: int, period: int) -> None:
-        if width < 1 or period < 1:
-            raise ValueError(f"width={width}, period={period} are invalid; expected both >= 1")
+        # A float width failed on a missing bit_length, a str on "'<' not supported", and a
+        # NaN period was taken: `added >= nan` is never true, so the counts never aged.
+        try:
+            width = checked_int("width", width)
+            period = checked_int("period", period)
+        except ValueError:
+            raise ValueError(
+                f"width={width!r}, period={period!r} are invalid; expected both integers >= 1"
+            ) from None
+        if width > MAX_WIDTH:
+            raise ValueError(f"width={width} is invalid; expected at most 2**60 counters per row")
         bits = max(4, (width - 1).bit_length())
         self.width = 1 << bits
         self._shift = 64 - bits
@@ -97,7 +131,7 @@ class FrequencySketch:
         return self.estimate(
             hash(int.from_bytes(key, "big"))
             if type(key) is bytes or isinstance(key, bytes)
-            else hash(key)
+            else key_hash(key)
         )
 
     def add(self, h: int) -> int:
