@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 
 from kvtier.base import OffloadKey, ReqContext
-from kvtier.policies.base import CachePolicy, register_policy
+from kvtier.policies.base import CachePolicy, checked_protected, register_policy
 
 _T1 = 1
 _T2 = 2
@@ -127,8 +127,7 @@ class ARCPolicy(CachePolicy):
             return []
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
         if protected:
-            if not isinstance(protected, (set, frozenset, dict)):
-                protected = set(protected)
+            protected = checked_protected(protected)
             blocked = sum(1 for k in protected if k in t1 or k in t2)
             if len(t1) + len(t2) - blocked < n:
                 return None

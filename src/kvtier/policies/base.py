@@ -16,6 +16,25 @@ from typing import ClassVar, TypeVar
 from kvtier.base import OffloadKey, ReqContext, checked_int
 
 
+def checked_protected(protected: Collection[OffloadKey]) -> Collection[OffloadKey]:
+    """`protected` as a set, dict or frozenset (one given is returned as it is), else a
+    TypeError naming it. One key given as the collection was taken for a collection of its
+    bytes (ints), so the key it meant to protect could be evicted."""
+    if isinstance(protected, (set, frozenset, dict)):
+        return protected
+    if isinstance(protected, (bytes, bytearray, memoryview, str)):
+        raise TypeError(
+            f"protected={protected!r:.80} is one {type(protected).__name__} object; expected "
+            "a collection of offload keys (bytes)"
+        )
+    try:
+        return set(protected)  # O(1) membership; a repeated key counts once
+    except TypeError:
+        raise TypeError(
+            f"protected={protected!r:.80} is not a collection of offload keys (bytes)"
+        ) from None
+
+
 class CachePolicy(ABC):
     """Eviction order of one tier's evictable keys.
 

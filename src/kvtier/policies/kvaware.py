@@ -14,14 +14,13 @@ from itertools import islice
 from numbers import Real
 
 from kvtier.base import OffloadKey, ReqContext, checked_fraction, checked_int
-from kvtier.policies.base import CachePolicy, register_policy
+from kvtier.policies.base import CachePolicy, checked_protected, register_policy
 from kvtier.policies.kvaware_sketch import (
     M64,
     MAX_COUNT,
     MAX_WIDTH,
     FrequencySketch,
     checked_keys,
-    checked_protected,
     key_hash,
 )
 

@@ -3,7 +3,7 @@ eviction, and the process-independent key hash it is indexed by."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Final
 
 from kvtier.base import OffloadKey, checked_int
@@ -62,25 +62,6 @@ def checked_keys(keys: Iterable[OffloadKey]) -> Sequence[OffloadKey]:
         if type(key) is not bytes and not isinstance(key, bytes):
             raise TypeError(f"offload keys are bytes; got {type(key).__name__} {key!r:.80}")
     return keys
-
-
-def checked_protected(protected: Collection[OffloadKey]) -> Collection[OffloadKey]:
-    """`protected` as a set, dict or frozenset (one given is returned as it is), else a
-    TypeError naming it. One key given as the collection was taken for a collection of its
-    bytes (ints), so the key it meant to protect could be evicted."""
-    if isinstance(protected, (set, frozenset, dict)):
-        return protected
-    if isinstance(protected, _ONE_KEY):
-        raise TypeError(
-            f"protected={protected!r:.80} is one {type(protected).__name__} object; expected "
-            "a collection of offload keys (bytes)"
-        )
-    try:
-        return set(protected)  # O(1) membership; a repeated key counts once
-    except TypeError:
-        raise TypeError(
-            f"protected={protected!r:.80} is not a collection of offload keys (bytes)"
-        ) from None
 
 
 class FrequencySketch:

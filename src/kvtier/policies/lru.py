@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 
 from kvtier.base import OffloadKey, ReqContext
-from kvtier.policies.base import CachePolicy, register_policy
+from kvtier.policies.base import CachePolicy, checked_protected, register_policy
 
 
 @register_policy(
@@ -76,8 +76,8 @@ class LRUPolicy(CachePolicy):
             return []
         if n > len(self._order):
             return None
-        if protected and not isinstance(protected, (set, frozenset, dict)):
-            protected = set(protected)  # the manager passes a list: O(1) membership
+        if protected:
+            protected = checked_protected(protected)  # the manager passes a list: O(1) lookups
         victims: list[OffloadKey] = []
         for key in self._order:
             if key not in protected:

@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 
 from kvtier.base import OffloadKey, ReqContext, checked_fraction, checked_int
-from kvtier.policies.base import CachePolicy, register_policy
+from kvtier.policies.base import CachePolicy, checked_protected, register_policy
 
 _MAX_FREQ = 3
 # Live requests remembered, a token each from their first use of a held key (a few MB at
@@ -150,8 +150,7 @@ class S3FIFOPolicy(CachePolicy):
             return []
         small, main, ghost, counted_by = self._small, self._main, self._ghost, self._counted_by
         if protected:
-            if not isinstance(protected, (set, frozenset, dict)):
-                protected = set(protected)
+            protected = checked_protected(protected)
             blocked = sum(1 for k in protected if k in small or k in main)
         else:
             blocked = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 
 from kvtier.base import OffloadKey, ReqContext
-from kvtier.policies.base import CachePolicy, register_policy
+from kvtier.policies.base import CachePolicy, checked_protected, register_policy
 
 
 class _Node:
@@ -108,8 +108,7 @@ class SIEVEPolicy(CachePolicy):
         if n <= 0:
             return []
         if protected:
-            if not isinstance(protected, (set, frozenset, dict)):
-                protected = set(protected)
+            protected = checked_protected(protected)
             blocked = sum(1 for k in protected if k in self)
         else:
             blocked = 0
