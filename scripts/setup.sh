@@ -2,6 +2,13 @@
 # Creates .venv (if missing) and installs kvtier with the CPU build of torch and its extras.
 # Sourced by test.sh and demo.sh; safe to re-run.
 set -euo pipefail
+# Refused by name: any value but 1 skipped vLLM, so KVTIER_WITH_VLLM=true or yes did the opposite.
+WITH_VLLM=${KVTIER_WITH_VLLM:-1}
+if [ "$WITH_VLLM" != 0 ] && [ "$WITH_VLLM" != 1 ]; then
+  echo "setup.sh: error: KVTIER_WITH_VLLM='$WITH_VLLM'; expected 0 (skip vLLM) or 1 (install it," \
+    "the default)" >&2
+  exit 2
+fi
 VENV=${KVTIER_VENV:-}
 # A relative KVTIER_VENV is from the caller's directory, as the scripts' other paths are: read
 # from the repository root it named another, missing, environment, and one was created there.
@@ -12,11 +19,26 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
+# A python that no longer runs (a link to an interpreter since removed) venv cannot repair: it
+# failed with "[Errno 2] No such file or directory".
+if [ -L "$VENV/bin/python" ] && [ ! -e "$VENV/bin/python" ]; then
+  echo "setup.sh: error: $VENV/bin/python links to a Python that is gone (one removed or" \
+    "upgraded since); remove $VENV to have it rebuilt, or name another one in KVTIER_VENV" >&2
+  exit 2
+fi
 # Also over an environment without pip (a venv made where ensurepip was missing, or with
 # --without-pip): it has a python, and every later run stopped at "No module named pip".
 # venv keeps what is installed and adds pip.
 if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import pip" 2>/dev/null; then
   "$PY" -m venv "$VENV"
+fi
+# Older than kvtier's requires-python: with 3.10, torch went in and then pip spent over ten
+# minutes resolving kvtier's extras, saying nothing.
+if ! found=$("$VENV/bin/python" -c 'import sys; print(sys.version.split()[0])
+sys.exit(sys.version_info < (3, 11))'); then
+  echo "setup.sh: error: $VENV has Python $found; kvtier needs 3.11 or newer: remove $VENV and" \
+    "run again with PYTHON set to such a python (now ${PYTHON:-python3})" >&2
+  exit 2
 fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
@@ -29,10 +51,14 @@ python -m pip install -q "torch==2.13.0"
 # vLLM 0.33.0 on CPU: its declared dependencies include CUDA-only pins no CPU machine can meet, so
 # it goes in without them and its pure-Python dependencies come from requirements/. Skip with
 # KVTIER_WITH_VLLM=0 (the vLLM tests then skip themselves). Another version in a reused
-# environment is replaced: kvtier's vLLM tests and requirements/ are for this one.
-if [ "${KVTIER_WITH_VLLM:-1}" = "1" ] && ! python -c "import sys, importlib.metadata as m, vllm
+# environment is replaced: kvtier's vLLM tests and requirements/ are for this one. Its
+# dependencies are checked on every run, not only with vLLM: `import vllm` needs few of them, so
+# a run stopped after vLLM went in left it importable and the rest never installed.
+if [ "$WITH_VLLM" = 1 ]; then
+  if ! python -c "import sys, importlib.metadata as m, vllm
 sys.exit(m.version('vllm') != '0.33.0')" 2>/dev/null; then
-  python -m pip install -q --no-deps "vllm==0.33.0"
+    python -m pip install -q --no-deps "vllm==0.33.0"
+  fi
   python -m pip install -q -r requirements/vllm033-cpu.txt
   python -m pip install -q --no-deps "xgrammar==0.2.8" apache-tvm-ffi
 fi
