@@ -85,7 +85,7 @@ def test_vs_vllm_reports_each_scheduler_run(tmp_path: Path) -> None:
     one progress line per child, and kvtier's hit ratio is the same whatever PYTHONHASHSEED
     (vLLM's may not be: see `compare_schedulers`)."""
     if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vLLM is not installed (pip install 'kvtier[vllm]')")
+        pytest.skip("vLLM is not installed (scripts/setup.sh installs it)")
     import vs_vllm
 
     lines: list[str] = []

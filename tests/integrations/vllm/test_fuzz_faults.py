@@ -22,7 +22,7 @@ from typing import Literal
 import pytest
 
 if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vLLM is not installed (pip install 'kvtier[vllm]')", allow_module_level=True)
+    pytest.skip("vLLM is not installed (scripts/setup.sh installs it)", allow_module_level=True)
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

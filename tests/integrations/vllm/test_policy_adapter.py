@@ -17,7 +17,7 @@ from typing import Any, cast
 import pytest
 
 if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vLLM is not installed (pip install 'kvtier[vllm]')", allow_module_level=True)
+    pytest.skip("vLLM is not installed (scripts/setup.sh installs it)", allow_module_level=True)
 
 MODULE = "kvtier.integrations.vllm.policy"
 POLICIES = ["lru", "arc", "s3fifo", "sieve", "kvaware"]

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vLLM is not installed (pip install 'kvtier[vllm]')", allow_module_level=True)
+    pytest.skip("vLLM is not installed (scripts/setup.sh installs it)", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine import make_engine, make_kv_caches
