@@ -162,8 +162,8 @@ def _read_mooncake(
             )
         if not fits and n > 0:
             raise TraceFormatError(
-                f"{where}: input_length={length} does not fit {n} block{'s' * (n != 1)} of {block_tokens} "
-                f"tokens; expected {(n - 1) * block_tokens + 1}..{n * block_tokens}"
+                f"{where}: input_length={length} does not fit {n} block{'s' * (n != 1)} of "
+                f"{block_tokens} tokens; expected {(n - 1) * block_tokens + 1}..{n * block_tokens}"
                 + (_inferred_size_hint(length, n, block_tokens) if inferred else "")
             )
         req_keys: list[OffloadKey] = []
