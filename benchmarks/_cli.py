@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 from kvtier.demo import physical_memory
 
@@ -149,6 +149,21 @@ def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+INTERRUPTED = 130
+"""The exit status after Ctrl-C: 128 + SIGINT, as a shell reports it and `kvtier` exits."""
+
+
+def run_main(main: Callable[[], int | None]) -> NoReturn:
+    """Run a script's `main()` and exit with its status. Ctrl-C ends the script with one line
+    and status 130 rather than a traceback from wherever the replay or copy loop was."""
+    try:
+        status = main()
+    except KeyboardInterrupt:
+        progress("interrupted")
+        raise SystemExit(INTERRUPTED) from None
+    raise SystemExit(status)
+
+
 @contextlib.contextmanager
 def worker_pool(jobs: int) -> Iterator[ProcessPoolExecutor]:
     """A process pool for a script's replays. Ctrl-C stops it at once: the workers ignore the
@@ -163,7 +178,7 @@ def worker_pool(jobs: int) -> Iterator[ProcessPoolExecutor]:
     except KeyboardInterrupt:
         _stop_workers(pool)
         progress("interrupted")
-        raise SystemExit(130) from None
+        raise SystemExit(INTERRUPTED) from None
     except BaseException:
         _stop_workers(pool)
         raise

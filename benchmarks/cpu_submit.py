@@ -32,7 +32,14 @@ from rich.console import Console
 from rich.table import Table
 
 from _bench import KiB, parse_case, run_burst, show_and_save
-from _cli import at_least, positive_int, require_memory, require_writable
+from _cli import (
+    at_least,
+    positive_int,
+    require_distinct,
+    require_memory,
+    require_writable,
+    run_main,
+)
 from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor, NativeCPUTransferWorker
 from kvtier.transfer.native import library, submit_extension
 
@@ -136,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=at_least(0), default=0)
     ap.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
     args = ap.parse_args(argv)
+    # Else the case's rows print twice, with the samples of different rounds.
+    require_distinct(ap, "--cases", [f"{p // KiB}x{b}" for p, b in args.cases], "case")
     for page, blocks in args.cases:
         if (args.region_mib << 20) // page < blocks:
             ap.error(f"--region-mib {args.region_mib} holds fewer than the {blocks} pages of "
@@ -172,4 +181,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

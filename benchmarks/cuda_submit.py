@@ -28,7 +28,7 @@ import torch
 from rich.table import Table
 
 from _bench import KiB, parse_case, run_burst, show_and_save
-from _cli import at_least, positive_int, progress, require_writable
+from _cli import at_least, positive_int, progress, require_distinct, require_writable, run_main
 from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor
 from kvtier.transfer.cuda_worker import CUDATransferWorker
 
@@ -119,6 +119,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="the coalesced path's batches queued on the GPU per lane")  # fmt: skip
     ap.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
     args = ap.parse_args(argv)
+    # Else the case's (or path's) rows print twice; refused before the device check.
+    require_distinct(ap, "--cases", [f"{p // KiB}x{b}" for p, b in args.cases], "case")
+    require_distinct(ap, "--paths", args.paths, "path")
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
     for page, blocks in args.cases:
@@ -149,4 +152,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -31,7 +31,7 @@ from pathlib import Path
 from rich.table import Table
 
 from _bench import show_and_save
-from _cli import positive_int, require_writable
+from _cli import positive_int, require_distinct, require_writable, run_main
 
 REPO = Path(__file__).resolve().parent.parent
 HARNESSES = REPO / "tests" / "transfer" / "c"
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
     ap.add_argument("--child", metavar="OUT", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    require_distinct(ap, "--blocks", args.blocks, "size")  # else rows print twice
     if args.child:
         Path(args.child).write_text(json.dumps(measure(args.blocks, args.jobs, args.rounds)))
         return
@@ -125,7 +126,9 @@ def main(argv: list[str] | None = None) -> None:
         child = [sys.executable, __file__, "--child", str(out), "--jobs", str(args.jobs),
                  "--rounds", str(args.rounds), "--blocks", *map(str, args.blocks)]  # fmt: skip
         # The child prints its own error; a traceback of this process would add nothing.
-        done = subprocess.run(child, check=False, env=env)
+        # In a session of its own: a terminal's Ctrl-C reaches only this process, which
+        # kills the child and says so once (the child's import would add a traceback).
+        done = subprocess.run(child, check=False, env=env, start_new_session=True)
         if done.returncode:
             ap.error(f"the measurement failed (exit status {done.returncode}); its error is above")
         rows = json.loads(out.read_text())
@@ -142,4 +145,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

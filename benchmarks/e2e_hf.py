@@ -42,7 +42,15 @@ from rich.table import Table
 
 import kvtier.integrations.hf.generator as generator_module
 from _bench import sync
-from _cli import SEED_MAX, positive_int, progress, require_writable, seed_int
+from _cli import (
+    SEED_MAX,
+    positive_int,
+    progress,
+    require_distinct,
+    require_writable,
+    run_main,
+    seed_int,
+)
 from kvtier.config import KVTierConfig
 from kvtier.demo import physical_memory
 from kvtier.integrations.hf.generator import KVTierGenerator
@@ -337,6 +345,7 @@ def main() -> None:
     if any(p < 1 or p % BS for p in prefixes):
         ap.error(f"--prefixes {args.prefixes!r} is invalid; expected comma-separated token "
                  f"counts, each a positive multiple of the block size ({BS})")  # fmt: skip
+    require_distinct(ap, "--prefixes", prefixes, "length")  # else rows print twice
     # Part 1 seeds each prefix's prompts with seed + prefix length: it must stay a torch seed.
     if args.seed + max(prefixes, default=0) > SEED_MAX:
         ap.error(f"--seed {args.seed} plus the longest of --prefixes {args.prefixes!r} is past "
@@ -415,4 +424,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

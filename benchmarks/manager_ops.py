@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,6 +28,7 @@ from _cli import (
     require_file,
     require_known,
     require_writable,
+    run_main,
 )
 from kvtier.base import LookupResult, OffloadKey, ReqContext, make_offload_key
 from kvtier.cpu import CPUOffloadingManager
@@ -211,4 +211,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -17,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from _cli import require_file, require_writable
+from _cli import require_file, require_writable, run_main
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.policies.base import CachePolicy
 from kvtier.policies.kvaware import KVAwarePolicy
@@ -135,4 +135,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

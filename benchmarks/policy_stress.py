@@ -19,7 +19,7 @@ from collections.abc import Hashable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from _cli import require_distinct, require_writable
+from _cli import require_distinct, require_writable, run_main
 from kvtier.policies import registered_policies
 from policy_hit_ratios import as_trace, replay
 
@@ -152,4 +152,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

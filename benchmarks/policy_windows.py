@@ -16,7 +16,14 @@ import argparse
 import json
 from pathlib import Path
 
-from _cli import int_list, positive_int, require_distinct, require_file, require_writable
+from _cli import (
+    int_list,
+    positive_int,
+    require_distinct,
+    require_file,
+    require_writable,
+    run_main,
+)
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.policies import registered_policies
 from kvtier.policies.base import CachePolicy
@@ -123,4 +130,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -17,7 +17,15 @@ from pathlib import Path
 
 import torch
 
-from _cli import int_list, positive_int, progress, require_memory, require_writable
+from _cli import (
+    int_list,
+    positive_int,
+    progress,
+    require_distinct,
+    require_memory,
+    require_writable,
+    run_main,
+)
 from kvtier.transfer import KVCacheRegistration, KVTensor
 
 ARRANGEMENTS = ("contiguous", "interleaved")
@@ -54,6 +62,7 @@ def main() -> None:
     p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
+    require_distinct(p, "--parts", args.parts, "count")  # else rows print twice
     # The largest tensor, before any run: else a huge --parts ends in torch's allocation
     # traceback, after the smaller ones have run.
     need = max(args.parts) * NUM_BLOCKS * WIDTH
@@ -79,4 +88,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

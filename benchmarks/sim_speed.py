@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from _cli import (
     require_file,
     require_known,
     require_writable,
+    run_main,
 )
 from kvtier.policies import registered_policies
 from kvtier.sim.readers import read_trace
@@ -124,4 +124,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -19,7 +19,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from _cli import require_file, require_writable
+from _cli import require_file, require_writable, run_main
 from kvtier.sim.readers import MOONCAKE_BLOCK_TOKENS
 
 
@@ -89,4 +89,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

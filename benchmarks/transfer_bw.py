@@ -24,7 +24,15 @@ import torch
 from rich.table import Table
 
 from _bench import KiB, show_and_save, sync
-from _cli import at_least, positive_int, progress, require_memory, require_writable
+from _cli import (
+    at_least,
+    positive_int,
+    progress,
+    require_distinct,
+    require_memory,
+    require_writable,
+    run_main,
+)
 from kvtier.transfer import (
     CPUTransferWorker,
     HostPool,
@@ -209,6 +217,10 @@ def main(argv: list[str] | None = None) -> None:
         "--pageable", action="store_true", help="leave the host pool unpinned (CUDA fallback)"
     )
     args = ap.parse_args(argv)
+    # Else the size's rows print (and are saved) twice, each pair timed at different moments.
+    require_distinct(ap, "--pages-kib", args.pages_kib, "size")
+    require_distinct(ap, "--batches", args.batches, "size")
+    require_distinct(ap, "--copy-cpus", args.copy_cpus or [], "CPU")
     if args.coalesce_depth and args.cuda_path == "torch":
         ap.error("--coalesce-depth needs the compiled path, not --cuda-path torch")
     if args.copy_cpus and args.cpu_worker == "python":
@@ -277,4 +289,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -41,6 +41,7 @@ from _cli import (
     require_file,
     require_known,
     require_writable,
+    run_main,
 )
 from kvtier.base import ReqContext
 from kvtier.cpu import CPUOffloadingManager
@@ -621,4 +622,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from _cli import progress, require_file, require_writable
+from _cli import progress, require_file, require_writable, run_main
 from kvtier.sim import read_trace
 from policy_hit_ratios import TRACE, load_trace, replay
 
@@ -168,4 +168,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from _bench import sync
-from _cli import positive_int, progress, require_memory, require_writable
+from _cli import positive_int, progress, require_memory, require_writable, run_main
 from kvtier.connector import OffloadingScheduler, OffloadingWorker, StepProgress
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor, make_transfer_worker
@@ -246,4 +246,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     np.random.seed(0)
-    main()
+    run_main(main)
