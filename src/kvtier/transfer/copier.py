@@ -78,6 +78,21 @@ class _GroupCopy:
     store_table: npt.NDArray[np.uint64]
     """Segment table of the compiled copier for stores (`native.RowCopy`); loads swap sides."""
     load_table: npt.NDArray[np.uint64]
+    storages: list[tuple[torch.UntypedStorage, int, int]]
+    """Per segment: its storage, the address the tables recorded, the bytes they reach."""
+
+    def check_storages(self) -> None:
+        """Refuse a job before raw-address copies when a registered tensor's memory was freed
+        or moved (`untyped_storage().resize_()`): torch's ops raise then, but the addresses of
+        the tables pointed into freed memory, and the copy killed the process (SIGSEGV)."""
+        for storage, address, need in self.storages:
+            have, at = storage.nbytes(), storage.data_ptr()
+            if at != address or have < need:
+                raise RuntimeError(
+                    f"a registered KV tensor's storage was freed or moved (at {at:#x} with "
+                    f"{have} bytes, expected {address:#x} with at least {need}); register the "
+                    "tensors again and build a new worker"
+                )
 
 
 class BlockCopier:
@@ -103,8 +118,15 @@ class BlockCopier:
             page = registration.page_bytes(g)
             stage_rows = stage.numel() // page
             segments = []
+            # One entry per storage (K and V of a layer share one): checked before every job.
+            storages: dict[int, tuple[torch.UntypedStorage, int, int]] = {}
             col = 0
             for seg in registration.segments(g):
+                reach = seg.offset + (seg.num_blocks - 1) * seg.stride + seg.width
+                known = storages.get(seg.storage_ptr)
+                if known is None or known[2] < reach:
+                    storage = seg.storage_view.untyped_storage()
+                    storages[seg.storage_ptr] = (storage, seg.storage_ptr, reach)
                 dev = seg.rows
                 host = _rows(host_flat, n_host, seg.width, row_bytes, col)
                 st = _rows(stage, stage_rows, seg.width, page, col)
@@ -114,7 +136,9 @@ class BlockCopier:
                 _rows(host_flat, n_host, page, row_bytes, 0),
                 _rows(stage, stage_rows, page, page, 0),
             )
-            self._groups[g] = _GroupCopy(segments, host_page, stage_page, stage_rows, *tables[g])
+            self._groups[g] = _GroupCopy(
+                segments, host_page, stage_page, stage_rows, *tables[g], list(storages.values())
+            )
 
     def run(self, job: Job, dev_idx: torch.Tensor, host_idx: torch.Tensor) -> None:
         """Copy `job`'s blocks; `dev_idx`/`host_idx` are its rows as int64 on the copy device."""
@@ -225,6 +249,7 @@ def _copy_rows(
     """Copy a job scattered on both sides: one call of the compiled row copier over the row
     indices, or one libc memmove per row and segment where it is unavailable. Both release
     the GIL, so large jobs are split across threads."""
+    g.check_storages()
     native = row_copier()
     if native is None:
         _memmove_rows(g, store, dev_rows, host_rows)

@@ -16,7 +16,7 @@ import sys
 import threading
 import warnings
 import weakref
-from typing import Protocol
+from typing import NoReturn, Protocol, SupportsIndex
 
 import numpy as np
 import torch
@@ -229,6 +229,12 @@ class HostPool:
                 self._finalizer()
         self._mmap = None
 
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        # copy.copy made a second pool over the same memory, pin and finalizer, which the
+        # first one's close() then unpinned under it; pickle failed on a bare "cannot pickle
+        # 'mmap.mmap' object".
+        raise not_copyable(self)
+
     def __repr__(self) -> str:
         return (
             f"HostPool(num_slots={self.num_slots}, slot_bytes={self.slot_bytes}, "
@@ -269,6 +275,16 @@ def _clear_cuda_error() -> None:
             return
         except (OSError, AttributeError):
             continue
+
+
+def not_copyable(obj: object) -> TypeError:
+    """The error for pickling or copying a pool or a transfer worker: each owns memory, pins or
+    threads of this process, which a copy would share (and free, or stop, under the other)."""
+    kind = type(obj).__name__
+    return TypeError(
+        f"a {kind} cannot be pickled or copied: it holds memory (a worker also threads) of "
+        f"this process, which a copy would share; create a new {kind} where one is needed"
+    )
 
 
 def _positive_int(name: str, value: object) -> int:

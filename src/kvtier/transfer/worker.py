@@ -21,13 +21,13 @@ import threading
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple, Self, TypeVar, cast
+from typing import Any, NamedTuple, NoReturn, Self, SupportsIndex, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from kvtier.base import TransferResult, checked_int
-from kvtier.transfer.host_pool import HostPool
+from kvtier.transfer.host_pool import HostPool, not_copyable
 from kvtier.transfer.plan import Direction, IdsLike, Job, JobPlanner, bool_among
 from kvtier.transfer.registration import KVCacheRegistration
 
@@ -210,6 +210,13 @@ if hasattr(os, "register_at_fork"):
 
 class TransferWorker(ABC):
     """Moves bytes between device blocks and host slots; see the module docstring."""
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        # Pickle, copy and deepcopy refused for every backend: a copy.copy shared the worker's
+        # queues, engine handle or streams, which the original's collection then stopped or
+        # freed under it (a CPU copy's jobs were never reported; a compiled copy read freed
+        # memory).
+        raise not_copyable(self)
 
     def __init__(
         self,
