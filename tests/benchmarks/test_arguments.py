@@ -137,6 +137,47 @@ CASES: list[tuple[str, list[str], list[str], str]] = [
         ["compare_managers", "compare_schedulers"],
         "--sched-offsets [2] with --sched-requests 2: the trace has 3 requests",
     ),
+    # A value given twice ran twice: its rows printed and saved twice, each timed at other
+    # moments (cuda_submit_host builds its stand-in driver with subprocess).
+    (
+        "transfer_bw",
+        ["--backend", "cpu", "--pages-kib", "4", "4"],
+        ["bench_page"],
+        "--pages-kib: [4] given twice",
+    ),
+    (
+        "transfer_bw",
+        ["--backend", "cpu", "--batches", "1", "16", "1"],
+        ["bench_page"],
+        "--batches: [1] given twice",
+    ),
+    (
+        "transfer_bw",
+        ["--backend", "cpu", "--copy-cpus", "0", "0"],
+        ["bench_page"],
+        "--copy-cpus: [0] given twice",
+    ),
+    (
+        "cpu_submit",
+        ["--cases", "64x1", "64x16", "64x1"],
+        ["bench_case"],
+        "--cases: ['64x1'] given twice",
+    ),
+    (
+        "cuda_submit",
+        ["--cases", "256x1", "256x1"],
+        ["bench_case"],
+        "--cases: ['256x1'] given twice",
+    ),
+    (
+        "cuda_submit",
+        ["--paths", "torch", "torch"],
+        ["bench_case"],
+        "--paths: ['torch'] given twice",
+    ),
+    ("cuda_submit_host", ["--blocks", "16", "16"], ["subprocess"], "--blocks: [16] given twice"),
+    ("registration_speed", ["--parts", "8,16,8"], ["seconds"], "--parts: [8] given twice"),
+    ("e2e_hf", ["--prefixes", "1024,1024"], ["make_demo_model"], "--prefixes: [1024] given twice"),
 ]
 
 
