@@ -67,6 +67,16 @@ def gate(engine: Engine) -> threading.Event:
     return opened
 
 
+def stores_held(engine: Engine) -> threading.Event:
+    """Request "a" run 3 steps with every transfer held at the gate: its stores in flight."""
+    opened = gate(engine)
+    engine.add("a", PROMPT)
+    for _ in range(3):
+        engine.step(settle=False)
+    assert engine.kvtier_worker()._jobs, "expected a's stores in flight"
+    return opened
+
+
 def kvtier_side(engine: Engine) -> Any:
     return engine.scheduler.connector.scheduler_side
 

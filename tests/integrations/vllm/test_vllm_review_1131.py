@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine import make_engine
 from test_pipeline_stages import PROMPT_A, make_pipeline, page_bytes_per_layer
 from test_pipeline_stages import stage_kv_cache_config as stage
-from test_vllm import EXTRA, PROMPT, gate, vllm_loaded
+from test_vllm import EXTRA, stores_held, vllm_loaded
 
 from helpers import interrupt_once
 
@@ -28,14 +28,10 @@ def test_ctrl_c_in_the_transfer_shutdown_is_raised_and_the_pool_stays_open(
     # The pool was closed in a `finally`: with copies still running it now refuses, and that
     # RuntimeError replaced the Ctrl-C (before the refusal, it unpinned under the copies).
     engine = make_engine("KVTierConnector", EXTRA)
-    opened = gate(engine)  # every transfer waits until the gate opens
-    engine.add("a", PROMPT)
-    for _ in range(3):
-        engine.step(settle=False)
+    opened = stores_held(engine)
     ws = engine.kvtier_worker()
     transfer = ws.transfer
     pool = transfer.pool
-    assert ws._jobs, "expected a's stores in flight"
     transfer.shutdown = interrupt_once(transfer.shutdown, "before")
     try:
         with pytest.raises(KeyboardInterrupt):
