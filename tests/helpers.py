@@ -278,6 +278,20 @@ HARNESSES = Path(__file__).parent / "transfer" / "c"
 """The C harnesses, the stand-in CUDA driver (fake_cuda.c) and worker_check.py among them."""
 
 
+FORK_WITH_A_STORE_IN_FLIGHT = """
+w, _ = fake_cuda_worker(2, 12, coalesce_depth=int(sys.argv[1]))
+w.submit_store(1, [0, 1, 2, 3], [0, 1])
+w.wait([1])
+w.submit_store(2, [4, 5], [2])  # in flight (or done, not yet reported) at the fork
+pid = os.fork()
+if pid == 0:
+    signal.alarm(20)  # a hang ends the child with SIGALRM
+"""
+"""The start of a script for `run_over_fake_cuda` (after importing os, signal, sys and
+`worker_check.fake_cuda_worker`; argv[1] the coalesce depth): a worker forks with store 2 in
+flight; the script goes on with the child's body, indented, then the parent's."""
+
+
 def run_over_fake_cuda(
     tmp_path: Path,
     child: str,

@@ -22,23 +22,18 @@ from typing import Any
 import numpy as np
 import pytest
 
-from helpers import run_over_fake_cuda
+from helpers import FORK_WITH_A_STORE_IN_FLIGHT, run_over_fake_cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-FORK_CHILD = r"""
+FORK_CHILD = (
+    r"""
 import gc, os, signal, sys
 
 from worker_check import fake_cuda_worker
-
-w, _ = fake_cuda_worker(2, 12, coalesce_depth=int(sys.argv[1]))
-w.submit_store(1, [0, 1, 2, 3], [0, 1])
-w.wait([1])
-w.submit_store(2, [4, 5], [2])  # in flight (or done, not yet reported) at the fork
-pid = os.fork()
-if pid == 0:
-    signal.alarm(20)  # a hang ends the child with SIGALRM
-    seen = []
+"""
+    + FORK_WITH_A_STORE_IN_FLIGHT
+    + r"""    seen = []
     try:
         w.wait([2])
         seen.append("wait returned")
@@ -61,6 +56,7 @@ got = [(r.job_id, r.success) for r in w.get_finished()]
 w.shutdown()
 print("parent", got, flush=True)
 """
+)
 
 
 @pytest.mark.parametrize("depth", [0, 2])

@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import gpu_cuda_worker, run_over_fake_cuda
+from helpers import FORK_WITH_A_STORE_IN_FLIGHT, gpu_cuda_worker, run_over_fake_cuda
 from kvtier.base import TransferResult
 from kvtier.transfer import HostPool, KVCacheRegistration, cuda_worker
 from kvtier.transfer.cuda_worker import CUDATransferWorker
@@ -96,19 +96,14 @@ CUresult cuCtxGetCurrent(void **ctx) {
 }
 """
 
-FORKED_GET_FINISHED = r"""
+FORKED_GET_FINISHED = (
+    r"""
 import os, signal, sys
 
 from worker_check import FAKE, fake_cuda_worker
-
-w, _ = fake_cuda_worker(2, 12, coalesce_depth=int(sys.argv[1]))
-w.submit_store(1, [0, 1, 2, 3], [0, 1])
-w.wait([1])
-w.submit_store(2, [4, 5], [2])  # in flight (or done, not yet reported) at the fork
-pid = os.fork()
-if pid == 0:
-    signal.alarm(20)  # a hang ends the child with SIGALRM
-    try:
+"""
+    + FORK_WITH_A_STORE_IN_FLIGHT
+    + r"""    try:
         seen = ("returned", [r.job_id for r in w.get_finished()])
     except RuntimeError as exc:
         seen = ("refused", "forked" in str(exc))
@@ -121,6 +116,7 @@ w.wait([2])
 print("parent", [(r.job_id, r.success) for r in w.get_finished()], flush=True)
 w.shutdown()
 """
+)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
