@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtier.base import TransferResult
 from kvtier.connector import OffloadingScheduler, OffloadingWorker, StepMetadata, StepProgress
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor, make_transfer_worker
@@ -30,6 +31,30 @@ def block_hashes(name: str, num_blocks: int, head: list[bytes] | None = None) ->
         parent = hashlib.sha256(parent + name.encode() + i.to_bytes(4, "big")).digest()
         out.append(parent)
     return out
+
+
+def sent_load(num_workers: int) -> tuple[CPUOffloadingManager, OffloadingScheduler, int]:
+    """A manager and scheduler with two stored chunks: request b's load of one (sent, its job id
+    returned) and c's of the other (planned, not sent)."""
+    m = CPUOffloadingManager(8)
+    s = OffloadingScheduler(m, tokens_per_block=TOKENS_PER_BLOCK, num_workers=num_workers)
+    a, c = block_hashes("a", 3), block_hashes("c", 2)
+    for rid, hashes, blocks in (("a0", a, [0, 1]), ("c0", c, [2, 3])):
+        s.add_request(rid, hashes[:1], TOKENS_PER_BLOCK + 1)
+        assert s.get_num_new_matched_tokens(rid, 0) == 0
+        s.update_state_after_alloc(rid, [blocks], 0)
+        (store,) = s.build_step_metadata([StepProgress(rid, [blocks], TOKENS_PER_BLOCK)]).stores
+        for i in range(num_workers):
+            s.on_worker_results([TransferResult(store.job_id, True)], worker=i)
+    s.add_request("b", a, 3 * TOKENS_PER_BLOCK + 1)
+    assert s.get_num_new_matched_tokens("b", 0) == TOKENS_PER_BLOCK
+    s.update_state_after_alloc("b", [[4, 5, 6, 7]], TOKENS_PER_BLOCK)
+    (load,) = s.build_step_metadata().loads
+    s.add_request("c", c, 2 * TOKENS_PER_BLOCK + 1)
+    assert s.get_num_new_matched_tokens("c", 0) == TOKENS_PER_BLOCK
+    s.update_state_after_alloc("c", [[8, 9, 10]], TOKENS_PER_BLOCK)
+    assert m.get_stats().pinned == 2
+    return m, s, load.job_id
 
 
 def kv_pattern(block_hash: bytes) -> torch.Tensor:

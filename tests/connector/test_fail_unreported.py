@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_sim import BLOCK_SHAPE, block_hashes
+from engine_sim import BLOCK_SHAPE, block_hashes, sent_load
 from kvtier.base import LookupResult, ReqContext, TransferResult, make_offload_key
 from kvtier.connector import OffloadingScheduler, OffloadingWorker, StepProgress
 from kvtier.cpu import CPUOffloadingManager
@@ -63,31 +63,8 @@ def test_results_lost_to_an_interrupt_are_recovered_with_the_real_worker() -> No
         transfer.shutdown()
 
 
-def _sent_load(num_workers: int) -> tuple[CPUOffloadingManager, OffloadingScheduler, int]:
-    """Two stored chunks; a load of one of them (sent) and of the other (planned, not sent)."""
-    m = CPUOffloadingManager(8)
-    s = OffloadingScheduler(m, tokens_per_block=TPB, num_workers=num_workers)
-    a, c = block_hashes("a", 3), block_hashes("c", 2)
-    for rid, hashes, blocks in (("a0", a, [0, 1]), ("c0", c, [2, 3])):
-        s.add_request(rid, hashes[:1], TPB + 1)
-        assert s.get_num_new_matched_tokens(rid, 0) == 0
-        s.update_state_after_alloc(rid, [blocks], 0)
-        (store,) = s.build_step_metadata([StepProgress(rid, [blocks], TPB)]).stores
-        for i in range(num_workers):
-            s.on_worker_results([TransferResult(store.job_id, True)], worker=i)
-    s.add_request("b", a, 3 * TPB + 1)
-    assert s.get_num_new_matched_tokens("b", 0) == TPB
-    s.update_state_after_alloc("b", [[4, 5, 6, 7]], TPB)
-    (load,) = s.build_step_metadata().loads
-    s.add_request("c", c, 2 * TPB + 1)
-    assert s.get_num_new_matched_tokens("c", 0) == TPB
-    s.update_state_after_alloc("c", [[8, 9, 10]], TPB)
-    assert m.get_stats().pinned == 2
-    return m, s, load.job_id
-
-
 def test_one_worker_of_two_gone_fails_the_job_it_owed_and_spares_unsent_jobs() -> None:
-    m, s, load_id = _sent_load(2)
+    m, s, load_id = sent_load(2)
     s.on_worker_results([TransferResult(load_id, True)], worker=1)
     assert s.fail_unreported(1) == []  # worker 1 owes nothing that was sent
     assert m.get_stats().pinned == 2
@@ -105,7 +82,7 @@ def test_one_worker_of_two_gone_fails_the_job_it_owed_and_spares_unsent_jobs() -
 
 
 def test_naming_a_worker_needs_named_reports_and_a_valid_index() -> None:
-    m, s, load_id = _sent_load(2)
+    m, s, load_id = sent_load(2)
     s.on_worker_results([TransferResult(load_id, True)])  # no worker named
     with pytest.raises(ValueError, match=f"job {load_id} has reports that named no worker"):
         s.fail_unreported(0)

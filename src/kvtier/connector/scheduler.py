@@ -17,6 +17,7 @@ correct live here:
 from __future__ import annotations
 
 import logging
+import math
 import operator
 import reprlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -165,6 +166,29 @@ def _group_ids(groups: object) -> tuple[int, ...]:
             if ids and len(set(ids)) == len(ids):
                 return tuple(ids)
     raise ValueError(f"groups={groups!r} is invalid; {why}")
+
+
+def _check_result(r: TransferResult) -> None:
+    """Refuses a report whose fields would be misread. A dataclass checks no types: a worker
+    (or a deserializer) that gave `success="False"` had a failed load served as good data, as
+    the string is true; negative or NaN figures corrupted the byte and time totals."""
+    if not isinstance(r.success, (bool, np.bool_)):
+        raise ValueError(
+            f"worker result for job {r.job_id!r} has success={r.success!r}; expected a bool"
+        )
+    b, t = r.bytes, r.seconds
+    if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 0:
+        raise ValueError(
+            f"worker result for job {r.job_id!r} has bytes={b!r}; expected an int >= 0"
+        )
+    if (
+        isinstance(t, bool)
+        or not isinstance(t, (int, float, np.integer, np.floating))
+        or not (0 <= t < math.inf)
+    ):
+        raise ValueError(
+            f"worker result for job {r.job_id!r} has seconds={t!r}; expected a finite number >= 0"
+        )
 
 
 @contextmanager
@@ -684,6 +708,7 @@ class OffloadingScheduler:
                     f"worker result {reprlib.repr(r)} is a {type(r).__name__}; expected a "
                     "TransferResult(job_id, success, bytes, seconds)"
                 )
+            _check_result(r)
             job = self._jobs.get(r.job_id)
             if job is None or not job.sent:
                 unsent = "" if job is None else " (no StepMetadata has sent it to a worker yet)"
