@@ -8,6 +8,17 @@ See docs/transfer.md. Typical use::
     worker.submit_store(job_id, device_blocks, slots)
 """
 
+try:
+    import torch  # noqa: F401
+except ModuleNotFoundError as e:
+    if e.name != "torch":
+        raise
+    # The scheduler side installs without torch (README); this said only "No module named
+    # 'torch'" from deep inside cpu_worker, not which extra brings it.
+    raise ModuleNotFoundError(
+        "kvtier.transfer (the worker side) needs torch: pip install 'kvtier[torch]'", name="torch"
+    ) from e
+
 from kvtier.transfer.cpu_worker import CPUTransferWorker
 from kvtier.transfer.factory import make_transfer_worker
 from kvtier.transfer.host_pool import HostPool
