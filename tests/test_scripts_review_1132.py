@@ -69,7 +69,7 @@ def test_vllms_dependencies_are_installed_where_vllm_already_imports(
     calls = log.read_text().splitlines()
     assert "-m pip install -q --no-deps vllm==0.33.0" not in calls
     assert "-m pip install -q -r requirements/vllm033-cpu.txt" in calls
-    assert "-m pip install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi" in calls
+    assert "-m pip install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2" in calls
 
 
 def test_an_environment_whose_python_is_gone_is_a_clear_error(tmp_path: Path) -> None:
