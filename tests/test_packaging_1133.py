@@ -4,11 +4,14 @@ where pip puts it, not only from this checkout's `src`."""
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -100,3 +103,26 @@ def test_the_installed_wheel_compiles_its_library_and_runs_the_cli(
     )
     assert cli.returncode == 0, cli.stderr
     assert "kvaware" in cli.stdout and "lru" in cli.stdout
+
+
+def test_every_extra_installs_something_the_package_imports() -> None:
+    """An extra is a promise of a feature: `kvtier[redis]` installed redis for a remote tier
+    that does not exist."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    imported = set()
+    for path in (ROOT / "src" / "kvtier").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                imported.add(node.module.split(".")[0])
+    unused = {}
+    for extra, requirements in extras.items():
+        if extra == "dev":  # the checks' tools, not the package's
+            continue
+        names = {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].replace("-", "_") for r in requirements}
+        if not names & imported:
+            unused[extra] = sorted(names)
+    assert unused == {}
