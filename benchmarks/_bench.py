@@ -17,6 +17,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from _cli import write_results
 from kvtier.base import TransferResult
 from kvtier.transfer import TransferWorker
 
@@ -91,5 +92,5 @@ def show_and_save(table: Table, rows: list[dict[str, object]], json_path: str | 
     """Print `table`; write `rows` as a JSON list to `json_path` if given."""
     Console().print(table)
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(rows, f, indent=1)
+        # Serialised first: a row that does not serialise leaves no file half-written.
+        write_results(json_path, json.dumps(rows, indent=1))

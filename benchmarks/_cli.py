@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import NoReturn, TypeVar
 
 from kvtier.demo import physical_memory
+from kvtier.outputs import atomic_write
 
 
 def at_least(low: int) -> Callable[[str], int]:
@@ -108,6 +109,13 @@ def require_writable(
         parser.error(f"{option} {str(path)!r}: cannot write there ({e.strerror or e})")
     if not existed:
         p.unlink()
+
+
+def write_results(path: Path | str, text: str) -> None:
+    """Write `text` to `path` whole or not at all: Ctrl-C or a full disk while writing leaves
+    an earlier file of that name as it was, not truncated (see `kvtier.outputs.atomic_write`)."""
+    with atomic_write(path) as f:
+        f.write(text)
 
 
 def require_known(

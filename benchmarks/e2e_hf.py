@@ -50,6 +50,7 @@ from _cli import (
     require_writable,
     run_main,
     seed_int,
+    write_results,
 )
 from kvtier.config import KVTierConfig
 from kvtier.demo import physical_memory
@@ -419,8 +420,7 @@ def main() -> None:
             "prefix": rows,
             "fresh": fresh,
         }
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
+        write_results(args.json, json.dumps(doc, indent=2))
 
 
 if __name__ == "__main__":

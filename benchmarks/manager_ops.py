@@ -29,6 +29,7 @@ from _cli import (
     require_known,
     require_writable,
     run_main,
+    write_results,
 )
 from kvtier.base import LookupResult, OffloadKey, ReqContext, make_offload_key
 from kvtier.cpu import CPUOffloadingManager
@@ -206,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2))
+        write_results(args.json, json.dumps(rows, indent=2))
     return 0
 
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypedDict
 
-from _cli import progress, require_distinct, require_writable, worker_pool
+from _cli import progress, require_distinct, require_writable, worker_pool, write_results
 from kvtier.policies import registered_policies
 from policy_hit_ratios import FRACTIONS, as_trace, replay
 from policy_stress import ChainIds
@@ -301,7 +301,7 @@ def main() -> None:
             f"{sum(gaps) / len(gaps):>+8.2f}"
         )
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        write_results(args.json, json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _cli import progress, require_file, require_writable, worker_pool
+from _cli import progress, require_file, require_writable, worker_pool, write_results
 from kvtier.base import OffloadKey, make_offload_key
 from kvtier.policies import registered_policies
 from kvtier.sim import make_manager, read_trace, replay_engine, replay_flat
@@ -274,7 +274,7 @@ def main() -> None:
             results["kvaware_minus_lru"] = {f"{w}@{f:.0%}": g for (w, f), g in gaps.items()}
     print(f"\nreplays: {seconds:.0f} s with {args.jobs} jobs")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        write_results(args.json, json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

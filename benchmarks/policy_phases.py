@@ -17,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from _cli import require_file, require_writable, run_main
+from _cli import require_file, require_writable, run_main, write_results
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.policies.base import CachePolicy
 from kvtier.policies.kvaware import KVAwarePolicy
@@ -131,7 +131,7 @@ def main() -> None:
         rows.append({"policy": name, **dict(zip(keys, ratios, strict=True))})
         print(f"{name:46} " + " ".join(f"{100 * x:8.2f}" for x in ratios), flush=True)
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        write_results(args.json, json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":

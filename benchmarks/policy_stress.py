@@ -19,7 +19,7 @@ from collections.abc import Hashable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from _cli import require_distinct, require_writable, run_main
+from _cli import require_distinct, require_writable, run_main, write_results
 from kvtier.policies import registered_policies
 from policy_hit_ratios import as_trace, replay
 
@@ -148,7 +148,7 @@ def main() -> None:
             f"{sum(gaps) / len(gaps):+.2f}"
         )
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        write_results(args.json, json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":

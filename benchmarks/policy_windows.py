@@ -23,6 +23,7 @@ from _cli import (
     require_file,
     require_writable,
     run_main,
+    write_results,
 )
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.policies import registered_policies
@@ -126,7 +127,7 @@ def main() -> None:
             f"{sum(gaps) / max(1, len(gaps)):+.2f}"
         )
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        write_results(args.json, json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":

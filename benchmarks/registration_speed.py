@@ -25,6 +25,7 @@ from _cli import (
     require_memory,
     require_writable,
     run_main,
+    write_results,
 )
 from kvtier.transfer import KVCacheRegistration, KVTensor
 
@@ -84,7 +85,7 @@ def main() -> None:
         rows = [{"parts": parts, "arrangement": arrangement, "seconds": times,
                  "median_seconds": statistics.median(times)}
                 for parts, arrangement, times in results]  # fmt: skip
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        write_results(args.json, json.dumps(rows, indent=2) + "\n")
 
 
 if __name__ == "__main__":

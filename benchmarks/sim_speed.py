@@ -23,6 +23,7 @@ from _cli import (
     require_known,
     require_writable,
     run_main,
+    write_results,
 )
 from kvtier.policies import registered_policies
 from kvtier.sim.readers import read_trace
@@ -119,7 +120,7 @@ def main() -> int:
     )
     print(f"{parallel_s:.1f} s over {args.jobs} processes ({serial_s / parallel_s:.2f}x)")
     if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_results(args.json, json.dumps(result, indent=2) + "\n")
     return 0
 
 

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from _cli import require_file, require_writable, run_main
+from kvtier.outputs import atomic_write
 from kvtier.sim.readers import MOONCAKE_BLOCK_TOKENS
 
 
@@ -70,22 +71,23 @@ def main() -> None:
     parser.add_argument("dst", type=Path, help="where to write the finer trace")
     parser.add_argument("--tokens", type=int, default=16, help="tokens per block (default 16)")
     args = parser.parse_args()
-    # Checked before `dst` is opened, which empties it.
+    # Checked before any line is read.
     if args.tokens < 1 or MOONCAKE_BLOCK_TOKENS % args.tokens:
         parser.error(f"--tokens {args.tokens} is invalid; expected a divisor of 512")
     require_file(parser, "src", args.src)
-    # Also a hard link to src, which resolve() does not see: opening dst empties both.
+    # Also a hard link to src, which resolve() does not see: the split would replace it.
     require_writable(parser, args.dst, "dst", inputs=[args.src])
+    # Whole or not at all: a bad line, Ctrl-C or a full disk midway leaves no partial trace,
+    # and an earlier file named `dst` as it was (it was emptied, then deleted).
     try:
-        out = args.dst.open("w")
-    except OSError as e:
-        parser.error(f"dst {str(args.dst)!r}: cannot write there ({e.strerror or e})")
-    try:
-        with out:
+        with atomic_write(args.dst) as out:
             out.writelines(split_trace(args.src, args.tokens))
     except ValueError as e:
-        args.dst.unlink()  # a partial rewrite is no trace to replay
         parser.error(f"src: {e}")
+    except OSError as e:
+        if e.filename is not None and str(e.filename) == str(args.src):
+            parser.error(f"src {str(args.src)!r}: cannot read it ({e.strerror or e})")
+        parser.error(f"dst {str(args.dst)!r}: cannot write there ({e.strerror or e})")
 
 
 if __name__ == "__main__":

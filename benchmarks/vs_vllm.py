@@ -42,6 +42,7 @@ from _cli import (
     require_known,
     require_writable,
     run_main,
+    write_results,
 )
 from kvtier.base import ReqContext
 from kvtier.cpu import CPUOffloadingManager
@@ -617,7 +618,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["scheduler_by_policy"] = by_policy
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+        write_results(args.json, json.dumps(result, indent=2))
     return 0
 
 

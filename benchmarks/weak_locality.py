@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from _cli import progress, require_file, require_writable, run_main
+from _cli import progress, require_file, require_writable, run_main, write_results
 from kvtier.sim import read_trace
 from policy_hit_ratios import TRACE, load_trace, replay
 
@@ -164,7 +164,7 @@ def main() -> None:
     for name, values in rows.items():
         print(f"{name:<10}" + "".join(f"{v:>10.2f}" for v in values))
     if args.json:
-        args.json.write_text(json.dumps({"capacities": caps, "hit_ratio": rows}, indent=2))
+        write_results(args.json, json.dumps({"capacities": caps, "hit_ratio": rows}, indent=2))
 
 
 if __name__ == "__main__":

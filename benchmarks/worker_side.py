@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from _bench import sync
-from _cli import positive_int, progress, require_memory, require_writable, run_main
+from _cli import positive_int, progress, require_memory, require_writable, run_main, write_results
 from kvtier.connector import OffloadingScheduler, OffloadingWorker, StepProgress
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor, make_transfer_worker
@@ -240,8 +240,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"{g:.2f}", f"{c:.2f}", f"{g / c:.0%}")  # fmt: skip
     Console().print(table)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_results(args.json, json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

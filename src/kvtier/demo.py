@@ -683,6 +683,7 @@ def _verdict(r: DemoResult) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run `kvtier demo`; 0 when outputs are identical, 1 when not, 2 on bad input."""
     from kvtier.cli import STDOUT, OutputError, print_rich, writing_stdout
+    from kvtier.outputs import atomic_write
 
     opts = DemoOptions(
         conversations=args.conversations,
@@ -754,7 +755,10 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
         else:
             try:
-                Path(json_name).write_text(document)
+                # Whole or not at all: a full disk left a truncated file in place of an earlier
+                # good one.
+                with atomic_write(json_name) as f:
+                    f.write(document)
             except OSError as e:
                 raise OutputError(f"--json file {json_name!r}", e) from e
     if stdout_failed is not None:

@@ -28,6 +28,7 @@ from rich.progress import (
 from rich.table import Table
 
 from kvtier.cli import STDOUT, OutputError, print_rich, writing_stdout
+from kvtier.outputs import atomic_write
 from kvtier.policies import get_policy_cls, registered_policies
 from kvtier.sim.advise import Advice, advise
 from kvtier.sim.readers import FORMATS, read_trace
@@ -297,7 +298,9 @@ def _open_out(flag: str, name: str) -> Iterator[IO[str]]:
             sys.stdout.flush()  # fail here, where the output is known, not at exit
         return
     try:
-        with open(name, "w", encoding="utf-8", newline="") as f:
+        # Whole or not at all: an interrupted run or a full disk left a truncated file in
+        # place of an earlier good one.
+        with atomic_write(name, newline="") as f:
             yield f
     except OSError as e:
         raise OutputError(f"{flag} file {name!r}", e) from e

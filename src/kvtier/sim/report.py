@@ -12,6 +12,7 @@ from rich.cells import cell_len
 from rich.markup import escape
 from rich.table import Table
 
+from kvtier.outputs import atomic_write
 from kvtier.sim.advise import Advice
 from kvtier.sim.result import RunResult
 from kvtier.sim.shapes import ModelShape
@@ -206,5 +207,7 @@ def plot_miss_ratio(results: Sequence[RunResult], path: str | Path, *, title: st
     # policy spec may (`_mine:Fifo`), and that policy's line was drawn unnamed.
     ax.legend(lines, [line.get_label() for line in lines])
     fig.tight_layout()
-    # The canvas for `fmt` is picked per call: no backend is set for the process.
-    fig.savefig(path, dpi=120, format=fmt)
+    # The canvas for `fmt` is picked per call: no backend is set for the process. Saved
+    # through a file, so that a failed save leaves an earlier plot of that name whole.
+    with atomic_write(path, binary=True) as f:
+        fig.savefig(f, dpi=120, format=fmt)
