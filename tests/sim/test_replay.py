@@ -208,7 +208,11 @@ def test_a_tier_beyond_the_unique_blocks_behaves_as_one_of_that_size(
 
     exact = replay(unique)
     assert _counters(replay(3 * unique)) == _counters(exact) and exact.evictions == 0
-    opts = ReplayOptions(mode=mode, store_threshold=threshold, device_blocks=3, store_on="on-evict")
+    # Flat mode has no device, so it takes no device setting (ReplayOptions refuses one).
+    device, store_on = (3, "on-evict") if mode == "engine" else (0, "eager")
+    opts = ReplayOptions(
+        mode=mode, store_threshold=threshold, device_blocks=device, store_on=store_on
+    )
     huge = run_one(trace, policy_name, 10**20, opts)  # would allocate 10**20 slots unsized
     assert _counters(huge) == _counters(exact)
     assert (huge.capacity_blocks, huge.capacity_frac) == (10**20, 10**20 / unique)

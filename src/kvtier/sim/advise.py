@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Real
 from typing import Final
 
-from kvtier.sim.runner import ReplayOptions, run_named
+from kvtier.base import checked_int
+from kvtier.sim.runner import ReplayOptions, check_inputs, check_policy, run_named
 from kvtier.sim.trace import Trace
 
 _REL_TOL: Final = 1e-12
@@ -44,11 +46,18 @@ def advise(
     provably, otherwise: LRU storing on device eviction or admitting on reuse can hit a few
     blocks less with more room. The answer is exact to within `resolution` blocks, rounded up.
     """
-    if resolution < 1:
-        raise ValueError(f"resolution={resolution} is invalid; expected >= 1 block")
+    # A float (2.5) bisected to a fraction of a block, a str failed deep in the search.
+    resolution = checked_int("resolution", resolution)
+    # A hit ratio lies in 0..1: NaN was never reached (answered "never"), a negative target
+    # always (1 block), each without a word.
+    if not (isinstance(target, Real) and not isinstance(target, bool) and 0 <= target <= 1):
+        raise ValueError(f"target={target!r} is invalid; expected a block hit ratio from 0 to 1")
     if policy == "infinite":
         # It ignores the capacity (a slot per block), so any search would answer 1 block.
         raise ValueError("policy='infinite' is the target, not a policy to size")
+    # Before the first replay, which would wrap a misspelt name in a `ReplayError`.
+    check_inputs(trace, opts)
+    check_policy(policy, opts)
     unique = max(1, trace.num_unique_blocks)
     replays = 0
     seen: dict[int, float] = {}

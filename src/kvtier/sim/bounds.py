@@ -18,9 +18,9 @@ import time
 from collections.abc import Hashable, Sequence
 
 from kvtier.base import OffloadKey, checked_int
-from kvtier.sim.replay import STORE_ON, DevicePrefixCache
+from kvtier.sim.replay import STORE_ON, DevicePrefixCache, check_device_options
 from kvtier.sim.result import RunResult
-from kvtier.sim.trace import Trace
+from kvtier.sim.trace import Trace, check_replayable
 
 
 def belady(stream: Sequence[Hashable], capacity: int) -> tuple[bytearray, int, int]:
@@ -100,12 +100,14 @@ def opt_result(
     if store_on not in STORE_ON:
         # Before the check below, which would call a misspelling a valid, unsupported choice.
         raise ValueError(f"store_on={store_on!r} is invalid; expected one of: {STORE_ON}")
+    check_device_options(mode, device_blocks, store_on)
     if mode == "engine" and store_on != "eager":
         raise ValueError(
             "opt is exact only where every miss may be stored at once (flat, or engine with "
             f"eager stores); store_on={store_on!r} is not supported"
         )
     capacity = checked_int("capacity", capacity)  # before the row reports it
+    check_replayable(trace)
     start = time.perf_counter()
     reqs = trace.requests
     dev = device_prefix_hits(trace, device_blocks) if mode == "engine" else [0] * len(reqs)

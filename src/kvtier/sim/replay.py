@@ -26,6 +26,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Final
 
+from kvtier.admission import AlwaysAdmit, ReuseAdmission
 from kvtier.base import LookupResult, ManagerStats, OffloadKey, ReqContext, checked_int
 from kvtier.cpu.manager import CPUOffloadingManager
 from kvtier.sim.result import RunResult
@@ -41,6 +42,31 @@ ProgressFn = Callable[[int], None]
 """Called now and then with the number of requests replayed since the last call."""
 
 _PROGRESS_EVERY: Final = 256
+
+
+def check_device_options(mode: str, device_blocks: object, store_on: object) -> None:
+    """Refuse a device cache (`device_blocks`, `store_on`) outside engine mode.
+
+    `kvtier simulate` refuses `--device-capacity` and `--store` without `--mode engine`; the
+    API ignored them, and reported a flat replay as if a device were in front. The defaults
+    (no device, eager stores) describe flat mode exactly, so they pass.
+    """
+    if mode == "engine":
+        return
+    given = [
+        f"{name}={value!r}"
+        for name, value, flat in (
+            ("device_blocks", device_blocks, 0),
+            ("store_on", store_on, "eager"),
+        )
+        if isinstance(value, bool) or value != flat
+    ]
+    if given:
+        verb = "apply" if len(given) > 1 else "applies"
+        raise ValueError(
+            f"{' and '.join(given)} {verb} only to mode='engine', not mode={mode!r}; expected "
+            "mode='engine', or the defaults (device_blocks=0, store_on='eager')"
+        )
 
 
 class DevicePrefixCache:
@@ -86,6 +112,35 @@ def make_manager(
     return CPUOffloadingManager(
         capacity, policy, store_threshold=store_threshold, max_tracker_size=max_tracker_size
     )
+
+
+def _row_threshold(mgr: CPUOffloadingManager, given: int | None) -> int:
+    """The store threshold a replay's row reports: the manager's own (its reuse admission's,
+    else 0); `given`, if set, must agree. The row reported `given` whatever the manager did:
+    0 for a manager admitting on the third sighting, 2 for one admitting every block."""
+    admission = mgr.admission
+    own = admission.store_threshold if isinstance(admission, ReuseAdmission) else 0
+    if given is None:
+        return own
+    given = checked_int("store_threshold", given, minimum=0)
+    built_in = isinstance(admission, (AlwaysAdmit, ReuseAdmission))
+    # Below 2 every threshold admits every block, as AlwaysAdmit does.
+    if built_in and max(given, 1) != max(own, 1):
+        raise ValueError(
+            f"store_threshold={given} does not match the manager's admission "
+            f"({type(admission).__name__}, threshold {own}); expected {own}, or None to report "
+            "the manager's"
+        )
+    return given
+
+
+def _check_manager(mgr: object) -> None:
+    if not isinstance(mgr, CPUOffloadingManager):
+        # Else "'NoneType' object has no attribute 'touch'" from the first hit.
+        raise TypeError(
+            f"mgr={mgr!r:.80} has type {type(mgr).__name__}; expected a CPUOffloadingManager "
+            "(make_manager(policy, capacity) makes one)"
+        )
 
 
 def _check_hits_as(hits_as: str) -> bool:
@@ -213,16 +268,19 @@ def replay_flat(
     mgr: CPUOffloadingManager,
     *,
     policy: str = "",
-    store_threshold: int = 0,
+    store_threshold: int | None = None,
     hits_as: str = "touch",
     progress: ProgressFn | None = None,
 ) -> RunResult:
     """Replay every block access of `trace` through `mgr` (the textbook simulation).
 
     `trace` may be a `Trace` or any iterable of requests, such as `iter_trace(path)`, which is
-    then streamed.
+    then streamed. The row's `store_threshold` is that of `mgr`'s admission; one given must
+    agree with it.
     """
+    _check_manager(mgr)
     record_hit = _hit_recorder(mgr, _check_hits_as(hits_as))
+    threshold = _row_threshold(mgr, store_threshold)
     store_one = _store_one(mgr)
     hit_result = LookupResult.HIT
     lookup = mgr.lookup
@@ -257,7 +315,7 @@ def replay_flat(
         before=before,
         policy=policy or mgr.policy.name,
         mode="flat",
-        store_threshold=store_threshold,
+        store_threshold=threshold,
         hits=hits,
         prefix_tokens=prefix_tokens,
         saved=prefix_tokens,
@@ -274,17 +332,20 @@ def replay_engine(
     device_blocks: int,
     store_on: str = "eager",
     policy: str = "",
-    store_threshold: int = 0,
+    store_threshold: int | None = None,
     hits_as: str = "load",
     progress: ProgressFn | None = None,
 ) -> RunResult:
     """Replay `trace` with a device prefix cache of `device_blocks` blocks in front of `mgr`.
 
-    `trace` may be a `Trace` or any iterable of requests, which is then streamed.
+    `trace` may be a `Trace` or any iterable of requests, which is then streamed. The row's
+    `store_threshold` is that of `mgr`'s admission; one given must agree with it.
     """
     if store_on not in STORE_ON:
         raise ValueError(f"store_on={store_on!r} is invalid; expected one of: {STORE_ON}")
+    _check_manager(mgr)
     record_hit = _hit_recorder(mgr, _check_hits_as(hits_as))
+    threshold = _row_threshold(mgr, store_threshold)
     store_one = _store_one(mgr)
     eager = store_on == "eager"
     device = DevicePrefixCache(device_blocks)
@@ -333,7 +394,7 @@ def replay_engine(
         before=before,
         policy=policy or mgr.policy.name,
         mode="engine",
-        store_threshold=store_threshold,
+        store_threshold=threshold,
         hits=hits + device_hits,
         prefix_tokens=prefix_tokens,
         saved=saved,

@@ -22,17 +22,19 @@ from types import FrameType
 from typing import Any, Final, SupportsIndex, TypeVar
 
 from kvtier.base import checked_int
+from kvtier.policies import get_policy_cls
 from kvtier.sim.bounds import opt_result
 from kvtier.sim.replay import (
     HIT_ACTIONS,
     STORE_ON,
     ProgressFn,
+    check_device_options,
     make_manager,
     replay_engine,
     replay_flat,
 )
 from kvtier.sim.result import RunResult
-from kvtier.sim.trace import Trace
+from kvtier.sim.trace import Trace, check_replayable
 
 BOUNDS: Final = {
     "opt": "Belady's optimum: offline, reads the future; an upper bound on block hit ratio",
@@ -83,6 +85,7 @@ class ReplayOptions:
             raise ValueError(f"store_on={self.store_on!r} is invalid; expected one of: {STORE_ON}")
         checked_int("store_threshold", self.store_threshold, minimum=0)
         checked_int("device_blocks", self.device_blocks, minimum=0)
+        check_device_options(self.mode, self.device_blocks, self.store_on)
         checked_int("max_tracker_size", self.max_tracker_size)
         per_slot = self.tracker_per_slot
         # NaN fails the comparison too; 0 or less would silently become a 1-key tracker.
@@ -92,11 +95,48 @@ class ReplayOptions:
             raise ValueError(
                 f"tracker_per_slot={per_slot!r} is invalid; expected a number of keys per slot > 0"
             )
+        if self.store_threshold < 2:
+            # Only reuse admission has a tracker; a bound given without it was ignored, and
+            # the row showed no tracker where the caller meant one (the CLI refuses it too).
+            given = [
+                f"{name}={value!r}"
+                for name, value, unset in (
+                    ("max_tracker_size", self.max_tracker_size, 64_000),
+                    ("tracker_per_slot", per_slot, None),
+                )
+                if value != unset
+            ]
+            if given:
+                raise ValueError(
+                    f"{' and '.join(given)} has no effect with store_threshold="
+                    f"{self.store_threshold}; expected store_threshold=2 or more (reuse "
+                    "admission), or the defaults (max_tracker_size=64000, tracker_per_slot=None)"
+                )
 
     @property
     def hit_action(self) -> str:
         """How a CPU hit is recorded: `hits_as`, else the mode's default."""
         return self.hits_as or ("touch" if self.mode == "flat" else "load")
+
+
+def check_inputs(trace: object, opts: object) -> None:
+    """Refuse a trace and options no replay can use, before any replay starts."""
+    check_replayable(trace)
+    if not isinstance(opts, ReplayOptions):
+        raise TypeError(f"opts={opts!r:.80} has type {type(opts).__name__}; expected ReplayOptions")
+
+
+def check_policy(policy: object, opts: ReplayOptions) -> None:
+    """Refuse a policy no replay can run (a misspelt name, opt where it is not exact), so that
+    a grid fails before its first replay rather than after all that precede it."""
+    if isinstance(policy, str) and policy in BOUNDS:
+        if policy == "opt" and opts.mode == "engine" and opts.store_on != "eager":
+            raise ValueError(
+                "policy 'opt' is exact only where every miss may be stored at once (flat, or "
+                f"engine with eager stores); store_on={opts.store_on!r} is not supported"
+            )
+        return
+    get_policy_cls(policy)  # type: ignore[arg-type]  # it names what is wrong with any value
 
 
 def run_one(
@@ -107,6 +147,7 @@ def run_one(
     progress: ProgressFn | None = None,
 ) -> RunResult:
     """One replay: a registered cache policy, `"opt"`, or `"infinite"` at `capacity` blocks."""
+    check_inputs(trace, opts)
     # A plain int: a numpy count reached the row as given (where it outgrew the trace, and
     # always for opt), which json.dump refuses; a float was replayed rounded up as OPT's.
     capacity = _checked_capacity(policy, capacity)
@@ -388,11 +429,22 @@ def run_grid(
 
     With `jobs > 1` the runs are spread over forked worker processes and `progress` hears of
     each run when it finishes; otherwise it hears of requests as they are replayed. A run that
-    raises ends the grid with a `ReplayError` naming it; a capacity that is not an int of
-    blocks (a bool, a float) raises ValueError before any run starts. `forking` is as in
-    `map_trace`.
+    raises ends the grid with a `ReplayError` naming it. Before any run starts, ValueError
+    refuses a capacity that is not an int of blocks (a bool, a float), a policy that is not
+    registered (or `"opt"` with stores on device eviction) and a trace with no blocks, and
+    TypeError a trace that is no `Trace` and options that are no `ReplayOptions`. `forking` is
+    as in `map_trace`.
     """
+    check_inputs(trace, opts)
+    if isinstance(runs, str):
+        raise ValueError(f"runs={runs!r:.80} is invalid; expected (policy, capacity) pairs")
+    for i, run in enumerate(runs):
+        if not (isinstance(run, tuple | list) and len(run) == 2):
+            raise ValueError(
+                f"runs[{i}]={run!r:.80} is invalid; expected a (policy, capacity) pair"
+            )
     for p, c in runs:
+        check_policy(p, opts)
         _checked_capacity(p, c)
     if any(p != "opt" for p, _ in runs):
         # Every replay but OPT's uses each request's context; built here, before the fork,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Final
 
+from kvtier.base import checked_int
 from kvtier.config import parse_size
 
 DTYPE_BYTES: Final = {
@@ -66,6 +67,11 @@ MODEL_PRESETS: Final = {
 
 def parse_model_shape(spec: str) -> ModelShape:
     """A preset name, or `LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]` such as `32,8,128,bf16`."""
+    if not isinstance(spec, str):
+        raise TypeError(
+            f"model shape {spec!r} has type {type(spec).__name__}; expected a str: a preset "
+            f"({', '.join(MODEL_PRESETS)}) or LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]"
+        )
     if spec in MODEL_PRESETS:
         return MODEL_PRESETS[spec]
     parts = [p.strip() for p in spec.split(",")]
@@ -111,6 +117,18 @@ def parse_capacity(
     Every capacity is at least one block; with `allow_zero` (a device cache) a spec of zero
     (`"0"`, `"0%"`, `"0GiB"`) gives 0 blocks.
     """
+    if not isinstance(spec, str):
+        # A block count given as an int failed in the regex, naming neither the value nor
+        # the forms a capacity takes.
+        raise TypeError(
+            f"capacity {spec!r} has type {type(spec).__name__}; expected a str such as '5%', "
+            "'20000' or '64GiB'"
+        )
+    # The share and byte forms divide by these: a float or a negative count gave a capacity
+    # that is no block count, or "less than one block" for a share of 50%.
+    unique_blocks = checked_int("unique_blocks", unique_blocks, minimum=0)
+    if block_bytes is not None:
+        block_bytes = checked_int("block_bytes", block_bytes)
     m = _CAPACITY_RE.match(spec)
     if m is None:
         raise ValueError(

@@ -61,7 +61,22 @@ class Trace:
         num_blocks = 0
         num_tokens = 0
         block_tokens = 0
-        for req in self.requests:
+        first: dict[str, int] = {}
+        for i, req in enumerate(self.requests):
+            if not isinstance(req, Request):
+                # Else "'str' object has no attribute 'keys'", from a path given as requests.
+                raise TypeError(
+                    f"requests[{i}]={req!r:.80} has type {type(req).__name__}; expected a "
+                    "Request (read_trace(path) reads a trace file)"
+                )
+            # The manager keeps per-request state by id, and reuse admission counts the
+            # distinct ids that offer a block: repeats of one id were one request, whose
+            # blocks never reached a store threshold of 2 (0% hits, without a word).
+            if first.setdefault(req.req_id, i) != i:
+                raise ValueError(
+                    f"requests[{i}] has req_id {req.req_id!r}, as requests[{first[req.req_id]}] "
+                    "has; expected an id of its own for each request"
+                )
             unique.update(req.keys)
             num_blocks += len(req.keys)
             num_tokens += req.input_length
@@ -84,3 +99,18 @@ class Trace:
             f"Trace({self.name!r}, requests={len(self)}, blocks={self.num_blocks}, "
             f"unique_blocks={self.num_unique_blocks}, block_tokens={self.block_tokens})"
         )
+
+
+def check_replayable(trace: object) -> Trace:
+    """`trace`, if it is a `Trace` with blocks to replay; else a TypeError or ValueError."""
+    if not isinstance(trace, Trace):
+        # A list of requests or `iter_trace`'s stream failed deep in the first replay.
+        raise TypeError(
+            f"trace has type {type(trace).__name__}; expected a Trace (read_trace(path) or "
+            "Trace(requests) makes one)"
+        )
+    if trace.num_blocks == 0:
+        # Every ratio would be 0/0, reported as 0.0 and a share of no blocks; the CLI refuses
+        # such a trace too.
+        raise ValueError(f"trace {trace.name!r} has no blocks to replay; expected at least one")
+    return trace
