@@ -42,17 +42,27 @@ def kv_tensor(parts: int, arrangement: str) -> KVTensor:
     return KVTensor(t, 1)
 
 
-def seconds(kv: KVTensor, repeats: int) -> list[float]:
-    """Wall time of each of `repeats` registrations of `kv`, checked to count every byte, after
-    one untimed registration: the first of a process pays one-off costs (about 14x a warm one at
-    1,024 parts), which a median of one or two runs would report as the registration's time."""
-    KVCacheRegistration([kv])
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        reg = KVCacheRegistration([kv])
-        times.append(time.perf_counter() - t0)
-        assert reg.page_bytes() == kv.tensor.shape[0] * WIDTH, "a part was dropped"
+def seconds(kv: KVTensor) -> float:
+    """Wall time of one registration of `kv`, checked to count every byte."""
+    t0 = time.perf_counter()
+    reg = KVCacheRegistration([kv])
+    elapsed = time.perf_counter() - t0
+    assert reg.page_bytes() == kv.tensor.shape[0] * WIDTH, "a part was dropped"
+    return elapsed
+
+
+def both_arrangements(parts: int, repeats: int) -> dict[str, list[float]]:
+    """`repeats` timings of each arrangement, alternated (and which goes first too) so that
+    the machine's drift reaches both, after one untimed registration of each: the first of a
+    process pays one-off costs (about 14x a warm one at 1,024 parts), which a median of one or
+    two runs would report as the registration's time."""
+    kvs = {a: kv_tensor(parts, a) for a in ARRANGEMENTS}
+    for kv in kvs.values():
+        KVCacheRegistration([kv])
+    times: dict[str, list[float]] = {a: [] for a in ARRANGEMENTS}
+    for i in range(repeats):
+        for a in ARRANGEMENTS if i % 2 == 0 else ARRANGEMENTS[::-1]:
+            times[a].append(seconds(kvs[a]))
     return times
 
 
@@ -72,11 +82,9 @@ def main() -> None:
 
     results: list[tuple[int, str, list[float]]] = []
     for parts in args.parts:
-        for arrangement in ARRANGEMENTS:
-            progress(f"{parts} parts, {arrangement} ...")
-            results.append(
-                (parts, arrangement, seconds(kv_tensor(parts, arrangement), args.repeats))
-            )
+        progress(f"{parts} parts ...")
+        timed = both_arrangements(parts, args.repeats)
+        results += [(parts, arrangement, timed[arrangement]) for arrangement in ARRANGEMENTS]
     print(f"{'parts':>7} {'arrangement':<12} {'median s':>9} {'µs/part':>8}")
     for parts, arrangement, times in results:
         median = statistics.median(times)

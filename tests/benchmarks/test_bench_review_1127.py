@@ -36,21 +36,23 @@ def test_registration_speed_does_not_time_the_first_cold_registration(
     import registration_speed
 
     clock = [0.0]
-    made: list[int] = []
+    made: list[str] = []
 
     class Registration:
         def __init__(self, kvs: list[Any]) -> None:
             clock[0] += 1.0 if not made else 0.001  # the first is cold
-            made.append(kvs[0].tensor.shape[0])
+            made.append("c" if kvs[0].tensor.is_contiguous() else "i")
 
         def page_bytes(self) -> int:
-            return made[-1] * registration_speed.WIDTH
+            return 4 * registration_speed.WIDTH
 
     monkeypatch.setattr(registration_speed, "KVCacheRegistration", Registration)
     monkeypatch.setattr(registration_speed, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    times = registration_speed.seconds(registration_speed.kv_tensor(4, "contiguous"), 2)
-    assert len(times) == 2 and max(times) == pytest.approx(0.001)
-    assert len(made) == 3  # one untimed, then the two timed
+    times = registration_speed.both_arrangements(4, 3)
+    assert [len(t) for t in times.values()] == [3, 3]
+    assert max(max(t) for t in times.values()) == pytest.approx(0.001)
+    # One untimed of each, then the timed ones alternated, each arrangement first in turn.
+    assert "".join(made) == "ci" + "ci" + "ic" + "ci"
 
 
 def test_manager_ops_reports_each_replay_as_it_ends(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -90,7 +92,7 @@ def test_vs_vllm_reports_each_pair_of_manager_replays(monkeypatch: pytest.Monkey
     out = vs_vllm.compare_managers([[]], ["lru"], 4, 3, events.append)
     assert events == [
         "vllm", "kvtier", "manager, lru: 1 of 3",
-        "vllm", "kvtier", "manager, lru: 2 of 3",
+        "kvtier", "vllm", "manager, lru: 2 of 3",  # each goes first in turn
         "vllm", "kvtier", "manager, lru: done",
     ]  # fmt: skip
     assert out["lru"]["speedup"] == 1.0
