@@ -23,6 +23,7 @@ from test_vllm import (
     EXTRA,
     PROMPT,
     _swap_transfer,
+    fail_loads,
     kvtier_side,
     store_a_then_forget_on_device,
     vllm_loaded,
@@ -112,10 +113,6 @@ def test_a_failed_load_is_counted_and_moves_no_bytes(vllm_loaded: None) -> None:
     engine = make_engine("KVTierConnector", EXTRA, load_failure_policy="recompute")
     store_a_then_forget_on_device(engine)
     before = total(engine)
-
-    def fail_loads(job_id: int, kind: str) -> None:
-        if kind == "load":
-            raise RuntimeError("injected load failure")
 
     _swap_transfer(engine, fail_loads)
     engine.add("b", [*PROMPT, 8])

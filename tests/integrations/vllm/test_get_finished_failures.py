@@ -27,6 +27,7 @@ from test_vllm import (
     _swap_transfer,
     assert_no_leaks,
     expect_loaded,
+    fail_loads,
     store_a_then_forget_on_device,
     vllm_loaded,
 )
@@ -51,10 +52,6 @@ def output_through_get_finished(w: Any, finished_req_ids: set[str]) -> Any:
 
 
 def _fail_every_load(engine: Any) -> None:
-    def fail_loads(job_id: int, kind: str) -> None:
-        if kind == "load":
-            raise RuntimeError("injected load failure")
-
     _swap_transfer(engine, fail_loads)
 
 

@@ -56,6 +56,12 @@ def _swap_transfer(engine: Engine, inject: Callable[[int, str], None]) -> None:
     ws._worker = OffloadingWorker(new)
 
 
+def fail_loads(job_id: int, kind: str) -> None:
+    """A fault injector (`_swap_transfer`) that fails every load and lets stores through."""
+    if kind == "load":
+        raise RuntimeError("injected load failure")
+
+
 def gate(engine: Engine) -> threading.Event:
     """Hold every transfer of `engine` until the returned event is set."""
     opened = threading.Event()
@@ -325,10 +331,6 @@ def test_failed_load_follows_vllm_policy(
 ) -> None:
     engine = make_engine("KVTierConnector", EXTRA, load_failure_policy=policy)
     store_a_then_forget_on_device(engine)
-
-    def fail_loads(job_id: int, kind: str) -> None:
-        if kind == "load":
-            raise RuntimeError("injected load failure")
 
     _swap_transfer(engine, fail_loads)
     b = engine.add("b", [*PROMPT, 8])
