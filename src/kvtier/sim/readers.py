@@ -1,7 +1,8 @@
 """Trace readers: Mooncake JSONL (chained block ids) and JSONL of token-id prompts.
 
 Both yield `Request`s one line at a time, so a trace is never loaded whole by a reader. Every
-bad line raises `TraceFormatError` naming the file and the line number.
+bad line raises `TraceFormatError` naming the file and the line number; bad arguments and a
+path that is no file are refused when a reader is called, not at its first line.
 """
 
 from __future__ import annotations
@@ -41,10 +42,68 @@ _NOT_JSONL: Final = (
     (b"\xff\xfe", "UTF-16 text", "convert it, e.g. iconv -f UTF-16 -t UTF-8"),
     (b"\xfe\xff", "UTF-16 text", "convert it, e.g. iconv -f UTF-16 -t UTF-8"),
 )
+# Columns that would hold a request's blocks; a CSV without them has only lengths and times.
+_ID_COLUMNS: Final = frozenset({"hash_ids", "token_ids"})
+
+
+def _trace_file(path: str | Path, *, regular: bool = False) -> Path:
+    """`path`, if it names a file to read; else an OSError saying a trace file was expected.
+
+    `regular` also refuses a pipe or device, for callers that read the file more than once.
+    """
+    path = Path(path)
+    if path.is_dir():
+        # open() said only "[Errno 21] Is a directory", and only at the first line.
+        raise IsADirectoryError(f"trace {str(path)!r} is a directory; expected a trace file")
+    if not path.exists():
+        raise FileNotFoundError(f"trace file {str(path)!r} does not exist")
+    if regular and not path.is_file():
+        raise OSError(f"trace {str(path)!r} is not a regular file; expected a trace file")
+    return path
+
+
+def _csv_header(raw: bytes) -> tuple[str, str, list[str]] | None:
+    """(kind, header, column names) if `raw`, a first line that is not JSON, looks like the
+    header of a CSV or tab-separated file; else None."""
+    text = raw.decode("utf-8", "replace").strip()
+    for sep, kind in ((",", "CSV"), ("\t", "tab-separated")):
+        names = [name.strip().strip('"').strip() for name in text.split(sep)]
+        # Column names each have a letter (a data row of numbers and dates does not) and no
+        # JSON punctuation (JSON cut short does).
+        if len(names) >= 2 and all(
+            any(c.isalpha() for c in name) and not any(c in name for c in '{}[]:"')
+            for name in names
+        ):
+            return kind, text, names
+    return None
+
+
+def _not_csv(where: str, raw: bytes) -> None:
+    """Raise `TraceFormatError` naming a CSV file as one, if `raw`, the first line that is not
+    blank, is a header."""
+    found = _csv_header(raw)
+    if found is None:
+        return
+    kind, header, names = found
+    shown = repr(header if len(header) <= 80 else header[:77] + "...")
+    if _ID_COLUMNS.isdisjoint(name.lower() for name in names):
+        # Such as the Azure LLM inference traces (TIMESTAMP,ContextTokens,GeneratedTokens).
+        raise TraceFormatError(
+            f"{where}: not a JSONL trace: the file is {kind} with the header {shown}, which "
+            "has no prefix or block ids (no hash_ids or token_ids column), so it cannot be "
+            "replayed for hit ratios; expected Mooncake JSONL ('hash_ids') or token-id JSONL "
+            "('token_ids')"
+        )
+    raise TraceFormatError(
+        f"{where}: not a JSONL trace: the file is {kind} with the header {shown}; expected "
+        "JSON Lines, one object per request (convert each row to a JSON object with a list of "
+        "'hash_ids' (Mooncake) or 'token_ids' (token prompts))"
+    )
 
 
 def _lines(path: Path) -> Generator[tuple[int, dict[str, Any]], None, None]:
     """Yield (line number, JSON object) for every non-blank line."""
+    first = True  # no record read yet
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
             if lineno == 1:
@@ -61,6 +120,9 @@ def _lines(path: Path) -> Generator[tuple[int, dict[str, Any]], None, None]:
             try:
                 obj = _decode.decode(raw)
             except msgspec.DecodeError as e:
+                if first:
+                    # The decoder said only "invalid character (byte 0)" of a CSV header.
+                    _not_csv(f"{path}:{lineno}", raw)
                 raise TraceFormatError(f"{path}:{lineno}: not valid JSON ({e})") from None
             except UnicodeDecodeError as e:
                 # msgspec raises it bare for a bad byte inside a string (`e.object`), which
@@ -78,6 +140,7 @@ def _lines(path: Path) -> Generator[tuple[int, dict[str, Any]], None, None]:
                 raise TraceFormatError(
                     f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}"
                 )
+            first = False
             yield lineno, obj
 
 
@@ -121,9 +184,16 @@ def read_mooncake(
     ids give equal keys. The last block may be partial, as in the published traces:
     `(len(hash_ids) - 1) * block_tokens < input_length <= len(hash_ids) * block_tokens`.
     """
-    # Checked now, not at the first line: a bad size was reported as line 1 not fitting it.
+    # Checked now, not at the first line: a bad size was reported as line 1 not fitting it,
+    # a bad group only at the first line (an empty file accepted it).
     block_tokens = checked_int("block_tokens", block_tokens)
-    return _read_mooncake(Path(path), block_tokens, group_idx)
+    _check_group(group_idx)
+    return _read_mooncake(_trace_file(path), block_tokens, group_idx)
+
+
+def _check_group(group_idx: int) -> None:
+    """Refuse a KV-cache group index no key can carry (`make_offload_key`'s own check)."""
+    make_offload_key(b"", group_idx)
 
 
 def _inferred_size_hint(length: int, n: int, block_tokens: int) -> str:
@@ -212,8 +282,16 @@ def read_token_prompts(
     `block_tokens`-token blocks (a trailing partial block gets no key, as in an engine). The
     conversation id is kept on the request and in its id, for reports and per-request policies.
     """
-    path = Path(path)
-    hasher = BlockHasher(block_tokens, algorithm=algorithm, namespace=namespace)
+    # Built now, so a bad size, algorithm or namespace is refused at the call, not at line 1.
+    hasher = BlockHasher(
+        checked_int("block_tokens", block_tokens), algorithm=algorithm, namespace=namespace
+    )
+    _check_group(group_idx)
+    return _read_token_prompts(_trace_file(path), hasher, group_idx)
+
+
+def _read_token_prompts(path: Path, hasher: BlockHasher, group_idx: int) -> Iterator[Request]:
+    block_tokens = hasher.block_size
     interned: dict[bytes, OffloadKey] = {}
     for lineno, obj in _lines(path):
         where = f"{path}:{lineno}"
@@ -280,7 +358,8 @@ def infer_block_tokens(path: str | Path, *, max_lines: int = 1000) -> int:
     without `--block-tokens`; lines that agree on no size raise `TraceFormatError`. A line that
     fits no size by itself ends the search, and the reader reports it.
     """
-    path = Path(path)
+    max_lines = checked_int("max_lines", max_lines)  # 0 or less read nothing and said 512
+    path = _trace_file(path)
     low, high = 1, None  # allowed sizes: low..high (None: unbounded)
     for lineno, obj in _head(path, max_lines):
         ids, length = obj.get("hash_ids"), obj.get("input_length")
@@ -312,17 +391,36 @@ def infer_block_tokens(path: str | Path, *, max_lines: int = 1000) -> int:
 
 def detect_format(path: str | Path) -> str:
     """Say whether `path` is a `"mooncake"` or a `"tokens"` trace, from its first record."""
-    path = Path(path)
-    for lineno, obj in _lines(path):
-        if "hash_ids" in obj:
-            return "mooncake"
-        if "token_ids" in obj:
-            return "tokens"
-        raise TraceFormatError(
-            f"{path}:{lineno}: unknown trace format; expected a 'hash_ids' (Mooncake) or "
-            f"'token_ids' (token prompts) field"
-        )
-    raise TraceFormatError(f"{path}: the trace is empty")
+    path = _trace_file(path)
+    with closing(_lines(path)) as lines:
+        for lineno, obj in lines:
+            if "hash_ids" in obj:
+                return "mooncake"
+            if "token_ids" in obj:
+                return "tokens"
+            raise TraceFormatError(
+                f"{path}:{lineno}: unknown trace format; expected a 'hash_ids' (Mooncake) or "
+                f"'token_ids' (token prompts) field"
+            )
+    raise _empty(path)
+
+
+def _empty(path: Path) -> TraceFormatError:
+    return TraceFormatError(
+        f"{path}: the trace is empty; expected one JSON object per line, one per request"
+    )
+
+
+def _check_not_empty(path: Path) -> None:
+    """Refuse a file without a record, as format detection does; a bad first line is left to
+    the reader, which reports it."""
+    with closing(_lines(path)) as lines:
+        try:
+            next(lines)
+        except StopIteration:
+            raise _empty(path) from None
+        except TraceFormatError:
+            pass
 
 
 def iter_trace(
@@ -337,6 +435,8 @@ def iter_trace(
 
     `block_tokens` defaults, for Mooncake-format traces, to the size their lengths imply
     (`infer_block_tokens`: 512 for the published Mooncake traces) and to 16 for token prompts.
+    A file without a record raises `TraceFormatError` whatever `fmt` is: it is no trace (an
+    empty download, a wrong path), and every replay refuses it.
     """
     if fmt not in FORMATS:
         raise ValueError(f"trace format {fmt!r} is unknown; expected one of: {', '.join(FORMATS)}")
@@ -346,14 +446,13 @@ def iter_trace(
         )
     if block_tokens is not None and (type(block_tokens) is not int or block_tokens < 1):
         raise ValueError(f"block_tokens={block_tokens!r} is invalid; expected a positive int")
-    if not Path(path).is_file():
-        if Path(path).is_dir():
-            raise IsADirectoryError(f"trace {str(path)!r} is a directory; expected a trace file")
-        if Path(path).exists():
-            raise OSError(f"trace {str(path)!r} is not a regular file; expected a trace file")
-        raise FileNotFoundError(f"trace file {str(path)!r} does not exist")
+    # Regular only: the file is read more than once (detection, block size, requests).
+    file = _trace_file(path, regular=True)
     if fmt == "auto":
-        fmt = detect_format(path)
+        fmt = detect_format(file)
+    else:
+        # Detection refused an empty file; an explicit format read it as a trace of nothing.
+        _check_not_empty(file)
     if fmt == "mooncake":
         if algorithm != "sha256" or namespace not in ("", b""):
             # Its hash_ids are block ids already: a hash setting would be silently ignored.
@@ -363,10 +462,10 @@ def iter_trace(
                 "ids (leave them at sha256 and none)"
             )
         if block_tokens is None:
-            return _read_mooncake(Path(path), infer_block_tokens(path), 0, inferred=True)
-        return read_mooncake(path, block_tokens=block_tokens)
+            return _read_mooncake(file, infer_block_tokens(file), 0, inferred=True)
+        return read_mooncake(file, block_tokens=block_tokens)
     return read_token_prompts(
-        path, block_tokens=block_tokens or 16, algorithm=algorithm, namespace=namespace
+        file, block_tokens=block_tokens or 16, algorithm=algorithm, namespace=namespace
     )
 
 

@@ -29,6 +29,7 @@ from typing import Final
 from kvtier.admission import AlwaysAdmit, ReuseAdmission
 from kvtier.base import LookupResult, ManagerStats, OffloadKey, ReqContext, checked_int
 from kvtier.cpu.manager import CPUOffloadingManager
+from kvtier.policies import CachePolicy
 from kvtier.sim.result import RunResult
 from kvtier.sim.trace import Request, Trace
 
@@ -106,7 +107,11 @@ class DevicePrefixCache:
 
 
 def make_manager(
-    policy: str, capacity: int, *, store_threshold: int = 0, max_tracker_size: int = 64_000
+    policy: str | type[CachePolicy],
+    capacity: int,
+    *,
+    store_threshold: int = 0,
+    max_tracker_size: int = 64_000,
 ) -> CPUOffloadingManager:
     """The manager a replay drives: `capacity` slots ordered by cache policy `policy`."""
     return CPUOffloadingManager(
@@ -164,7 +169,20 @@ class _Tally:
         )
 
     def _count(self, source: Iterable[Request]) -> Iterator[Request]:
-        for req in source:
+        # What `Trace` checks of a whole trace, checked of each request before it is replayed.
+        for i, req in enumerate(source):
+            if not isinstance(req, Request):
+                raise TypeError(
+                    f"requests[{i}]={req!r:.80} has type {type(req).__name__}; expected a "
+                    "Request (iter_trace(path) streams a trace file)"
+                )
+            if self.block_tokens and req.block_tokens != self.block_tokens:
+                # Each block counts as one slot: mixed sizes made every ratio meaningless.
+                raise ValueError(
+                    f"request {req.req_id} has {req.block_tokens}-token blocks; the trace "
+                    f"started with {self.block_tokens}-token blocks and a trace has one block "
+                    "size"
+                )
             self.num_requests += 1
             self.num_blocks += len(req.keys)
             self.num_tokens += req.input_length
@@ -275,8 +293,9 @@ def replay_flat(
     """Replay every block access of `trace` through `mgr` (the textbook simulation).
 
     `trace` may be a `Trace` or any iterable of requests, such as `iter_trace(path)`, which is
-    then streamed. The row's `store_threshold` is that of `mgr`'s admission; one given must
-    agree with it.
+    then streamed: an item that is no `Request`, or one whose block size differs from the
+    first's, raises before it is replayed. The row's `store_threshold` is that of `mgr`'s
+    admission; one given must agree with it.
     """
     _check_manager(mgr)
     record_hit = _hit_recorder(mgr, _check_hits_as(hits_as))
@@ -338,8 +357,9 @@ def replay_engine(
 ) -> RunResult:
     """Replay `trace` with a device prefix cache of `device_blocks` blocks in front of `mgr`.
 
-    `trace` may be a `Trace` or any iterable of requests, which is then streamed. The row's
-    `store_threshold` is that of `mgr`'s admission; one given must agree with it.
+    `trace` may be a `Trace` or any iterable of requests, which is then streamed (checked as in
+    `replay_flat`). The row's `store_threshold` is that of `mgr`'s admission; one given must
+    agree with it.
     """
     if store_on not in STORE_ON:
         raise ValueError(f"store_on={store_on!r} is invalid; expected one of: {STORE_ON}")

@@ -22,7 +22,7 @@ from types import FrameType
 from typing import Any, Final, SupportsIndex, TypeVar
 
 from kvtier.base import checked_int
-from kvtier.policies import get_policy_cls
+from kvtier.policies import CachePolicy, get_policy_cls, registered_policies
 from kvtier.sim.bounds import opt_result
 from kvtier.sim.replay import (
     HIT_ACTIONS,
@@ -43,6 +43,10 @@ BOUNDS: Final = {
 """Rows the simulator computes besides the registered cache policies."""
 
 MODES: Final = ("flat", "engine")
+
+PolicySpec = str | type[CachePolicy]
+"""A run's policy: a registered name, `"opt"`, `"infinite"`, `"package.module:Class"` or a
+`CachePolicy` subclass."""
 
 
 class Terminated(BaseException):
@@ -126,6 +130,17 @@ def check_inputs(trace: object, opts: object) -> None:
         raise TypeError(f"opts={opts!r:.80} has type {type(opts).__name__}; expected ReplayOptions")
 
 
+def policy_label(policy: object) -> str:
+    """The name a row gives `policy`: a string as given; a `CachePolicy` class by its registered
+    name, else as `module:Class` (a subclass of a registered policy is not that policy)."""
+    if not (isinstance(policy, type) and issubclass(policy, CachePolicy)):
+        return str(policy)
+    name = policy.name
+    if name and registered_policies().get(name) is policy:
+        return name
+    return f"{policy.__module__}:{policy.__qualname__}"
+
+
 def check_policy(policy: object, opts: ReplayOptions) -> None:
     """Refuse a policy no replay can run (a misspelt name, opt where it is not exact), so that
     a grid fails before its first replay rather than after all that precede it."""
@@ -141,7 +156,7 @@ def check_policy(policy: object, opts: ReplayOptions) -> None:
 
 def run_one(
     trace: Trace,
-    policy: str,
+    policy: PolicySpec,
     capacity: int,
     opts: ReplayOptions,
     progress: ProgressFn | None = None,
@@ -205,7 +220,8 @@ def run_one(
             hits_as=opts.hit_action,
             progress=progress,
         )
-    result.policy = policy
+    # The class itself made rows that JSON, CSV and the table could not write as text.
+    result.policy = policy_label(policy)
     result.max_tracker_size, result.tracker_per_slot = tracked
     if capacity > mgr.num_slots:
         result.capacity_blocks = capacity
@@ -216,7 +232,7 @@ def run_one(
 
 def run_named(
     trace: Trace,
-    policy: str,
+    policy: PolicySpec,
     capacity: int,
     opts: ReplayOptions,
     progress: ProgressFn | None = None,
@@ -226,7 +242,8 @@ def run_named(
         return run_one(trace, policy, capacity, opts, progress)
     except Exception as e:
         raise ReplayError(
-            f"policy {policy!r} at capacity {_blocks(capacity)} failed: {type(e).__name__}: {e}"
+            f"policy {policy_label(policy)!r} at capacity {_blocks(capacity)} failed: "
+            f"{type(e).__name__}: {e}"
         ) from e
 
 
@@ -239,7 +256,7 @@ def _blocks(capacity: object) -> str:
     return repr(capacity)
 
 
-def _checked_capacity(policy: str, capacity: object) -> int:
+def _checked_capacity(policy: PolicySpec, capacity: object) -> int:
     """`capacity` as a plain int, else a ValueError naming it and the policy."""
     # "infinite" ignores it (a slot per block) and is given 0 for an empty trace.
     minimum = 0 if policy == "infinite" else 1
@@ -247,8 +264,8 @@ def _checked_capacity(policy: str, capacity: object) -> int:
         return checked_int("capacity", capacity, minimum=minimum)
     except ValueError:
         raise ValueError(
-            f"capacity={capacity!r} for policy {policy!r} is invalid; expected a number of "
-            f"blocks, an integer >= {minimum}"
+            f"capacity={capacity!r} for policy {policy_label(policy)!r} is invalid; expected a "
+            f"number of blocks, an integer >= {minimum}"
         ) from None
 
 
@@ -418,7 +435,7 @@ def map_trace(
 
 def run_grid(
     trace: Trace,
-    runs: Sequence[tuple[str, int]],
+    runs: Sequence[tuple[PolicySpec, int]],
     opts: ReplayOptions,
     *,
     jobs: int = 1,
@@ -426,6 +443,8 @@ def run_grid(
     forking: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
 ) -> list[RunResult]:
     """Replay `trace` once per `(policy, capacity)` in `runs`; results come in `runs` order.
+
+    Each row names its policy as text (`policy_label`), a policy given as a class included.
 
     With `jobs > 1` the runs are spread over forked worker processes and `progress` hears of
     each run when it finishes; otherwise it hears of requests as they are replayed. A run that

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvtier.base import OffloadKey, ReqContext
+from kvtier.base import OffloadKey, ReqContext, checked_int
 
 
 class TraceFormatError(ValueError):
@@ -19,6 +19,13 @@ class Request:
     `keys` are the `OffloadKey`s of the request's prompt blocks, in order; the same key means
     the same prefix up to and including that block. `input_length` counts prompt tokens, so
     block `i` covers tokens `[i * block_tokens, min((i + 1) * block_tokens, input_length))`.
+
+    A request built by hand must have a str `req_id`, a list of `keys`, `block_tokens >= 1`,
+    `input_length` and `output_length >= 0`, a `timestamp` of `None` or a number >= 0, a
+    `conversation_id` of `None` or a str, and at least one prompt token in every keyed block
+    (`(len(keys) - 1) * block_tokens < input_length`); else ValueError or TypeError. Keys must
+    be `OffloadKey`s (bytes): the first is checked here (keys given as str or int), every one
+    by the manager as it is replayed; a check of each here would cost a pass over every block.
     """
 
     req_id: str
@@ -29,6 +36,72 @@ class Request:
     timestamp: float | None = None
     conversation_id: str | None = None
     _ctx: ReqContext | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # One combined test, all in this frame: the readers build a request per trace line.
+        length, bt, out, ts = (
+            self.input_length,
+            self.block_tokens,
+            self.output_length,
+            self.timestamp,
+        )
+        if not (
+            type(length) is int
+            and type(bt) is int
+            and type(out) is int
+            and length >= 0
+            and bt >= 1
+            and out >= 0
+            and type(self.req_id) is str
+            and type(self.keys) is list
+            and (
+                not self.keys
+                or (type(self.keys[0]) is bytes and (len(self.keys) - 1) * bt < length)
+            )
+            and (ts is None or (type(ts) in (int, float) and ts >= 0))
+            and (self.conversation_id is None or type(self.conversation_id) is str)
+        ):
+            self._check_fields()
+
+    def _check_fields(self) -> None:
+        """Normalise integer-like counts (numpy ints) to int, or raise naming the bad field."""
+        rid = self.req_id
+        if not isinstance(rid, str):
+            raise TypeError(f"req_id={rid!r:.80} has type {type(rid).__name__}; expected a str")
+        where = f"request {rid!r}"
+        if not isinstance(self.keys, list):
+            raise TypeError(
+                f"{where}: keys={self.keys!r:.80} has type {type(self.keys).__name__}; expected "
+                "a list of OffloadKey"
+            )
+        self.input_length = _count(where, "input_length", self.input_length, 0)
+        self.block_tokens = _count(where, "block_tokens", self.block_tokens, 1)
+        self.output_length = _count(where, "output_length", self.output_length, 0)
+        ts = self.timestamp
+        if ts is not None and (
+            isinstance(ts, bool) or not isinstance(ts, (int, float)) or not ts >= 0
+        ):
+            # `not >=`: NaN too, which no ordering of arrivals can use.
+            raise ValueError(
+                f"{where}: timestamp={ts!r} is invalid; expected None or a number >= 0"
+            )
+        conv = self.conversation_id
+        if conv is not None and not isinstance(conv, str):
+            raise TypeError(
+                f"{where}: conversation_id={conv!r:.80} has type {type(conv).__name__}; "
+                "expected None or a str"
+            )
+        if self.keys and not isinstance(self.keys[0], bytes):
+            _check_keys(where, self.keys)
+        n, bt, length = len(self.keys), self.block_tokens, self.input_length
+        if n and (n - 1) * bt >= length:
+            # A block past the prompt's end covers no token: its hits would count for nothing
+            # in `prefix_tokens`, and a negative or zero length made the ratios meaningless.
+            raise ValueError(
+                f"{where}: input_length={length} leaves the last of its {n} keys "
+                f"({bt}-token blocks) without a prompt token; expected input_length > "
+                f"{(n - 1) * bt}, or fewer keys"
+            )
 
     def prefix_tokens(self, num_blocks: int) -> int:
         """Prompt tokens covered by the first `num_blocks` blocks."""
@@ -45,6 +118,13 @@ class Request:
             positions = {key: min((i + 1) * bt, length) for i, key in enumerate(self.keys)}
             self._ctx = ReqContext(self.req_id, key_positions=positions)
         return self._ctx
+
+
+def _count(where: str, name: str, value: object, minimum: int) -> int:
+    try:
+        return checked_int(name, value, minimum)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 class Trace:
@@ -77,7 +157,11 @@ class Trace:
                     f"requests[{i}] has req_id {req.req_id!r}, as requests[{first[req.req_id]}] "
                     "has; expected an id of its own for each request"
                 )
-            unique.update(req.keys)
+            try:
+                unique.update(req.keys)
+            except TypeError:  # else "unhashable type: 'list'", naming no request
+                _check_keys(f"requests[{i}] ({req.req_id!r})", req.keys)
+                raise
             num_blocks += len(req.keys)
             num_tokens += req.input_length
             block_tokens = block_tokens or req.block_tokens
@@ -99,6 +183,16 @@ class Trace:
             f"Trace({self.name!r}, requests={len(self)}, blocks={self.num_blocks}, "
             f"unique_blocks={self.num_unique_blocks}, block_tokens={self.block_tokens})"
         )
+
+
+def _check_keys(where: str, keys: list[OffloadKey]) -> None:
+    """Raise a TypeError naming the first of `keys` that is no `OffloadKey` (bytes)."""
+    for j, key in enumerate(keys):
+        if not isinstance(key, bytes):
+            raise TypeError(
+                f"{where}: keys[{j}]={key!r:.80} has type {type(key).__name__}; expected an "
+                "OffloadKey (bytes: make_offload_key makes one)"
+            )
 
 
 def check_replayable(trace: object) -> Trace:
