@@ -333,11 +333,16 @@ class KVAwarePolicy(CachePolicy):
         models = self._models
         assert models is not None
         keep, hits = self._keep, self._model_hits
+        # The sketch does not change while the shadows replay one access, and their duels
+        # mostly weigh the same few keys: each key's estimate is read once per access.
+        memo: dict[OffloadKey, int] = {}
         for i, model in enumerate(models):
-            hits[i] = hits[i] * keep + model._replay(key, count, tail_key)
+            hits[i] = hits[i] * keep + model._replay(key, count, tail_key, memo)
         replica = self._replica
         if replica is not None:
-            self._replica_hits = self._replica_hits * keep + replica._replay(key, count, tail_key)
+            self._replica_hits = self._replica_hits * keep + replica._replay(
+                key, count, tail_key, memo
+            )
             if self._lru_hold:
                 self._lru_hold -= 1
                 return
@@ -376,19 +381,35 @@ class KVAwarePolicy(CachePolicy):
                 keys = table[req_id] = set()
         self._counted_req, self._counted_keys = req_id, keys
 
-    def _replay(self, key: OffloadKey, count: int, tail_key: OffloadKey | None) -> int:
+    def _replay(
+        self,
+        key: OffloadKey,
+        count: int,
+        tail_key: OffloadKey | None,
+        memo: dict[OffloadKey, int],
+    ) -> int:
         """Shadow use: one access as a cache of `capacity` slots in this mode sees it, given the
         key's recent count and its request's deepest key; 1 on a hit. (A shadow's sketch is
-        its owner's, which has already counted the access.)"""
+        its owner's, which has already counted the access; `memo` holds the estimates read
+        during this access.)"""
         win = self._win
         if key in win:
             win.move_to_end(key)
             return 1
         tail = self._tail_first and key == tail_key
-        if self._reuse(key, count, tail):
+        credit = self._credit
+        old = credit.pop(key, None)
+        if old is not None:
+            # `_reuse`, inline: this runs six times per sampled access.
+            buckets = self._buckets
+            bucket = buckets[old]
+            del bucket[key]
+            if not bucket:
+                del buckets[old]
+            self._place(key, count, tail)
             return 1
-        if len(win) + len(self._credit) >= self.capacity:
-            self._evict_one()
+        if len(win) + len(credit) >= self.capacity:
+            self._evict_one(memo)
         win[key] = tail
         if tail:
             win.move_to_end(key, last=False)
@@ -580,21 +601,58 @@ class KVAwarePolicy(CachePolicy):
                 bucket[key] = None
                 bucket.move_to_end(key, last=False)
 
-    def _evict_one(self) -> None:
-        """`evict(1, ())` for a full shadow, which pins nothing: the same choice, less work."""
-        win, sketch = self._win, self._sketch
-        while len(win) > self._win_target:
+    def _evict_one(self, memo: dict[OffloadKey, int]) -> None:
+        """`evict(1, ())` for a full shadow, which pins nothing: the same choice, less work
+        (`_main_victim`, `_duel` and `_unplace` inline; estimates read through `memo`)."""
+        win, credit, target = self._win, self._credit, self._win_target
+        estimate_key = self._sketch.estimate_key
+        counts = self._counts
+        while len(win) > target:  # only while the shadow fills
             moved, tail = win.popitem(last=False)
             # A deepest block's credit takes no count (`_place`): it is not read.
-            self._place(moved, sketch.estimate_key(moved) if self._counts and not tail else 1, tail)
-        victim = self._main_victim(()) if self._credit else None
-        if victim is None:
+            self._place(moved, estimate_key(moved) if counts and not tail else 1, tail)
+        if not credit:
             win.popitem(last=False)
-        elif len(win) < self._win_target:
-            self._unplace(victim)
+            return
+        buckets, floor = self._buckets, self._floor
+        bucket = buckets.get(floor)
+        if not bucket:
+            # The floor rises to the lowest credit held; credits lie in [floor, floor + 15].
+            for level in range(floor, floor + MAX_COUNT + 1):
+                bucket = buckets.get(level)
+                if bucket is not None:
+                    self._floor = floor = level
+                    break
+            else:
+                win.popitem(last=False)
+                return
+        if len(win) < target:
+            # No candidate: the victim (the floor bucket's oldest) leaves.
+            del credit[bucket.popitem(last=False)[0]]
+            if not bucket:
+                del buckets[floor]
+            return
+        # The window's oldest duels the victim (`_duel`). Admitted whatever its count when
+        # every block is, it needs the count only for its credit.
+        cand, tail = win.popitem(last=False)
+        admit = self._admit_all and not tail
+        if counts or not admit:
+            count = memo.get(cand)
+            if count is None:
+                count = memo[cand] = estimate_key(cand)
+            if not admit:
+                victim = next(iter(bucket))
+                low = memo.get(victim)
+                if low is None:
+                    low = memo[victim] = estimate_key(victim)
+                if count <= low:
+                    return  # the candidate leaves, the victim stays
         else:
-            cand, tail = win.popitem(last=False)
-            self._duel(cand, tail, victim)
+            count = 1
+        del credit[bucket.popitem(last=False)[0]]
+        if not bucket:
+            del buckets[floor]
+        self._place(cand, count, tail)
 
     def _duel(self, cand: OffloadKey, tail: bool, victim: OffloadKey) -> bool:
         """The window's candidate against main's victim: True when the candidate is admitted
@@ -625,6 +683,14 @@ class KVAwarePolicy(CachePolicy):
             blocked = 0
         if len(win) + len(credit) - blocked < n:
             return None
+        if n == 1 and not protected and len(win) == self._win_target and credit:
+            bucket = self._buckets.get(self._floor)
+            if bucket:
+                # The usual call (a full tier stores one block): one duel, of the window's
+                # oldest and the floor bucket's oldest, without the general loop's setup.
+                oldest, tail = win.popitem(last=False)
+                lowest = next(iter(bucket))
+                return [lowest if self._duel(oldest, tail, lowest) else oldest]
         victims: list[OffloadKey] = []
         append = victims.append
         target, unplace, main_victim = self._win_target, self._unplace, self._main_victim
