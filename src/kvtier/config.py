@@ -17,7 +17,7 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, ClassVar, Final, Literal, cast
+from typing import Any, ClassVar, Final, Literal, NoReturn, cast
 
 import numpy as np
 import yaml
@@ -585,32 +585,89 @@ _YAML_INT_TAG: Final = "tag:yaml.org,2002:int"
 _YAML_DECIMAL_RE: Final = re.compile(r"^[-+]?[0-9]+$")
 
 
+_YAML_MERGE_TAG: Final = "tag:yaml.org,2002:merge"
+
+
 class _ConfigLoader(yaml.SafeLoader):
     """`yaml.SafeLoader` that refuses a key given twice in one mapping (PyYAML keeps the last
-    one silently, TOML refuses it) and reads only decimal integers as ints."""
+    one silently, TOML refuses it) and reads only decimal integers as ints.
+
+    A merge key (`<<`) still brings in values that the mapping's own keys override, as YAML
+    defines; a key that two merged mappings both set is refused, since PyYAML's choice between
+    them depends on whether the two key strings are one object in memory.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        # Mappings already flattened (by id; every node lives as long as the load). A mapping
+        # merged into another is flattened there first; a second pass, when it is built
+        # itself, would take the keys it merged for its own and report them as given twice.
+        self._flattened: set[int] = set()
 
     def construct_decimal_int(self, node: yaml.ScalarNode) -> int | str:
         text = self.construct_scalar(node)
-        # SafeLoader's constructor reads a leading 0 as octal. Other text reaches this tag only
+        # SafeConstructor reads a leading 0 as octal. Other text reaches this tag only
         # through an explicit `!!int`, and stays a string like the untagged form.
         return int(text) if _YAML_DECIMAL_RE.match(text) else text
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[object] = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue  # `<<: *base` then `key: value` overrides the merged value on purpose
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, Hashable):
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        "while constructing a mapping",
-                        node.start_mark,
-                        f"found key {key!r} twice; expected each key once",
-                        key_node.start_mark,
+    def _refuse(self, node: yaml.Node, problem: str, mark: yaml.Mark) -> NoReturn:
+        raise yaml.constructor.ConstructorError(
+            "while constructing a mapping", node.start_mark, problem, mark
+        )
+
+    def _key(self, key_node: yaml.Node) -> object:
+        key = self.construct_object(key_node)
+        # An unhashable key is refused by SafeConstructor itself, with its position.
+        return key if isinstance(key, Hashable) else object()
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        if id(node) in self._flattened:
+            return
+        self._flattened.add(id(node))
+        own: dict[object, Any] = {}
+        sources: list[yaml.Node] = []
+        merged_at = None
+        for key_node, value_node in node.value:
+            if key_node.tag == _YAML_MERGE_TAG:
+                if merged_at is not None:  # PyYAML merged both, the first winning
+                    problem = (
+                        "found merge key '<<' twice; expected it once, with a list "
+                        "(<<: [*a, *b]) to merge several mappings"
                     )
-                seen.add(key)
-        return super().construct_mapping(node, deep=deep)
+                    self._refuse(node, problem, key_node.start_mark)
+                merged_at = key_node
+                seq = isinstance(value_node, yaml.SequenceNode)
+                sources = value_node.value if seq else [value_node]
+                continue
+            if key_node.tag == "tag:yaml.org,2002:value":  # `=` as a key, as SafeLoader reads it
+                key_node.tag = "tag:yaml.org,2002:str"
+            key = self._key(key_node)
+            if key in own:
+                problem = f"found key {_shown(key)} twice; expected each key once"
+                self._refuse(node, problem, key_node.start_mark)
+            own[key] = (key_node, value_node)
+        merged: dict[object, Any] = {}
+        for source in sources:
+            if not isinstance(source, yaml.MappingNode):
+                kind = "scalar" if isinstance(source, yaml.ScalarNode) else "sequence"
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping",
+                    node.start_mark,
+                    f"expected a mapping or a list of mappings to merge, found a {kind}",
+                    source.start_mark,
+                )
+            self.flatten_mapping(source)
+            for key_node, value_node in source.value:
+                key = self._key(key_node)
+                if key in merged:
+                    problem = (
+                        f"found key {_shown(key)} in two of the mappings merged by '<<'; "
+                        "expected it in one of them, or set in this mapping to override both"
+                    )
+                    self._refuse(node, problem, key_node.start_mark)
+                merged[key] = (key_node, value_node)
+        node.value = [pair for key, pair in merged.items() if key not in own]
+        node.value += list(own.values())
 
 
 _ConfigLoader.yaml_implicit_resolvers = {
@@ -632,24 +689,53 @@ def _read_file(path: Path, name: str) -> dict[str, Any]:
         elif suffix == ".toml":
             # utf-8-sig: a leading byte order mark (Notepad's, PowerShell's) is skipped, as
             # PyYAML skips it; tomllib refused it as "Invalid statement (at line 1, column 1)".
-            data = tomllib.loads(path.read_bytes().decode("utf-8-sig"))
+            text = path.read_bytes().decode("utf-8-sig")
+            try:
+                data = tomllib.loads(text)
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"{name} is not valid TOML: {_toml_problem(e, text)}") from e
         else:
             raise ConfigError(f"{name}: unknown format {suffix!r}; expected .yaml, .yml or .toml")
     except OSError as e:
         raise ConfigError(f"{name} cannot be read: {e}") from e
     except UnicodeDecodeError as e:  # both parsers decode as they read; neither names the file
         raise ConfigError(f"{name} is not UTF-8 text: {e}") from e
-    except (yaml.YAMLError, tomllib.TOMLDecodeError) as e:
-        raise ConfigError(f"{name} is not valid {suffix[1:].upper()}: {e}") from e
+    except yaml.YAMLError as e:
+        hint = ""
+        if isinstance(e, yaml.scanner.ScannerError) and "'\\t'" in (e.problem or ""):
+            # PyYAML refuses a tab to indent and, unlike YAML 1.2, after `key:` too.
+            hint = "\nindent with spaces, and put a space, not a tab, after 'key:'"
+        raise ConfigError(f"{name} is not valid YAML: {e}{hint}") from e
     except ConfigError:
         raise
     except ValueError as e:  # a number the parser cannot convert: an int of 4,300+ digits
         raise ConfigError(f"{name} holds a value it cannot read: {e}") from e
-    if data is None:  # an empty YAML file
+    if data is None:  # an empty YAML file, or one of comments only: no settings
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{name} holds a {type(data).__name__}; expected a mapping of keys")
+        # A str is often another format's line: `cpu_bytes=64GiB`, `cpu_bytes 64GiB`.
+        raise ConfigError(
+            f"{name} holds a {type(data).__name__}; expected a mapping of setting names to "
+            f"values such as 'cpu_bytes: 64GiB', not {_shown(data):.80}"
+        )
     return cast(dict[str, Any], data)
+
+
+_TOML_AT_RE: Final = re.compile(r"\(at line ([0-9]+), column [0-9]+\)$")
+
+
+def _toml_problem(error: tomllib.TOMLDecodeError, text: str) -> str:
+    """tomllib's message with the text of the line it names: "Cannot overwrite a value (at
+    line 3, column 19)" alone names neither the key set twice nor the table declared twice."""
+    message = str(error)
+    match = _TOML_AT_RE.search(message)
+    lines = text.splitlines()
+    if match is None or not 1 <= int(match.group(1)) <= len(lines):
+        return message
+    line = lines[int(match.group(1)) - 1].strip()
+    if message.startswith("Cannot overwrite a value"):
+        message += "; a key may be set once"
+    return f"{message}, in: {line[:120]!r}"
 
 
 def _join_module_path(module_path: object, name: object) -> str:
