@@ -36,13 +36,14 @@ def atomic_write(
     renamed over it; the temporary file is removed on any failure (a process killed outright,
     by SIGKILL or an unhandled SIGTERM, can leave one behind, named `.NAME.*.tmp`). What
     `open(path, "w")` would do is kept otherwise: a symlink stays and its target is replaced;
-    a new file gets the umask's mode, a replaced one keeps its mode (and its group, where the
-    user may set it); a file open() could not write is refused. Written in place, as `open`
-    writes them: anything but a regular file or a new name (a FIFO, a terminal,
+    a new file gets the umask's mode, a replaced one keeps its mode and owner (and its group,
+    where the user may set it); a file open() could not write is refused. Written in place,
+    as `open` writes them: anything but a regular file or a new name (a FIFO, a terminal,
     `/dev/null`), a file reached through a descriptor link (`/dev/stdout`, `/proc/self/fd/N`,
-    which would be detached from the descriptor), and an existing writable file in a
-    directory that is not writable (no room for the temporary file). A file with other hard
-    links is replaced under `path` alone.
+    which would be detached from the descriptor), an existing writable file in a directory
+    that is not writable (no room for the temporary file), and a writable file of another
+    owner that the user may not give away. A file with other hard links is replaced under
+    `path` alone. `-` is a file name here, as for `open`: callers that mean stdout handle it.
     """
     return _atomic_write(os.fspath(path), binary, newline)
 
@@ -50,6 +51,12 @@ def atomic_write(
 @contextlib.contextmanager
 def _atomic_write(path: str, binary: bool, newline: str | None) -> Iterator[IO[Any]]:
     mode, encoding = ("wb", None) if binary else ("w", "utf-8")
+    # As open() checks them, before the file is touched: a bad value failed only once the
+    # temporary file was open, and open(fd) had closed its descriptor already.
+    if binary and newline is not None:
+        raise ValueError("binary mode doesn't take a newline argument")
+    if newline not in (None, "", "\n", "\r", "\r\n"):
+        raise ValueError(f"illegal newline value: {newline!r}")
     target = _replaceable(path)
     made = _create_beside(path, target) if target is not None else None
     if target is None or made is None:
@@ -60,8 +67,9 @@ def _atomic_write(path: str, binary: bool, newline: str | None) -> Iterator[IO[A
     try:
         f = open(fd, mode, encoding=encoding, newline=newline)  # noqa: SIM115  # closed below
     except BaseException:
-        os.close(fd)
         os.unlink(tmp)
+        with contextlib.suppress(OSError):  # open(fd) closes it once it has wrapped it
+            os.close(fd)
         raise
     try:
         with f:
@@ -107,6 +115,8 @@ def _through_descriptor(path: str) -> bool:
     open descriptor, such as `/dev/stdout` redirected to a file."""
     p = os.path.abspath(path)
     for _ in range(40):  # the kernel's own limit on links followed
+        # A folder on the way may be the link (`fds -> /proc/self/fd`, then `fds/1`).
+        p = os.path.join(os.path.realpath(os.path.dirname(p)), os.path.basename(p))
         if p.startswith(("/proc/", "/dev/fd/")):
             return True
         try:
@@ -148,12 +158,35 @@ def _create_beside(path: str, target: str) -> tuple[int, str] | None:
         break
     if st is not None:
         try:
-            if hasattr(os, "fchown") and os.fstat(fd).st_gid != st.st_gid:
-                with contextlib.suppress(OSError):  # allowed for root or a group of the user's
-                    os.fchown(fd, -1, st.st_gid)
-            os.chmod(tmp, stat.S_IMODE(st.st_mode))  # after chown, which clears set-id bits
+            owned = _take_owner(fd, st)
+            if owned:
+                os.chmod(tmp, stat.S_IMODE(st.st_mode))  # after chown: it clears set-id bits
         except BaseException:
             os.close(fd)
             os.unlink(tmp)
             raise
+        if not owned:
+            # open() keeps the owner; a file the user may not give away (another user's, or
+            # one in a sticky folder, where the rename fails) is written in place.
+            os.close(fd)
+            os.unlink(tmp)
+            return None
     return fd, tmp
+
+
+def _take_owner(fd: int, st: os.stat_result) -> bool:
+    """Give the file `fd` the owner and, where the user may set it, the group of `st`; False
+    where the owner cannot be kept."""
+    if not hasattr(os, "fchown"):
+        return True
+    own = os.fstat(fd)
+    if (own.st_uid, own.st_gid) == (st.st_uid, st.st_gid):
+        return True
+    try:
+        os.fchown(fd, st.st_uid, st.st_gid)  # root, as under sudo, may keep both
+    except OSError:
+        if own.st_uid != st.st_uid:
+            return False
+        with contextlib.suppress(OSError):  # allowed for a group of the user's
+            os.fchown(fd, -1, st.st_gid)
+    return True
