@@ -1,8 +1,9 @@
 """Trace readers: Mooncake JSONL (chained block ids) and JSONL of token-id prompts.
 
 Both yield `Request`s one line at a time, so a trace is never loaded whole by a reader. Every
-bad line raises `TraceFormatError` naming the file and the line number; bad arguments and a
-path that is no file are refused when a reader is called, not at its first line.
+bad line raises `TraceFormatError` naming the file and the line number; bad arguments, a
+path that is no file and a file without a record (`TraceFormatError`, as `iter_trace` raises)
+are refused when a reader is called, not at its first line (a pipe's emptiness at its end).
 """
 
 from __future__ import annotations
@@ -188,7 +189,7 @@ def read_mooncake(
     # a bad group only at the first line (an empty file accepted it).
     block_tokens = checked_int("block_tokens", block_tokens)
     _check_group(group_idx)
-    return _read_mooncake(_trace_file(path), block_tokens, group_idx)
+    return _read_mooncake(_nonempty_file(path), block_tokens, group_idx)
 
 
 def _check_group(group_idx: int) -> None:
@@ -214,6 +215,7 @@ def _read_mooncake(
     path: Path, block_tokens: int, group_idx: int, *, inferred: bool = False
 ) -> Iterator[Request]:
     keys: dict[int, OffloadKey] = {}  # one bytes object per id: less memory, cached hashes
+    lineno = 0
     for lineno, obj in _lines(path):
         where = f"{path}:{lineno}"
         ids = obj.get("hash_ids")
@@ -265,6 +267,8 @@ def _read_mooncake(
             output_length=_int_field(obj, "output_length", where, default=0),
             timestamp=_timestamp(obj, where),
         )
+    if not lineno:
+        raise _empty(path)  # a pipe, which `_nonempty_file` cannot read ahead of the reader
 
 
 def read_token_prompts(
@@ -287,12 +291,13 @@ def read_token_prompts(
         checked_int("block_tokens", block_tokens), algorithm=algorithm, namespace=namespace
     )
     _check_group(group_idx)
-    return _read_token_prompts(_trace_file(path), hasher, group_idx)
+    return _read_token_prompts(_nonempty_file(path), hasher, group_idx)
 
 
 def _read_token_prompts(path: Path, hasher: BlockHasher, group_idx: int) -> Iterator[Request]:
     block_tokens = hasher.block_size
     interned: dict[bytes, OffloadKey] = {}
+    lineno = 0
     for lineno, obj in _lines(path):
         where = f"{path}:{lineno}"
         tokens = obj.get("token_ids")
@@ -334,6 +339,8 @@ def _read_token_prompts(path: Path, hasher: BlockHasher, group_idx: int) -> Iter
             timestamp=_timestamp(obj, where),
             conversation_id=conv_id,
         )
+    if not lineno:
+        raise _empty(path)
 
 
 def _head(path: Path, max_lines: int) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -421,6 +428,15 @@ def _check_not_empty(path: Path) -> None:
             raise _empty(path) from None
         except TraceFormatError:
             pass
+
+
+def _nonempty_file(path: str | Path) -> Path:
+    """`path`, checked as `_trace_file` checks it and, if a regular file, refused when it holds
+    no record (as `iter_trace` refuses it): the readers yielded nothing for an empty file."""
+    file = _trace_file(path)
+    if file.is_file():  # a pipe's first line would be consumed; its reader checks at its end
+        _check_not_empty(file)
+    return file
 
 
 def iter_trace(

@@ -29,7 +29,7 @@ from typing import Final
 from kvtier.admission import AlwaysAdmit, ReuseAdmission
 from kvtier.base import LookupResult, ManagerStats, OffloadKey, ReqContext, checked_int
 from kvtier.cpu.manager import CPUOffloadingManager
-from kvtier.policies import CachePolicy
+from kvtier.policies import CachePolicy, registered_policies
 from kvtier.sim.result import RunResult
 from kvtier.sim.trace import Request, Trace
 
@@ -106,6 +106,17 @@ class DevicePrefixCache:
         return None
 
 
+def policy_label(policy: object) -> str:
+    """The name a row gives `policy`: a string as given; a `CachePolicy` class by its registered
+    name, else as `module:Class` (a subclass of a registered policy is not that policy)."""
+    if not (isinstance(policy, type) and issubclass(policy, CachePolicy)):
+        return str(policy)
+    name = policy.name
+    if name and registered_policies().get(name) is policy:
+        return name
+    return f"{policy.__module__}:{policy.__qualname__}"
+
+
 def make_manager(
     policy: str | type[CachePolicy],
     capacity: int,
@@ -157,13 +168,17 @@ def _check_hits_as(hits_as: str) -> bool:
 class _Tally:
     """The totals a report needs, from a `Trace` or counted while a request stream is replayed.
 
-    Streaming keeps only the set of distinct keys (for `capacity_frac`), never the requests.
+    Streaming keeps only the sets of distinct keys (for `capacity_frac`) and request ids (to
+    refuse a repeat), never the requests.
     """
 
     def __init__(self, source: Trace | Iterable[Request]) -> None:
         self._trace = source if isinstance(source, Trace) else None
         self.num_requests = self.num_blocks = self.num_tokens = self.block_tokens = 0
         self._unique: set[OffloadKey] = set()
+        # ~100 bytes an id (290 MiB for 3M); the key set a stream keeps anyway is larger (the
+        # Mooncake trace: 12k ids, 183k distinct keys).
+        self._ids: set[str] = set()
         self.requests: Iterable[Request] = (
             source.requests if isinstance(source, Trace) else self._count(source)
         )
@@ -183,6 +198,15 @@ class _Tally:
                     f"started with {self.block_tokens}-token blocks and a trace has one block "
                     "size"
                 )
+            ids = self._ids
+            if req.req_id in ids:
+                # As `Trace` refuses: reuse admission counts distinct ids, so repeats of one id
+                # were one request and a store threshold of 2 stored nothing.
+                raise ValueError(
+                    f"requests[{i}] has req_id {req.req_id!r}, as an earlier request has; "
+                    "expected an id of its own for each request"
+                )
+            ids.add(req.req_id)
             self.num_requests += 1
             self.num_blocks += len(req.keys)
             self.num_tokens += req.input_length
@@ -293,9 +317,10 @@ def replay_flat(
     """Replay every block access of `trace` through `mgr` (the textbook simulation).
 
     `trace` may be a `Trace` or any iterable of requests, such as `iter_trace(path)`, which is
-    then streamed: an item that is no `Request`, or one whose block size differs from the
-    first's, raises before it is replayed. The row's `store_threshold` is that of `mgr`'s
-    admission; one given must agree with it.
+    then streamed: an item that is no `Request`, one whose block size differs from the
+    first's, or one whose `req_id` an earlier request has, raises before it is replayed. The
+    row's `store_threshold` is that of `mgr`'s admission; one given must agree with it. The
+    row names the policy `policy`, else as `policy_label` names `mgr`'s policy class.
     """
     _check_manager(mgr)
     record_hit = _hit_recorder(mgr, _check_hits_as(hits_as))
@@ -332,7 +357,7 @@ def replay_flat(
         mgr,
         tally,
         before=before,
-        policy=policy or mgr.policy.name,
+        policy=policy or policy_label(type(mgr.policy)),
         mode="flat",
         store_threshold=threshold,
         hits=hits,
@@ -412,7 +437,7 @@ def replay_engine(
         mgr,
         tally,
         before=before,
-        policy=policy or mgr.policy.name,
+        policy=policy or policy_label(type(mgr.policy)),
         mode="engine",
         store_threshold=threshold,
         hits=hits + device_hits,

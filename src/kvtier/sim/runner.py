@@ -22,7 +22,7 @@ from types import FrameType
 from typing import Any, Final, SupportsIndex, TypeVar
 
 from kvtier.base import checked_int
-from kvtier.policies import CachePolicy, get_policy_cls, registered_policies
+from kvtier.policies import CachePolicy, get_policy_cls
 from kvtier.sim.bounds import opt_result
 from kvtier.sim.replay import (
     HIT_ACTIONS,
@@ -30,6 +30,7 @@ from kvtier.sim.replay import (
     ProgressFn,
     check_device_options,
     make_manager,
+    policy_label,
     replay_engine,
     replay_flat,
 )
@@ -128,17 +129,6 @@ def check_inputs(trace: object, opts: object) -> None:
     check_replayable(trace)
     if not isinstance(opts, ReplayOptions):
         raise TypeError(f"opts={opts!r:.80} has type {type(opts).__name__}; expected ReplayOptions")
-
-
-def policy_label(policy: object) -> str:
-    """The name a row gives `policy`: a string as given; a `CachePolicy` class by its registered
-    name, else as `module:Class` (a subclass of a registered policy is not that policy)."""
-    if not (isinstance(policy, type) and issubclass(policy, CachePolicy)):
-        return str(policy)
-    name = policy.name
-    if name and registered_policies().get(name) is policy:
-        return name
-    return f"{policy.__module__}:{policy.__qualname__}"
 
 
 def check_policy(policy: object, opts: ReplayOptions) -> None:
