@@ -299,17 +299,19 @@ class BlockHasher:
                     f"({num_full} full blocks, {num_all} counting the partial one)"
                 )
             # Most blocks of a request share one LoRA name or salt: encode each distinct str or
-            # bytes once. Other types skip the memo (1 == True == 1.0 as dict keys).
-            memo: dict[object, bytes] = {}
+            # bytes once. Other types skip the memo (1 == True == 1.0 as dict keys). One memo per
+            # type: "a" and b"a" hash alike, and comparing them warns (raises under -bb).
+            memos: dict[type, dict[object, bytes]] = {str: {}, bytes: {}}
             extras = []
             for entry in extra_keys[:num_full]:
-                if type(entry) is str or type(entry) is bytes:
-                    enc = memo.get(entry)
-                    if enc is None:
-                        enc = memo[entry] = encode_extra_keys(entry)
-                    extras.append(enc)
-                else:
+                memo = memos.get(type(entry))
+                if memo is None:
                     extras.append(encode_extra_keys(entry))
+                    continue
+                enc = memo.get(entry)
+                if enc is None:
+                    enc = memo[entry] = encode_extra_keys(entry)
+                extras.append(enc)
 
         # One tobytes() for the whole prompt, then per-block slices: no per-token Python work.
         data = tokens[: num_full * bs].tobytes()
