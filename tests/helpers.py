@@ -508,3 +508,19 @@ def tiny_model_size(vocab: int) -> dict[str, int]:
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
     }
+
+
+class FakeCudart:
+    """The CUDA runtime's register calls, so that a pool pins without a GPU."""
+
+    def __init__(self) -> None:
+        self.registered: list[int] = []
+        self.unregistered: list[int] = []
+
+    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:
+        self.registered.append(address)
+        return 0
+
+    def cudaHostUnregister(self, address: int) -> int:
+        self.unregistered.append(address)
+        return 0

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import in_child
+from helpers import FakeCudart, in_child
 from kvtier.config import KVTierConfig
 from kvtier.transfer import CPUTransferWorker, HostPool, KVCacheRegistration, KVTensor
 from kvtier.transfer.factory import make_transfer_worker, transfer_worker_from_config
@@ -129,29 +129,13 @@ def test_pin_takes_numpy_bools() -> None:
     assert not HostPool(reg, 1, num_slots=2, pin=np.bool_(False)).pinned  # type: ignore[arg-type]
 
 
-class _FakeCudart:
-    """Stands in for the CUDA runtime's register calls, so a pool pins without a GPU."""
-
-    def __init__(self) -> None:
-        self.registered: list[int] = []
-        self.unregistered: list[int] = []
-
-    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:
-        self.registered.append(address)
-        return 0
-
-    def cudaHostUnregister(self, address: int) -> int:
-        self.unregistered.append(address)
-        return 0
-
-
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_pinned_pool_is_not_inherited_by_a_forked_child(monkeypatch: pytest.MonkeyPatch) -> None:
     """Copy-on-write of a pinned private page would give whoever writes first after a fork a
     new page; where the driver does not pin for fork that could be the parent, with the device
     still using the child's page. So the child gets no mapping, and building a worker on the
     pool there is refused by name rather than faulting on unmapped memory."""
-    cudart = _FakeCudart()
+    cudart = FakeCudart()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
     kv = torch.arange(8 * 64, dtype=torch.int32).view(8, 64)

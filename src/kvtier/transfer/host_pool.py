@@ -59,10 +59,7 @@ class HostPool:
         byte_budget: int | None = None,
         pin: bool | None = None,
     ) -> None:
-        if not isinstance(registration, KVCacheRegistration):
-            raise TypeError(
-                f"registration must be a KVCacheRegistration, got {type(registration).__name__}"
-            )
+        _check_registration(registration)
         blocks_per_chunk = _positive_int("blocks_per_chunk", blocks_per_chunk)
         if pin is not None and not isinstance(pin, (bool, np.bool_)):
             # bool() would read pin="no" or pin=0.5 as a request to pin.
@@ -131,6 +128,10 @@ class HostPool:
     @staticmethod
     def slot_bytes_for(registration: KVCacheRegistration, blocks_per_chunk: int) -> int:
         """Bytes of one slot: `blocks_per_chunk` rows of the registration's largest page."""
+        # Checked here too, as it is public: 0 or a negative count gave a 0 or negative size,
+        # and a numpy integer wrapped around (np.int64(2**60) gave 0).
+        _check_registration(registration)
+        blocks_per_chunk = _positive_int("blocks_per_chunk", blocks_per_chunk)
         return blocks_per_chunk * registration.max_page_bytes
 
     @staticmethod
@@ -138,6 +139,7 @@ class HostPool:
         registration: KVCacheRegistration, blocks_per_chunk: int, byte_budget: int
     ) -> int:
         """Number of slots that fit in `byte_budget` bytes (exact, no rounding up)."""
+        _check_registration(registration)
         blocks_per_chunk = _positive_int("blocks_per_chunk", blocks_per_chunk)
         byte_budget = _positive_int("byte_budget", byte_budget)
         slot_bytes = HostPool.slot_bytes_for(registration, blocks_per_chunk)
@@ -160,6 +162,7 @@ class HostPool:
 
     def _pin(self) -> bool:
         """Page-lock the pool for DMA; on failure warn once and stay pageable."""
+        registered = False
         try:
             if not torch.cuda.is_available():
                 raise RuntimeError("CUDA is not available")
@@ -171,6 +174,7 @@ class HostPool:
             if err != 0:
                 _clear_cuda_error()
                 raise RuntimeError(f"cudaHostRegister returned error {err}")
+            registered = True
             # Not inherited by a forked child: its copy-on-write would give the first writer
             # after the fork a new page, and where the driver does not pin pages for fork (old
             # kernels or drivers) that writer could be this process, with the device still
@@ -178,6 +182,11 @@ class HostPool:
             if self._mmap is not None and hasattr(mmap, "MADV_DONTFORK"):
                 self._mmap.madvise(mmap.MADV_DONTFORK)
         except Exception as exc:
+            if registered:
+                # A pageable pool is never unregistered, so a registration left here (madvise
+                # failed after it) outlived the pool and kept a later one at its address from
+                # being pinned.
+                _unregister(self.address, os.getpid())
             warnings.warn(
                 f"could not pin the {self.nbytes}-byte host pool ({exc}); using pageable memory, "
                 "so host<->device copies will be slower",
@@ -285,6 +294,13 @@ def not_copyable(obj: object) -> TypeError:
         f"a {kind} cannot be pickled or copied: it holds memory (a worker also threads) of "
         f"this process, which a copy would share; create a new {kind} where one is needed"
     )
+
+
+def _check_registration(registration: object) -> None:
+    if not isinstance(registration, KVCacheRegistration):
+        raise TypeError(
+            f"registration must be a KVCacheRegistration, got {type(registration).__name__}"
+        )
 
 
 def _positive_int(name: str, value: object) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 from bisect import bisect_left, insort
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -331,7 +331,16 @@ class KVCacheRegistration:
     Tensors of different groups may alias each other (hybrid models share one block pool).
     """
 
-    def __init__(self, tensors: Sequence[KVTensor]) -> None:
+    def __init__(self, tensors: Iterable[KVTensor]) -> None:
+        # A lone KVTensor failed with "'KVTensor' object is not iterable", and a lone
+        # torch.Tensor was iterated over its first dimension.
+        if isinstance(tensors, (KVTensor, torch.Tensor, str, bytes)) or not isinstance(
+            tensors, Iterable
+        ):
+            raise TypeError(
+                f"tensors must be a sequence of KVTensor, got {type(tensors).__name__}; "
+                "wrap a single KVTensor in a list"
+            )
         tensors = list(tensors)
         if not tensors:
             raise ValueError("tensors is empty; register at least one KVTensor")
@@ -394,7 +403,11 @@ class KVCacheRegistration:
         return math.gcd(g, 16)
 
     def _check_group(self, group: int) -> None:
-        if group not in self._segments:
+        try:
+            known = group in self._segments
+        except TypeError:  # unhashable (a list): the same error as any other unknown group
+            known = False
+        if not known:
             raise ValueError(f"group={group!r} is not registered; groups are {list(self.groups)}")
 
     def __repr__(self) -> str:
