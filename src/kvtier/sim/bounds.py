@@ -86,6 +86,16 @@ def device_prefix_hits(trace: Trace, device_blocks: int) -> list[int]:
     return out
 
 
+def check_opt_exact(mode: str, store_on: str) -> None:
+    """Refuse a replay where OPT is not exact: behind a device storing only what it evicts, a
+    miss may not be stored when it happens, which Belady's choice assumes."""
+    if mode == "engine" and store_on != "eager":
+        raise ValueError(
+            "policy 'opt' is exact only where every miss may be stored at once (flat, or "
+            f"engine with eager stores); store_on={store_on!r} is not supported"
+        )
+
+
 def opt_result(
     trace: Trace,
     capacity: int,
@@ -101,11 +111,7 @@ def opt_result(
         # Before the check below, which would call a misspelling a valid, unsupported choice.
         raise ValueError(f"store_on={store_on!r} is invalid; expected one of: {STORE_ON}")
     check_device_options(mode, device_blocks, store_on)
-    if mode == "engine" and store_on != "eager":
-        raise ValueError(
-            "opt is exact only where every miss may be stored at once (flat, or engine with "
-            f"eager stores); store_on={store_on!r} is not supported"
-        )
+    check_opt_exact(mode, store_on)
     capacity = checked_int("capacity", capacity)  # before the row reports it
     check_replayable(trace)
     start = time.perf_counter()

@@ -31,7 +31,7 @@ from kvtier.base import LookupResult, ManagerStats, OffloadKey, ReqContext, chec
 from kvtier.cpu.manager import CPUOffloadingManager
 from kvtier.policies import CachePolicy, registered_policies
 from kvtier.sim.result import RunResult
-from kvtier.sim.trace import Request, Trace
+from kvtier.sim.trace import Request, Trace, TraceTotals
 
 STORE_ON: Final = ("eager", "on-evict")
 """When engine mode offers a computed block to the CPU tier."""
@@ -45,6 +45,12 @@ ProgressFn = Callable[[int], None]
 _PROGRESS_EVERY: Final = 256
 
 
+def not_defaults(*settings: tuple[str, object, object]) -> list[str]:
+    """`name=value` for each `(name, value, default)` given another value than its default (a
+    bool is never a default count, though True == 1)."""
+    return [f"{n}={v!r}" for n, v, default in settings if isinstance(v, bool) or v != default]
+
+
 def check_device_options(mode: str, device_blocks: object, store_on: object) -> None:
     """Refuse a device cache (`device_blocks`, `store_on`) outside engine mode.
 
@@ -54,14 +60,7 @@ def check_device_options(mode: str, device_blocks: object, store_on: object) -> 
     """
     if mode == "engine":
         return
-    given = [
-        f"{name}={value!r}"
-        for name, value, flat in (
-            ("device_blocks", device_blocks, 0),
-            ("store_on", store_on, "eager"),
-        )
-        if isinstance(value, bool) or value != flat
-    ]
+    given = not_defaults(("device_blocks", device_blocks, 0), ("store_on", store_on, "eager"))
     if given:
         verb = "apply" if len(given) > 1 else "applies"
         raise ValueError(
@@ -174,44 +173,16 @@ class _Tally:
 
     def __init__(self, source: Trace | Iterable[Request]) -> None:
         self._trace = source if isinstance(source, Trace) else None
-        self.num_requests = self.num_blocks = self.num_tokens = self.block_tokens = 0
-        self._unique: set[OffloadKey] = set()
-        # ~100 bytes an id (290 MiB for 3M); the key set a stream keeps anyway is larger (the
-        # Mooncake trace: 12k ids, 183k distinct keys).
-        self._ids: set[str] = set()
+        self._totals = TraceTotals()
         self.requests: Iterable[Request] = (
             source.requests if isinstance(source, Trace) else self._count(source)
         )
 
     def _count(self, source: Iterable[Request]) -> Iterator[Request]:
         # What `Trace` checks of a whole trace, checked of each request before it is replayed.
+        add = self._totals.add
         for i, req in enumerate(source):
-            if not isinstance(req, Request):
-                raise TypeError(
-                    f"requests[{i}]={req!r:.80} has type {type(req).__name__}; expected a "
-                    "Request (iter_trace(path) streams a trace file)"
-                )
-            if self.block_tokens and req.block_tokens != self.block_tokens:
-                # Each block counts as one slot: mixed sizes made every ratio meaningless.
-                raise ValueError(
-                    f"request {req.req_id} has {req.block_tokens}-token blocks; the trace "
-                    f"started with {self.block_tokens}-token blocks and a trace has one block "
-                    "size"
-                )
-            ids = self._ids
-            if req.req_id in ids:
-                # As `Trace` refuses: reuse admission counts distinct ids, so repeats of one id
-                # were one request and a store threshold of 2 stored nothing.
-                raise ValueError(
-                    f"requests[{i}] has req_id {req.req_id!r}, as an earlier request has; "
-                    "expected an id of its own for each request"
-                )
-            ids.add(req.req_id)
-            self.num_requests += 1
-            self.num_blocks += len(req.keys)
-            self.num_tokens += req.input_length
-            self.block_tokens = req.block_tokens
-            self._unique.update(req.keys)
+            add(i, req)
             yield req
 
     def totals(self) -> tuple[int, int, int, int, int]:
@@ -219,13 +190,8 @@ class _Tally:
         t = self._trace
         if t is not None:
             return len(t), t.num_blocks, t.num_tokens, t.num_unique_blocks, t.block_tokens
-        return (
-            self.num_requests,
-            self.num_blocks,
-            self.num_tokens,
-            len(self._unique),
-            self.block_tokens,
-        )
+        c = self._totals
+        return c.num_requests, c.num_blocks, c.num_tokens, len(c.unique), c.block_tokens
 
 
 def _result(

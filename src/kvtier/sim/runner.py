@@ -23,13 +23,14 @@ from typing import Any, Final, SupportsIndex, TypeVar
 
 from kvtier.base import checked_int
 from kvtier.policies import CachePolicy, get_policy_cls
-from kvtier.sim.bounds import opt_result
+from kvtier.sim.bounds import check_opt_exact, opt_result
 from kvtier.sim.replay import (
     HIT_ACTIONS,
     STORE_ON,
     ProgressFn,
     check_device_options,
     make_manager,
+    not_defaults,
     policy_label,
     replay_engine,
     replay_flat,
@@ -103,14 +104,10 @@ class ReplayOptions:
         if self.store_threshold < 2:
             # Only reuse admission has a tracker; a bound given without it was ignored, and
             # the row showed no tracker where the caller meant one (the CLI refuses it too).
-            given = [
-                f"{name}={value!r}"
-                for name, value, unset in (
-                    ("max_tracker_size", self.max_tracker_size, 64_000),
-                    ("tracker_per_slot", per_slot, None),
-                )
-                if value != unset
-            ]
+            given = not_defaults(
+                ("max_tracker_size", self.max_tracker_size, 64_000),
+                ("tracker_per_slot", per_slot, None),
+            )
             if given:
                 raise ValueError(
                     f"{' and '.join(given)} has no effect with store_threshold="
@@ -135,11 +132,8 @@ def check_policy(policy: object, opts: ReplayOptions) -> None:
     """Refuse a policy no replay can run (a misspelt name, opt where it is not exact), so that
     a grid fails before its first replay rather than after all that precede it."""
     if isinstance(policy, str) and policy in BOUNDS:
-        if policy == "opt" and opts.mode == "engine" and opts.store_on != "eager":
-            raise ValueError(
-                "policy 'opt' is exact only where every miss may be stored at once (flat, or "
-                f"engine with eager stores); store_on={opts.store_on!r} is not supported"
-            )
+        if policy == "opt":
+            check_opt_exact(opts.mode, opts.store_on)
         return
     get_policy_cls(policy)  # type: ignore[arg-type]  # it names what is wrong with any value
 
