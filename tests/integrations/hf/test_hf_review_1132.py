@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from helpers import tiny_model_size
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
@@ -25,14 +27,7 @@ VOCAB = 256
 
 
 def _llama_config() -> Any:
-    return transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    return transformers.LlamaConfig(**tiny_model_size(VOCAB))
 
 
 def _t5() -> Any:
