@@ -464,11 +464,9 @@ def iter_trace(
         raise ValueError(f"block_tokens={block_tokens!r} is invalid; expected a positive int")
     # Regular only: the file is read more than once (detection, block size, requests).
     file = _trace_file(path, regular=True)
-    if fmt == "auto":
-        fmt = detect_format(file)
-    else:
-        # Detection refused an empty file; an explicit format read it as a trace of nothing.
-        _check_not_empty(file)
+    detected = fmt == "auto"
+    if detected:
+        fmt = detect_format(file)  # which refuses an empty file, as the readers do
     if fmt == "mooncake":
         if algorithm != "sha256" or namespace not in ("", b""):
             # Its hash_ids are block ids already: a hash setting would be silently ignored.
@@ -478,6 +476,8 @@ def iter_trace(
                 "ids (leave them at sha256 and none)"
             )
         if block_tokens is None:
+            if not detected:
+                _check_not_empty(file)  # as `read_mooncake` does: at the call
             return _read_mooncake(file, infer_block_tokens(file), 0, inferred=True)
         return read_mooncake(file, block_tokens=block_tokens)
     return read_token_prompts(
