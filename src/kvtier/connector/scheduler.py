@@ -71,6 +71,10 @@ class _Request:
     # (first token, number of tokens, cache generation) of a load planned by
     # get_num_new_matched_tokens
     planned_load: tuple[int, int, int] | None = None
+    # (hits, misses) of the chunk lookups behind the last offer: counted in `lookup_hits` /
+    # `lookup_misses` only when the engine allocates for that offer, so a request looked up
+    # again every step while it waits for device blocks counts once.
+    looked_up: tuple[int, int] | None = None
     jobs: set[int] = field(default_factory=set)
     # Sent jobs whose device blocks the engine took back (a preemption) and may have given to
     # other requests: a failed load among them reports no blocks in `failed_load_blocks`.
@@ -283,6 +287,12 @@ class OffloadingScheduler:
         could be planned."""
         self.store_jobs_failed = 0
         """Store jobs that failed on any worker."""
+        self.lookup_hits = 0
+        """Chunk lookups (one per chunk and group) that hit, counted each time the engine
+        schedules a request: those of the offer it allocated for, not of every time it asked."""
+        self.lookup_misses = 0
+        """Chunk lookups that missed, counted as `lookup_hits` are: at most one each time a
+        request is scheduled, as its lookups stop at the first miss."""
         self._wait_for: list[int] = []
         self._finished = FinishedRequests()
         # Device blocks of failed loads (at allocation, or reported failed), per request, until
@@ -435,7 +445,7 @@ class OffloadingScheduler:
         req = self._get(req_id)
         # A negative count would index chunks from the end of the request.
         num_computed_tokens = _token_count(req_id, "num_computed_tokens", num_computed_tokens)
-        req.planned_load = None
+        req.planned_load = req.looked_up = None
         if req.jobs:
             return None
         if req.offers_stopped or not read:
@@ -465,18 +475,22 @@ class OffloadingScheduler:
         # Proof chunks are looked up only for a chunk that could be loaded: with none, a
         # pending proof chunk would answer "ask again" for a load of nothing.
         stop = min(last_chunk + proof, self._num_chunks(req)) if first_chunk < last_chunk else 0
+        hits = misses = 0
         for c in range(first_chunk, stop):
             for g in range(len(self.groups)):
                 result = lookup(self._key(req, g, c), req.ctx)
                 if result is LookupResult.HIT:
+                    hits += 1
                     continue
                 if result is LookupResult.MISS:
+                    misses = 1
                     break
                 return None  # HIT_PENDING or RETRY
             else:
                 end_chunk = c + 1
                 continue
             break
+        req.looked_up = (hits, misses)
         if proof:
             end_chunk = max(first_chunk, min(end_chunk - proof, last_chunk))
         num_tokens = end_chunk * tpc - num_computed_tokens
@@ -497,6 +511,7 @@ class OffloadingScheduler:
         req = self._get(req_id)
         if num_external_tokens == 0:
             req.planned_load = None
+            self._count_lookups(req)
             return
         if req.finished or req.jobs:
             # The offer is stale: stores planned since (or a finish) would put a load beside
@@ -526,6 +541,7 @@ class OffloadingScheduler:
                 )
             devices.append(_device_blocks(req_id, group, block_ids[g][first_block:end_block]))
         req.planned_load = None  # only now: a call refused above leaves the offer standing
+        self._count_lookups(req)
         req.load_failed = False  # a new load: an earlier one's failure is reported already
         keys = [self._chunk_keys(req, first_chunk, end_chunk, g) for g in range(len(self.groups))]
         slots: list[npt.NDArray[np.int64]] = []
@@ -956,6 +972,12 @@ class OffloadingScheduler:
     def _new_job_id(self) -> int:
         self._next_job_id += 1
         return self._next_job_id
+
+    def _count_lookups(self, req: _Request) -> None:
+        if req.looked_up is not None:
+            self.lookup_hits += req.looked_up[0]
+            self.lookup_misses += req.looked_up[1]
+            req.looked_up = None
 
     def _track(self, req: _Request, job: TransferJob, keys: list[OffloadKey]) -> None:
         self._jobs[job.job_id] = _Job(job, list(keys), self._generation, self.num_workers)

@@ -30,6 +30,7 @@ from test_vllm import (
     _swap_transfer,
     fail_loads,
     gate,
+    kvtier_side,
     store_a_then_forget_on_device,
     stores_held,
     vllm_loaded,
@@ -78,25 +79,29 @@ def test_failed_load_help_says_what_vllms_default_policy_does(vllm_loaded: None)
     assert "recomputes the tokens under recompute" in text, text
 
 
-def test_lookup_help_says_a_waiting_request_is_looked_up_every_step(vllm_loaded: None) -> None:
-    """A request waiting for device blocks is looked up again every step: four chunks loaded
-    once count dozens of hits. The help presented them as plain lookups, inviting a hit rate."""
+def test_a_waiting_request_counts_its_lookups_once(vllm_loaded: None) -> None:
+    """A request waiting for device blocks is looked up again every step: its four chunks,
+    loaded once, used to count dozens of hits. They count once, when vLLM schedules it."""
     engine = make_engine("KVTierConnector", {"num_slots": 16}, num_gpu_blocks=12)
     store_a_then_forget_on_device(engine)
     engine.add("hog", list(range(500, 600)), max_tokens=30)  # holds most device blocks
     engine.step()
     engine.step()
     engine.add("b", [*PROMPT, 5])
+    for _ in range(5):
+        engine.step()
+    assert engine.scheduler.requests["b"].status.name == "WAITING"  # asked, not scheduled
+    side = kvtier_side(engine)
+    assert side.manager.get_stats().hits >= 5 * 4  # the tier saw every step's lookups
     engine.run_until(["b", "hog"])
 
     registry, _ = exported(engine)
     loaded_chunks = (sample(registry, "vllm:kvtier_loaded_tokens_total") or 0) // 16
-    hits = sample(registry, "vllm:kvtier_lookup_hits_total") or 0
     assert loaded_chunks == 4
-    assert hits >= 5 * loaded_chunks, hits  # b's chunks, once per step it waited
-    text = help_of(registry, "lookup_hits")
-    assert "looked up again every step" in text and "not a hit rate" in text, text
-    assert "counted each time vLLM asks" in help_of(registry, "lookup_misses")
+    assert sample(registry, "vllm:kvtier_lookup_hits_total") == loaded_chunks
+    # "a" and "hog" found nothing; "b"'s lookups ended at its prompt, not at a miss.
+    assert sample(registry, "vllm:kvtier_lookup_misses_total") == 2
+    assert "once per scheduling" in help_of(registry, "lookup_hits")
 
 
 def test_a_reset_is_announced_but_not_counted_as_evictions(vllm_loaded: None) -> None:

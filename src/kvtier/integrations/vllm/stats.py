@@ -44,13 +44,13 @@ COUNTERS: dict[str, str] = {
     ),
     "failed_store_jobs": "Store jobs that failed; their chunks are never served",
     "lookup_hits": (
-        "Chunk lookups that found the chunk in the host tier, counted each time vLLM asks "
-        "(a request waiting for device blocks is looked up again every step), so not a "
-        "hit rate; loaded_tokens counts the tokens vLLM planned to load"
+        "Chunks (times KV-cache groups) found in the host tier when vLLM scheduled a request, "
+        "once per scheduling however many steps it waited, including found chunks not loaded "
+        "(a drafter's proof chunks); loaded_tokens counts the tokens vLLM planned to load"
     ),
     "lookup_misses": (
-        "Chunk lookups that did not find the chunk in the host tier, counted each time vLLM "
-        "asks; a request's lookups stop at its first miss"
+        "Scheduled requests whose host-tier lookup ended at a missing chunk (at most one per "
+        "scheduling: a request's lookups stop at its first miss)"
     ),
     "stored_chunks": "Chunks written to the host tier",
     "skipped_chunks": "Chunks offered for storing that admission or a full tier turned away",
@@ -125,8 +125,8 @@ class Snapshot:
                 "store_seconds": sched.store_seconds,
                 "failed_load_jobs": sched.load_jobs_failed,
                 "failed_store_jobs": sched.store_jobs_failed,
-                "lookup_hits": manager.hits,
-                "lookup_misses": manager.misses,
+                "lookup_hits": sched.lookup_hits,
+                "lookup_misses": sched.lookup_misses,
                 "stored_chunks": manager.stores,
                 "skipped_chunks": manager.stores_skipped + manager.stores_no_room,
                 "evicted_chunks": manager.evictions,
