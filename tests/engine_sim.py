@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.base import TransferResult
+from kvtier.base import ReqContext, TransferResult, make_offload_key
 from kvtier.connector import OffloadingScheduler, OffloadingWorker, StepMetadata, StepProgress
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.transfer import HostPool, KVCacheRegistration, KVTensor, make_transfer_worker
@@ -31,6 +31,17 @@ def block_hashes(name: str, num_blocks: int, head: list[bytes] | None = None) ->
         parent = hashlib.sha256(parent + name.encode() + i.to_bytes(4, "big")).digest()
         out.append(parent)
     return out
+
+
+def stored_manager(
+    num_slots: int, hashes: list[bytes], groups: tuple[int, ...] = (0,)
+) -> CPUOffloadingManager:
+    """A manager holding the chunks of `hashes` (one block each) in every group of `groups`."""
+    m = CPUOffloadingManager(num_slots)
+    keys = [make_offload_key(h, g) for g in groups for h in hashes]
+    assert m.prepare_store(keys, ReqContext("w")) is not None
+    m.complete_store(keys, ReqContext("w"), True)
+    return m
 
 
 def sent_load(num_workers: int) -> tuple[CPUOffloadingManager, OffloadingScheduler, int]:

@@ -49,6 +49,7 @@ def test_defaults() -> None:
         "hash_algorithm": "sha256",
         "enable_events": False,
         "max_pending_events": 100_000,
+        "self_describing_kv_events": False,
         "transfer_backend": "auto",
         "transfer_cpus": None,
         "transfer_avoid_submitter_cpu": True,

@@ -43,6 +43,7 @@ _LAYER_VALUES: dict[str, tuple[tuple[str, object], tuple[str, object], tuple[str
     "hash_algorithm": (("XXH3_128", "xxh3_128"), ("sha256", "sha256"), ("xxh3_128", "xxh3_128")),
     "enable_events": (("yes", True), ("off", False), ("TRUE", True)),
     "max_pending_events": (("5", 5), ("6", 6), ("7", 7)),
+    "self_describing_kv_events": (("on", True), ("no", False), ("1", True)),
     "transfer_backend": (("cpu", "cpu"), ("CUDA", "cuda"), ("auto", "auto")),
     "transfer_cpus": (("1", (1,)), ("3-4", (3, 4)), ("6,2", (2, 6))),
     "transfer_avoid_submitter_cpu": (("no", False), ("1", True), ("false", False)),

@@ -311,6 +311,7 @@ _PARSERS: Final[dict[str, Callable[[object], Any]]] = {
     "hash_algorithm": _choice_parser(HASH_ALGORITHMS),
     "enable_events": _parse_bool,
     "max_pending_events": _int_parser(1),
+    "self_describing_kv_events": _parse_bool,
     "transfer_backend": _choice_parser(("auto", "cpu", "cuda")),
     "transfer_cpus": _parse_cpus,
     "transfer_avoid_submitter_cpu": _parse_bool,
@@ -357,6 +358,7 @@ class KVTierConfig:
     hash_algorithm: Literal["sha256", "xxh3_128"] = "sha256"
     enable_events: bool = False
     max_pending_events: int = 100_000
+    self_describing_kv_events: bool = False
     transfer_backend: Literal["auto", "cpu", "cuda"] = "auto"
     transfer_cpus: tuple[int, ...] | None = None
     transfer_avoid_submitter_cpu: bool = True

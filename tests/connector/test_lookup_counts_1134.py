@@ -10,23 +10,14 @@ from __future__ import annotations
 
 import pytest
 
-from engine_sim import block_hashes
+from engine_sim import block_hashes, stored_manager
 from kvtier.base import ReqContext, make_offload_key
 from kvtier.connector import OffloadingScheduler
-from kvtier.cpu import CPUOffloadingManager
-
-
-def stored_manager(hashes: list[bytes], groups: tuple[int, ...] = (0,)) -> CPUOffloadingManager:
-    m = CPUOffloadingManager(16)
-    keys = [make_offload_key(h, g) for g in groups for h in hashes]
-    assert m.prepare_store(keys, ReqContext("w")) is not None
-    m.complete_store(keys, ReqContext("w"), True)
-    return m
 
 
 def test_a_request_asked_every_step_counts_once_when_scheduled() -> None:
     hashes = block_hashes("a", 3)
-    m = stored_manager(hashes[:2])
+    m = stored_manager(16, hashes[:2])
     s = OffloadingScheduler(m, tokens_per_block=4)
     s.add_request("a", hashes, 13)
     for _ in range(5):  # waiting for device blocks: asked again each step
@@ -42,7 +33,7 @@ def test_a_request_asked_every_step_counts_once_when_scheduled() -> None:
 
 def test_scheduled_with_no_load_counts_the_lookup_that_found_nothing() -> None:
     hashes = block_hashes("b", 2)
-    m = stored_manager([])
+    m = stored_manager(16, [])
     s = OffloadingScheduler(m, tokens_per_block=4, groups=(0, 1))
     s.add_request("b", hashes, 9)
     assert s.get_num_new_matched_tokens("b", 0) == 0
@@ -53,7 +44,7 @@ def test_scheduled_with_no_load_counts_the_lookup_that_found_nothing() -> None:
 
 def test_every_group_counts_and_a_refused_alloc_counts_nothing() -> None:
     hashes = block_hashes("c", 3)
-    m = stored_manager(hashes, groups=(0, 1))
+    m = stored_manager(16, hashes, groups=(0, 1))
     s = OffloadingScheduler(m, tokens_per_block=4, groups=(0, 1))
     s.add_request("c", hashes, 13)
     assert s.get_num_new_matched_tokens("c", 0) == 12
@@ -66,7 +57,7 @@ def test_every_group_counts_and_a_refused_alloc_counts_nothing() -> None:
 
 def test_a_request_that_was_never_scheduled_counts_nothing() -> None:
     hashes = block_hashes("d", 2)
-    m = stored_manager(hashes)
+    m = stored_manager(16, hashes)
     s = OffloadingScheduler(m, tokens_per_block=4)
     s.add_request("d", hashes, 9)
     assert s.get_num_new_matched_tokens("d", 0) == 8

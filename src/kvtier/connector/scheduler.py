@@ -1021,6 +1021,15 @@ class OffloadingScheduler:
 
     # -- introspection ------------------------------------------------------------------------
 
+    def store_chunks(self, job_id: int) -> list[tuple[OffloadKey, int]]:
+        """(key, chunk index in its request) of each chunk a store job in flight writes, for
+        KV events that describe the chunk's blocks."""
+        record = self._jobs.get(job_id)
+        if record is None or record.spec.kind is not JobKind.STORE:
+            raise ValueError(f"job {job_id!r} is not a store job in flight")
+        positions, tpc = self._ctx(record.spec.req_id).key_positions, self.tokens_per_chunk
+        return [(k, positions[k] // tpc - 1) for k in record.keys]
+
     def job_ids_in_flight(self) -> list[int]:
         """Ids of jobs created and not yet completed (sent or not)."""
         return list(self._jobs)

@@ -348,14 +348,16 @@ def test_failed_load_follows_vllm_policy(
     assert_no_leaks(engine)
 
 
-def offloading_connector_engine(extra: dict[str, Any]) -> Engine:
-    """An engine with vLLM's own OffloadingConnector. Its worker needs a GPU: each step
-    completes every job at once instead."""
+def offloading_connector_engine(extra: dict[str, Any], **engine_kwargs: Any) -> Engine:
+    """An engine with vLLM's own OffloadingConnector (`engine_kwargs` go to `make_engine`).
+    Its worker needs a GPU: each step completes every job at once instead."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
         OffloadingWorkerMetadata,
     )
 
-    engine = make_engine("OffloadingConnector", extra, module_path=None, with_worker=False)
+    engine = make_engine(
+        "OffloadingConnector", extra, module_path=None, with_worker=False, **engine_kwargs
+    )
 
     def step(settle: bool = True) -> Any:
         so = engine.scheduler.schedule()

@@ -1,15 +1,23 @@
 """kvtier's `OffloadingEvent`s as vLLM KV cache events (`BlockStored` / `BlockRemoved`).
 
 vLLM's scheduler drains `KVConnectorBase_V1.take_events()` after every step and publishes the
-result next to its own prefix-cache events (`--kv-events-config`). The payload is the one
-vLLM's `OffloadingConnector` publishes by default: per chunk, the block hash that keys it
+result next to its own prefix-cache events (`--kv-events-config`). By default the payload is
+the one vLLM's `OffloadingConnector` sends by default: per chunk, the block hash that keys it
 (the chunk's last device block), the KV-cache group and the medium; no token ids, parent hash
 or block size, which the host tier does not keep.
+
+With `self_describing_kv_events` (vLLM's key for the same opt-in) `ChunkPayloads` keeps, for
+each chunk stored or being stored, what a consumer needs to index it without the engine: every
+block hash of the chunk, the hash of the block before it, its token ids and the block size.
+A `BlockRemoved` then names every block hash of the removed chunks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from array import array
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_events import (
     BlockRemoved,
@@ -18,39 +26,158 @@ from vllm.distributed.kv_events import (
 )
 from vllm.v1.core.kv_cache_utils import BlockHash, ExternalBlockHash, maybe_convert_block_hash
 
-from kvtier.base import OffloadingEvent, get_offload_block_hash, get_offload_group_idx
+from kvtier.base import (
+    OffloadingEvent,
+    OffloadKey,
+    get_offload_block_hash,
+    get_offload_group_idx,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
 
 
-def to_vllm_events(events: Iterable[OffloadingEvent]) -> list[KVCacheEvent]:
-    """vLLM events for kvtier's manager events, in order.
+@dataclass(frozen=True, slots=True)
+class ChunkPayload:
+    """One chunk's `BlockStored` fields, taken from its request when its store was planned."""
 
-    One `BlockStored` per stored chunk (as vLLM's OffloadingConnector does: a multi-hash
-    `BlockStored` would claim a parent chain that admission may have broken), one
-    `BlockRemoved` per KV-cache group of each removal.
+    block_hashes: tuple[ExternalBlockHash, ...]
+    parent_block_hash: ExternalBlockHash | None
+    # 4 bytes a token, not a list of ints: a full tier holds one payload per slot.
+    token_ids: array[int]
+    lora_id: int | None
+    lora_name: str | None
+
+
+class ChunkPayloads:
+    """Self-describing payloads of the chunks of the host tier, from store to removal.
+
+    `plan` snapshots a chunk from its request when its store job is sent (the request may be
+    gone by the time the store completes); `stored` moves it to the chunks held when the
+    manager announces the store, `removed` drops it when the manager announces the removal,
+    and `forget_ended` drops those whose job ended without a store.
+    """
+
+    def __init__(
+        self,
+        tokens_per_block: int,
+        blocks_per_chunk: int,
+        group_kinds: Sequence[tuple[str | None, int | None]],
+    ) -> None:
+        self.tokens_per_block = tokens_per_block
+        self.blocks_per_chunk = blocks_per_chunk
+        self.group_kinds = tuple(group_kinds)
+        self._planned: dict[OffloadKey, tuple[int, ChunkPayload]] = {}  # key -> (job, payload)
+        self._held: dict[OffloadKey, ChunkPayload] = {}
+
+    def __len__(self) -> int:
+        """Payloads kept: chunks held, and chunks of store jobs not yet seen to end."""
+        return len(self._planned) + len(self._held)
+
+    def plan(self, job_id: int, request: Request, chunks: Iterable[tuple[OffloadKey, int]]) -> None:
+        """Snapshot `(key, chunk index)` of `request` that store job `job_id` writes."""
+        bpc, tpb = self.blocks_per_chunk, self.tokens_per_block
+        hashes, tokens = request.block_hashes, request.all_token_ids
+        lora = request.lora_request
+        lora_id, lora_name = (lora.adapter_id, lora.name) if lora is not None else (None, None)
+        for key, chunk in chunks:
+            first = chunk * bpc
+            self._planned[key] = (
+                job_id,
+                ChunkPayload(
+                    block_hashes=tuple(
+                        maybe_convert_block_hash(h) for h in hashes[first : first + bpc]
+                    ),
+                    parent_block_hash=(
+                        maybe_convert_block_hash(hashes[first - 1]) if first else None
+                    ),
+                    token_ids=array("i", tokens[first * tpb : (first + bpc) * tpb]),
+                    lora_id=lora_id,
+                    lora_name=lora_name,
+                ),
+            )
+
+    def stored(self, key: OffloadKey, medium: str) -> BlockStored:
+        """The `BlockStored` of `key`, described by its payload if it has one; the payload is
+        kept for the key's removal."""
+        entry = self._planned.pop(key, None)
+        if entry is None:
+            return _bare_stored(key, medium)
+        payload = self._held[key] = entry[1]
+        group = get_offload_group_idx(key)
+        kind, window = self.group_kinds[group]
+        return BlockStored(
+            block_hashes=list(payload.block_hashes),
+            parent_block_hash=payload.parent_block_hash,
+            token_ids=payload.token_ids.tolist(),
+            block_size=self.tokens_per_block,
+            lora_id=payload.lora_id,
+            medium=medium,
+            lora_name=payload.lora_name,
+            group_idx=group,
+            kv_cache_spec_kind=kind,
+            kv_cache_spec_sliding_window=window,
+        )
+
+    def removed(self, key: OffloadKey) -> Sequence[ExternalBlockHash]:
+        """Every block hash of `key`'s chunk (its own alone without a payload); the payload
+        is dropped."""
+        payload = self._held.pop(key, None)
+        return (_external(key),) if payload is None else payload.block_hashes
+
+    def forget_ended(self, jobs_in_flight: Iterable[int]) -> None:
+        """Drop the payloads of store jobs that ended without a store: a failed job, or one
+        a reset outdated. Call it once the manager's events of the ended jobs are taken."""
+        planned = self._planned
+        if planned:
+            live = set(jobs_in_flight)
+            for k in [k for k, (job, _) in planned.items() if job not in live]:
+                del planned[k]
+
+
+def _external(key: OffloadKey) -> ExternalBlockHash:
+    return maybe_convert_block_hash(BlockHash(get_offload_block_hash(key)))
+
+
+def _bare_stored(key: OffloadKey, medium: str) -> BlockStored:
+    return BlockStored(
+        block_hashes=[_external(key)],
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=0,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+        group_idx=get_offload_group_idx(key),
+    )
+
+
+def to_vllm_events(
+    events: Iterable[OffloadingEvent], payloads: ChunkPayloads | None = None
+) -> list[KVCacheEvent]:
+    """vLLM events for kvtier's manager events, in order: one `BlockStored` per stored chunk,
+    one `BlockRemoved` per KV-cache group of each removal.
+
+    Without `payloads` a chunk is announced by its key's block hash alone, as vLLM's
+    OffloadingConnector does by default (one hash per event: several would claim a parent
+    chain that admission may have broken); with them, by every block hash of the chunk.
     """
     out: list[KVCacheEvent] = []
     for event in events:
         medium = event.medium
         if not event.removed:
-            out.extend(
-                BlockStored(
-                    block_hashes=[maybe_convert_block_hash(BlockHash(get_offload_block_hash(k)))],
-                    parent_block_hash=None,
-                    token_ids=[],
-                    block_size=0,
-                    lora_id=None,
-                    medium=medium,
-                    lora_name=None,
-                    group_idx=get_offload_group_idx(k),
-                )
-                for k in event.keys
-            )
+            if payloads is None:
+                out.extend(_bare_stored(k, medium) for k in event.keys)
+            else:
+                out.extend(payloads.stored(k, medium) for k in event.keys)
             continue
         by_group: dict[int, list[ExternalBlockHash]] = {}
         for k in event.keys:
-            by_group.setdefault(get_offload_group_idx(k), []).append(
-                maybe_convert_block_hash(BlockHash(get_offload_block_hash(k)))
-            )
+            hashes = by_group.setdefault(get_offload_group_idx(k), [])
+            if payloads is None:
+                hashes.append(_external(k))
+            else:
+                hashes.extend(payloads.removed(k))
         out.extend(
             BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group)
             for group, hashes in by_group.items()

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, overload
 from kvtier.base import TransferResult
 from kvtier.connector import OffloadingScheduler, StepProgress
 from kvtier.cpu import CPUOffloadingManager
-from kvtier.integrations.vllm.events import to_vllm_events
+from kvtier.integrations.vllm.events import ChunkPayloads, to_vllm_events
 from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.setup import VllmSetup
 from kvtier.integrations.vllm.stats import KVTierConnectorStats, Snapshot
@@ -107,6 +107,16 @@ class KVTierSchedulerSide:
         # scheduler (`_extend_lookup`).
         self._lookup_limits: dict[str, int] = {}
         self._loaded_tokens = 0  # offered and accepted by vLLM, for the connector stats
+        self._payloads = (
+            ChunkPayloads(setup.tokens_per_block, setup.blocks_per_chunk, setup.group_kinds)
+            if setup.self_describing
+            else None
+        )
+        if cfg.self_describing_kv_events and not setup.events:
+            logger.warning(
+                "kvtier: self_describing_kv_events is set but KV events are off "
+                "(--kv-events-config, or enable_events=false): no events are sent"
+            )
         self._stats_mark = self._snapshot()
         logger.info(
             "kvtier: scheduler side ready: %d host slots of %d blocks x %d tokens "
@@ -118,7 +128,7 @@ class KVTierSchedulerSide:
             cfg.cache_policy,
             len(setup.groups),
             setup.num_workers,
-            "on" if setup.events else "off",
+            ("self-describing" if setup.self_describing else "on") if setup.events else "off",
         )
 
     def _snapshot(self) -> Snapshot:
@@ -235,6 +245,11 @@ class KVTierSchedulerSide:
         for job in step.loads:
             self._loads[job.job_id] = [job.req_id, self.setup.num_workers]
             self._loading[job.req_id] = self._loading.get(job.req_id, 0) + 1
+        if self._payloads is not None:
+            for job in step.stores:
+                # Stores are planned for this step's scheduled requests, all of them tracked.
+                request = requests[job.req_id]
+                self._payloads.plan(job.job_id, request, sched.store_chunks(job.job_id))
         held, self._held = self._held, []
         failed, self._failed_at_alloc = self._failed_at_alloc, {}
         return KVTierConnectorMetadata(step, held, failed_loads=failed)
@@ -314,7 +329,11 @@ class KVTierSchedulerSide:
     def take_events(self) -> list[KVCacheEvent]:
         """KV events for chunks stored in or removed from the host tier since the last call
         (empty unless vLLM's KV events are enabled)."""
-        return to_vllm_events(self.manager.take_events())
+        events = to_vllm_events(self.manager.take_events(), self._payloads)
+        if self._payloads is not None:
+            # Every store of the jobs that ended is among the events just taken.
+            self._payloads.forget_ended(self.scheduler.job_ids_in_flight())
+        return events
 
     def reset_cache(self) -> None:
         """Empty the host tier; transfers in flight finish without touching the new contents."""

@@ -17,6 +17,8 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     RSWASpec,
     UniformTypeKVCacheSpecs,
+    get_kv_cache_spec_kind,
+    get_kv_cache_spec_sliding_window,
 )
 
 from kvtier.config import ConfigError, KVTierConfig
@@ -62,7 +64,10 @@ class VllmSetup:
     group is vLLM's `RSWASpec`, whose manager frees a running request's blocks of generated
     tokens once they fall out of its window, `proof_chunks` the chunks after a loaded one that
     must hit too (1 where a group holds EAGLE/MTP drafter layers, whose KV at a position
-    depends on the next token; `OffloadingScheduler`).
+    depends on the next token; `OffloadingScheduler`). `self_describing` says whether KV
+    events carry each chunk's block hashes, parent hash and token ids
+    (`self_describing_kv_events`, with `events` on), `group_kinds` each group's KV-cache spec
+    kind and sliding window, as vLLM classifies them for those events.
     """
 
     config: KVTierConfig
@@ -76,6 +81,8 @@ class VllmSetup:
     events: bool = False
     rswa: bool = False
     proof_chunks: int = 0
+    self_describing: bool = False
+    group_kinds: tuple[tuple[str | None, int | None], ...] = ()
 
     @property
     def slot_bytes(self) -> int:
@@ -227,6 +234,15 @@ def resolve_setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Vl
         events=events,
         rswa=rswa,
         proof_chunks=_proof_chunks(vllm_config, kv_cache_config),
+        # As vLLM's OffloadingConnector: inert without KV events, which would publish nothing.
+        self_describing=events and config.self_describing_kv_events,
+        group_kinds=tuple(
+            (
+                get_kv_cache_spec_kind(g.kv_cache_spec).value,
+                get_kv_cache_spec_sliding_window(g.kv_cache_spec),
+            )
+            for g in groups
+        ),
     )
 
 
