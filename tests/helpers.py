@@ -21,6 +21,7 @@ import pytest
 from kvtier.base import OffloadingEvent, OffloadKey, ReqContext, TransferResult, make_offload_key
 
 if TYPE_CHECKING:
+    from kvtier.cpu import CPUOffloadingManager
     from kvtier.transfer import HostPool, KVCacheRegistration, TransferWorker
     from kvtier.transfer.cuda_worker import CUDATransferWorker
 
@@ -33,6 +34,19 @@ def key(i: int, group: int = 0) -> OffloadKey:
 def keys(*ids: int) -> list[OffloadKey]:
     """Several test keys."""
     return [key(i) for i in ids]
+
+
+def fill(m: CPUOffloadingManager, ctx: ReqContext, *ids: int) -> None:
+    """Store the test keys `ids` in `m` (all of them admitted and written)."""
+    out = m.prepare_store(keys(*ids), ctx)
+    assert out is not None
+    m.complete_store(out.keys_to_store, ctx)
+
+
+def all_evictable(m: CPUOffloadingManager) -> bool:
+    """Every slot of `m` can be reclaimed: a store of as many new keys as slots finds room."""
+    out = m.prepare_store(keys(*range(100, 100 + m.num_slots)), ReqContext("later"))
+    return out is not None and len(out.keys_to_store) == m.num_slots
 
 
 def refused_argv(

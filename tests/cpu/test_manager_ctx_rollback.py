@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from helpers import key, keys
+from helpers import all_evictable, fill, key, keys
 from kvtier.base import OffloadKey, ReqContext
 from kvtier.cpu import CPUOffloadingManager
 from kvtier.policies import LRUPolicy
@@ -42,24 +42,12 @@ def core(m: CPUOffloadingManager) -> bytes:
     return pickle.dumps((m._slot_of, m._ref, m._free, m._num_pinned, m._num_pending, m.get_stats()))
 
 
-def fill(m: CPUOffloadingManager, *ids: int) -> None:
-    out = m.prepare_store(keys(*ids), CTX)
-    assert out is not None
-    m.complete_store(out.keys_to_store, CTX)
-
-
-def assert_all_evictable(m: CPUOffloadingManager) -> None:
-    """Every slot can be reclaimed: a full store of new keys finds room."""
-    out = m.prepare_store(keys(*range(100, 100 + m.num_slots)), ReqContext("later"))
-    assert out is not None and len(out.keys_to_store) == m.num_slots
-
-
 @pytest.mark.parametrize("bad_ctx", ["r1", None, 7], ids=["str", "none", "int"])
 def test_a_context_that_is_not_a_reqcontext_is_refused_before_any_change(
     policy_name: str, bad_ctx: Any
 ) -> None:
     m = CPUOffloadingManager(4, policy_name, enable_events=True)
-    fill(m, 1, 2)
+    fill(m, CTX, 1, 2)
     m.prepare_load(keys(1), CTX)
     m.prepare_store(keys(3), CTX)
     before = snapshot(m)
@@ -80,7 +68,7 @@ def test_a_context_that_is_not_a_reqcontext_is_refused_before_any_change(
     assert [e.keys for e in m.take_events()] == [keys(1, 2)]
     m.complete_store(keys(3), CTX)
     m.complete_load(keys(1), CTX)
-    assert_all_evictable(m)
+    assert all_evictable(m)
 
 
 def test_bad_positions_in_a_context_leave_a_store_pending_not_stranded() -> None:
@@ -96,12 +84,12 @@ def test_bad_positions_in_a_context_leave_a_store_pending_not_stranded() -> None
     assert m.get_stats().pending_writes == 2 and len(m.policy) == 0
     assert list(m.take_events()) == []
     m.complete_store(keys(1, 2), CTX)
-    assert_all_evictable(m)
+    assert all_evictable(m)
 
 
 def test_bad_positions_at_unpin_leave_the_key_pinned_in_both() -> None:
     m = CPUOffloadingManager(2, "kvaware")
-    fill(m, 1, 2)
+    fill(m, CTX, 1, 2)
     m.prepare_load(keys(1, 2), CTX)
     bad = ReqContext("r2", key_positions={key(1): 16, key(2): None})  # type: ignore[dict-item]
     before = core(m)
@@ -111,7 +99,7 @@ def test_bad_positions_at_unpin_leave_the_key_pinned_in_both() -> None:
     assert m.policy.table_sizes()["pinned"] == 2
     assert core(m) == before
     m.complete_load(keys(1, 2), CTX)
-    assert_all_evictable(m)
+    assert all_evictable(m)
 
 
 class _FailingLRU(LRUPolicy):
@@ -155,14 +143,14 @@ def test_a_policy_that_raises_part_way_is_rolled_back() -> None:
     policy.fail = False
     m.complete_load(keys(1, 2), CTX)
     assert m.get_stats().pinned == 0
-    assert_all_evictable(m)
+    assert all_evictable(m)
 
 
 def test_complete_load_of_a_repeated_key_unpins_once_its_last_load_ends(
     policy_name: str,
 ) -> None:
     m = CPUOffloadingManager(3, policy_name)
-    fill(m, 1, 2)
+    fill(m, CTX, 1, 2)
     m.prepare_load(keys(1, 1, 2), CTX)
     m.complete_load(keys(1, 2), CTX)
     assert m.get_stats().pinned == 1 and key(1) not in m.policy and key(2) in m.policy
@@ -178,7 +166,7 @@ def test_touch_refuses_keys_that_are_not_bytes_before_any_change(
     policy_name: str, bad: object
 ) -> None:
     m = CPUOffloadingManager(4, policy_name)
-    fill(m, 1, 2, 3)
+    fill(m, CTX, 1, 2, 3)
     before = snapshot(m)
     sketch = getattr(m.policy, "_sketch", None)
     counts = bytes(sketch._table) if sketch is not None else None
@@ -208,7 +196,7 @@ def test_lookup_of_a_key_that_is_not_bytes_is_an_error_not_a_miss(
     policy_name: str, bad: object
 ) -> None:
     m = CPUOffloadingManager(4, policy_name)
-    fill(m, 1)
+    fill(m, CTX, 1)
     before = snapshot(m)
     with pytest.raises(TypeError, match=r"offload keys are bytes; got"):
         m.lookup(bad, CTX)  # type: ignore[arg-type]

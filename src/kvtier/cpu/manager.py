@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from itertools import chain, repeat
+from numbers import Real
 from operator import setitem
 from typing import TYPE_CHECKING, Final
 
@@ -103,6 +104,14 @@ def _unhashable_key(keys: Iterable[object]) -> TypeError:
     return TypeError(f"keys={keys!r:.80}: expected offload keys (bytes)")
 
 
+def _bad_position(ctx: ReqContext) -> tuple[object, object] | None:
+    """The first (key, position) of `ctx` whose position is not a number, else None."""
+    for key, position in ctx.key_positions.items():
+        if not isinstance(position, Real):
+            return key, position
+    return None
+
+
 def _check_ctx(ctx: object) -> None:
     # The policies and admission read ctx.req_id and ctx.key_positions part-way through a
     # batch, after the manager changed its own state: a wrong ctx (a bare request id string,
@@ -116,7 +125,10 @@ class CPUOffloadingManager(OffloadingManager):
 
     The cache policy orders the evictable chunks; the admission policy filters what is worth
     storing. Every method costs O(number of keys passed). Arguments are validated before any
-    state changes, so a call that raises leaves the manager as it was.
+    state changes, so a call that raises leaves the manager as it was. One exception: when the
+    cache policy fails `complete_load`'s or `complete_store`'s keys with the request's ctx but
+    not without it, the call is applied and then the policy's error raised, noted as applied,
+    so that a policy that cannot read a ctx strands no pin and no pending slot.
 
     An asynchronous exception (a KeyboardInterrupt from Ctrl-C) can land between any two
     bytecodes. `reset_cache`, `on_reset_flushed`, `complete_store(success=False)` and
@@ -273,14 +285,14 @@ class CPUOffloadingManager(OffloadingManager):
             ref[slot] += 1
         try:
             self._policy.pin(newly_pinned)
-        except BaseException:
+        except BaseException as error:
             # A policy that raised part-way (a plugin's bug) would leave these keys pinned
             # here with no spec returned, so no complete_load would ever release them: their
             # slots were lost for good. Undone (unpinning counts as a use in the policy; no
             # ctx, so that positions it cannot read cannot fail the undo too).
             for slot in slots:
                 ref[slot] -= 1
-            self._policy.unpin(newly_pinned, None)
+            self._undo_pin(newly_pinned, error)
             raise
         self._num_pinned += len(newly_pinned)
         self._loads += len(slots)
@@ -310,17 +322,24 @@ class CPUOffloadingManager(OffloadingManager):
                 left[key] -= 1
                 if not left[key] and ref[slot_of[key]] == counts[key]:
                     unpinned.append(key)
-        # The policy first: should it raise part-way (a ctx it cannot read), its keys are
-        # pinned again and the manager is unchanged, rather than unpinned here but held pinned
-        # by the policy, never evictable again.
+        # The policy first: should it fail for good, its keys are pinned again and the manager
+        # is unchanged, rather than unpinned here but held pinned by the policy, never
+        # evictable again. A ctx it cannot read is not such a failure (see _without_ctx).
+        policy = self._policy
+        error: Exception | None = None
         try:
-            self._policy.unpin(unpinned, ctx)
+            policy.unpin(unpinned, ctx)
+        except Exception as e:
+            error = e
+            self._without_ctx(policy.unpin, policy.pin, unpinned, ctx, e)
         except BaseException:
-            self._policy.pin(unpinned)
+            policy.pin(unpinned)
             raise
         for key in keys:
             ref[slot_of[key]] -= 1
         self._num_pinned -= len(unpinned)
+        if error is not None:
+            raise error  # done without the ctx: the policy's bug is still the caller's to see
 
     def touch(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
         if not isinstance(keys, (list, tuple)):
@@ -375,29 +394,35 @@ class CPUOffloadingManager(OffloadingManager):
         num_to_evict = n - len(free) - fresh_left
         evicted: list[OffloadKey] = []
         ref = self._ref
+        policy = self._policy
+        present: Collection[OffloadKey] = ()
         if num_to_evict > 0:
-            policy = self._policy
-            if num_to_evict > len(policy):
+            candidates = len(policy)
+            if num_to_evict <= candidates and num_new < len(keys):
+                present = [key for key in keys if key in slot_of]
+                if recorder is not None and num_to_evict > candidates - len(present):
+                    # Those this store protects are no victims (every policy's evict counts
+                    # them so): known to find no room now, the store records nothing below.
+                    candidates -= sum(map(policy.__contains__, set(present)))
+            if num_to_evict > candidates:
                 self._stores_no_room += num_new
                 return None
-            present = [key for key in keys if key in slot_of] if num_new < len(keys) else ()
+        if recorder is not None:
+            # Before any eviction: should it raise (or be interrupted), nothing changed here.
+            # After it, the victims could go back to the policy only as its newest candidates
+            # (CachePolicy has no call that puts a key back where it was).
+            recorder.record(new, ctx)
+        if num_to_evict > 0:
             if self._check_victims:
                 victims = self._checked_evict(num_to_evict, present)
             else:
                 victims = policy.evict(num_to_evict, present)
             if victims is None:
+                # After a record only from a plugin policy that breaks its contract: the offer
+                # stays recorded, as by an admission policy that cannot preview.
                 self._stores_no_room += num_new
                 return None
             evicted = victims
-        if recorder is not None:
-            try:
-                recorder.record(new, ctx)
-            except BaseException:
-                # Still mapped and ready: out of the policy they could never be evicted again.
-                # Their place in the eviction order is not restored.
-                if evicted:
-                    self._policy.insert(evicted, None)
-                raise
         self._stores_skipped += num_new - n
         if evicted:
             for key in evicted:
@@ -455,12 +480,18 @@ class CPUOffloadingManager(OffloadingManager):
                 "pending key once"
             )
         if success:
-            # The policy first: should it raise part-way, it forgets the keys and they stay
-            # pending here, rather than ready here but unknown to it, never evictable.
+            # The policy first: should it fail for good, it forgets the keys and they stay
+            # pending here, rather than ready here but unknown to it, never evictable. A ctx it
+            # cannot read is not such a failure (see _without_ctx).
+            policy = self._policy
+            error: Exception | None = None
             try:
-                self._policy.insert(keys, ctx)
+                policy.insert(keys, ctx)
+            except Exception as e:
+                error = e
+                self._without_ctx(policy.insert, policy.remove, keys, ctx, e)
             except BaseException:
-                self._policy.remove(keys)
+                policy.remove(keys)
                 raise
             for slot in slots:
                 ref[slot] = _READY
@@ -469,6 +500,8 @@ class CPUOffloadingManager(OffloadingManager):
             # An empty event would only count towards max_pending_events and force merges.
             if keys and self._events is not None:
                 self._emit(keys, removed=False)
+            if error is not None:
+                raise error  # done without the ctx: the policy's bug is still the caller's to see
         else:
             # Never announced, so nothing public to retract.
             commit = chain(
@@ -533,24 +566,91 @@ class CPUOffloadingManager(OffloadingManager):
         self._free += self._quarantined
         self._quarantined.clear()
 
+    def _without_ctx(
+        self,
+        call: Callable[[list[OffloadKey], ReqContext | None], None],
+        undo: Callable[[list[OffloadKey]], None],
+        keys: list[OffloadKey],
+        ctx: ReqContext,
+        error: Exception,
+    ) -> None:
+        """The policy's `call(keys, ctx)` (`unpin` or `insert`) raised `error`: call it again
+        without the ctx, which every policy accepts (prepare_load's undo relies on it).
+
+        A plugin that cannot read a well-formed ctx fails every retry with it, and the
+        connector cannot retry a cancelled job at all: the keys stayed pinned or pending for
+        good, never evictable. Done without the ctx, the call only loses that request's hints;
+        the caller applies it, then raises `error`, noted as applied (a repeated call is
+        refused). Raises here, after `undo(keys)`, if the ctx is malformed (the caller's
+        error: nothing applied, so that it can call again with a good one) or the policy fails
+        without the ctx too."""
+        bad = _bad_position(ctx)
+        if bad is not None:
+            undo(keys)
+            raise TypeError(
+                f"ctx of request {ctx.req_id!r} maps key {_key_str(bad[0])} to position "
+                f"{bad[1]!r}; expected an int token position"
+            ) from error
+        name = getattr(call, "__name__", "call")
+        try:
+            call(keys, None)
+        except BaseException as again:
+            undo(keys)
+            if not isinstance(again, Exception):
+                raise
+            failed = again
+        else:
+            error.add_note(
+                f"kvtier: cache policy {_policy_str(self._policy)} could not {name} "
+                f"{len(keys)} keys with the ctx of request {ctx.req_id!r}; done without it, "
+                "the call is applied (calling it again is refused)"
+            )
+            return
+        error.add_note(
+            f"kvtier: called again without the ctx, {name} raised {failed!r} too; the manager "
+            "is unchanged"
+        )
+        raise error
+
+    def _undo_pin(self, keys: list[OffloadKey], error: BaseException) -> None:
+        """Back among the policy's candidates, `keys`, whose `pin` raised `error` part-way."""
+        policy = self._policy
+        try:
+            policy.unpin(keys, None)
+        except BaseException as again:
+            # Pinned in the policy, ready here: never evictable. Forgotten and inserted again,
+            # the one other way back among the candidates (as the newest).
+            stuck = [key for key in keys if key not in policy]
+            policy.remove(stuck)
+            policy.insert(stuck, None)
+            error.add_note(
+                f"kvtier: undoing the pins, unpin raised {again!r} too; {len(stuck)} keys were "
+                "inserted again as the newest candidates"
+            )
+
     def _checked_evict(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
         """A plugin policy's `evict`, its answer checked. Should it raise, or answer None (no
         room) after taking keys out, those keys were ready here but gone from the policy:
-        never evictable again, the pool that much smaller for good. They are put back."""
+        never evictable again, the pool that much smaller for good. They are put back, as the
+        newest candidates: the policy's eviction order changed, which no general fix can
+        avoid (CachePolicy has no call that puts a key back where it was, and a copy of the
+        policy before each eviction would cost O(candidates)); the error says so."""
         policy = self._policy
         held = len(policy)
         try:
             victims = policy.evict(n, protected)
-        except BaseException:
-            self._restore_candidates()
+        except BaseException as error:
+            put_back = self._restore_candidates()
+            if put_back:
+                error.add_note(f"kvtier: {_policy_str(policy)}.evict raised{put_back}")
             raise
         if victims is None:
             left = len(policy)
             if left != held:
-                self._restore_candidates()
+                put_back = self._restore_candidates()
                 raise ValueError(
                     f"cache policy {_policy_str(policy)} returned None (no room) but went from "
-                    f"{held} candidates to {left}; expected None to change nothing"
+                    f"{held} candidates to {left}; expected None to change nothing{put_back}"
                 )
             return None
         checked = self._checked_victims(victims, n, protected)
@@ -559,19 +659,26 @@ class CPUOffloadingManager(OffloadingManager):
             # Right victims, but other candidates dropped too (never evictable again: the pool
             # that much smaller for good), or victims kept (a key gone from the tier, which a
             # later evict would name). Refused before anything is evicted, the dropped put back.
-            self._restore_candidates()
+            put_back = self._restore_candidates()
             raise ValueError(
                 f"cache policy {_policy_str(policy)} returned {n} victims but went from {held} "
-                f"candidates to {left}; expected {held - n}"
+                f"candidates to {left}; expected {held - n}{put_back}"
             )
         return checked
 
-    def _restore_candidates(self) -> None:
-        # Back among the candidates, every ready key the policy dropped: out of the policy,
-        # they could never be evicted again. A scan of the tier, on error paths only.
+    def _restore_candidates(self) -> str:
+        """Back among the candidates, every ready key the policy dropped: out of the policy,
+        they could never be evicted again. A scan of the tier, on error paths only. Returns
+        what was done, for the error ("" if nothing)."""
         slot_of, ref, policy = self._slot_of, self._ref, self._policy
-        policy.insert(
-            [k for k, slot in slot_of.items() if ref[slot] == _READY and k not in policy], None
+        lost = [k for k, slot in slot_of.items() if ref[slot] == _READY and k not in policy]
+        if not lost:
+            return ""
+        policy.insert(lost, None)
+        return (
+            f"; the {len(lost)} ready keys it had taken out were inserted again, as its newest "
+            "candidates (its eviction order changed: CachePolicy has no call that puts a key "
+            "back where it was)"
         )
 
     def _checked_victims(
@@ -606,10 +713,10 @@ class CPUOffloadingManager(OffloadingManager):
         if not why:
             return keys
         # What it returned, or what it took out and returned something else for.
-        self._restore_candidates()
+        put_back = self._restore_candidates()
         raise ValueError(
             f"cache policy {_policy_str(self._policy)} {why}; expected {n} distinct ready keys of "
-            "the tier, none pinned, being written or protected"
+            f"the tier, none pinned, being written or protected{put_back}"
         )
 
     def _checked_admitted(self, admitted: object, new: list[OffloadKey]) -> list[OffloadKey]:
