@@ -53,9 +53,9 @@ class ChunkPayloads:
     """Self-describing payloads of the chunks of the host tier, from store to removal.
 
     `plan` snapshots a chunk from its request when its store job is sent (the request may be
-    gone by the time the store completes); `stored` moves it to the chunks held when the
-    manager announces the store, `removed` drops it when the manager announces the removal,
-    and `forget_ended` drops those whose job ended without a store.
+    gone by the time the store completes); `stored` copies it to the chunks held when the
+    manager announces the store, `removed` drops the held one when the manager announces the
+    removal, and `forget_ended` drops the planned ones once their job has ended.
     """
 
     def __init__(
@@ -100,7 +100,10 @@ class ChunkPayloads:
     def stored(self, key: OffloadKey, medium: str) -> BlockStored:
         """The `BlockStored` of `key`, described by its payload if it has one; the payload is
         kept for the key's removal."""
-        entry = self._planned.pop(key, None)
+        # Left planned until `forget_ended`: events taken less often than every step may hold
+        # this store, the chunk's removal and its store again by a later job, whose plan
+        # replaced this one (with the same blocks and tokens: the key hashes them).
+        entry = self._planned.get(key)
         if entry is None:
             return _bare_stored(key, medium)
         payload = self._held[key] = entry[1]
@@ -126,8 +129,9 @@ class ChunkPayloads:
         return (_external(key),) if payload is None else payload.block_hashes
 
     def forget_ended(self, jobs_in_flight: Iterable[int]) -> None:
-        """Drop the payloads of store jobs that ended without a store: a failed job, or one
-        a reset outdated. Call it once the manager's events of the ended jobs are taken."""
+        """Drop the planned payloads of store jobs that ended: stored ones are held by now;
+        a failed job's, or one a reset outdated, are dropped for good. Call it once the
+        manager's events of the ended jobs are taken."""
         planned = self._planned
         if planned:
             live = set(jobs_in_flight)
