@@ -9,7 +9,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -77,7 +77,7 @@ class _JobQueue:
     finalizer then calls `stop`."""
 
     def __init__(
-        self, lock: threading.Lock, worker: weakref.ReferenceType[CPUTransferWorker]
+        self, lock: threading.RLock, worker: weakref.ReferenceType[CPUTransferWorker]
     ) -> None:
         # Two conditions on one lock: new work wakes only the copy thread, and a finished job
         # wakes waiters only if one waits for it (waking them per job costs GIL hand-offs).
@@ -193,7 +193,14 @@ class CPUTransferWorker(TransferWorker):
         stage_bytes = check_stage_bytes(stage_bytes)
         super().__init__(registration, pool, fault_injector)
         self._copier: RowCopier = self._make_copier(stage_bytes)
-        self._jobs = _JobQueue(self._lock, weakref.ref(self))
+        # An RLock for the conditions' sake: `Condition.wait` takes a plain Lock back through a
+        # Python call whose acquire a Ctrl-C interrupts, and an interrupted `wait()` then left
+        # its `with` without the lock and released it from under the thread holding it (the
+        # copy thread died on its own release; later jobs never ran and their waits hung). An
+        # RLock is taken back in C, retrying on a signal, and knows its owner (`wait`).
+        lock = threading.RLock()
+        self._lock = lock
+        self._jobs = _JobQueue(lock, weakref.ref(self))
         self._thread = self._jobs.thread
         self._thread.start()
         # `shutdown()` calls the finalizer; collecting the worker too, which stops the thread.
@@ -267,6 +274,8 @@ class CPUTransferWorker(TransferWorker):
             raise RuntimeError("wait() called from the transfer thread would deadlock")
         jobs = self._jobs
         token = object()
+        lock = cast(Any, self._lock)  # the RLock of __init__; its C methods, for the handler
+        owned, restore, state = lock._is_owned, lock._acquire_restore, (1, threading.get_ident())
         with self._lock:
             ids &= jobs.in_flight
             try:
@@ -276,6 +285,13 @@ class CPUTransferWorker(TransferWorker):
                 # thread held the GIL was at times raised only once the job ended.
                 while not jobs.done_cv.wait_for(done, _WAIT_SLICE_S):
                     pass
+            except BaseException:
+                # `Condition.wait` raises without the lock where a Ctrl-C comes as it has just
+                # released it, before its own `try`: taken back (in C, no interrupt inside) so
+                # that `waiting` changes under the lock and the `with` releases this thread's.
+                if not owned():
+                    restore(state)
+                raise
             finally:
                 # On Ctrl-C too, or each of these ids' jobs would wake every waiter when done.
                 jobs.waiting.pop(token, None)

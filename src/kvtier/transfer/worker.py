@@ -236,7 +236,8 @@ class TransferWorker(ABC):
             pool.blocks_per_chunk,
             {g: registration.page_bytes(g) for g in registration.groups},
         )
-        self._lock = threading.Lock()
+        self._lock: threading.Lock | threading.RLock = threading.Lock()
+        """Guards the records below and the backend's; `CPUTransferWorker` swaps in an RLock."""
         self._unreported: set[int] = set()
         """Ids submitted and not yet returned by get_finished (duplicates are refused)."""
         self._ready: list[TransferResult] = []
