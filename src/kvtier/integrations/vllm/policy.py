@@ -16,7 +16,10 @@ vLLM completes a transfer job's keys one `mark_evictable` at a time, in the orde
 (`TransferJobStatus.keys`); kvtier's policies take a call's keys head first and order them by
 that (LRU keeps a prefix's head longest). The adapter therefore collects consecutive
 completions and hands each request's run to the kvtier policy in one call, head first by the
-request's token positions, before the policy is next asked or told anything.
+request's token positions, before the policy is next asked or told anything. A load's keys
+stay in one call when they name different readers (another request read the prefix's head
+meanwhile) but lie on one request's prefix, and keep their order when the request that read
+them ended first (aborted with its load in flight).
 
 A kvtier unpin counts as a use. vLLM also pins chunks that no request reads: a tiering
 manager's cascade to a secondary tier (`prepare_read`), which must not change recency. The
@@ -62,6 +65,14 @@ class KVTierPolicyAdapter(VCachePolicy):
     policy: ClassVar[type[CachePolicy]]
 
     def __init__(self, cache_capacity: int) -> None:
+        if getattr(type(self), "policy", None) is None:
+            # vLLM instantiates whatever class eviction_policy names in this module: the base
+            # failed later with "'KVTierPolicyAdapter' object has no attribute 'policy'".
+            raise TypeError(
+                f"eviction_policy {type(self).__name__!r} is the base of kvtier's adapters, not "
+                "a cache policy; expected one of: "
+                + ", ".join(PREFIX + n for n in registered_policies())
+            )
         super().__init__(cache_capacity)
         if isinstance(cache_capacity, int) and cache_capacity < 1:
             # vLLM sizes the tier as int(cpu_bytes_to_use) // bytes per chunk (all workers),
@@ -80,9 +91,13 @@ class KVTierPolicyAdapter(VCachePolicy):
         # no request; the unpin of a load is then that request's use, which its end-of-request
         # touch does not count again (kvaware counts a chunk once per request).
         self._readers: dict[VOffloadKey, ReqContext] = {}
-        # Completions not yet given to the kvtier policy: (is_store, key, context), in vLLM's
-        # order. `_flush` hands them over, one call per run of one kind, request and group.
-        self._completed: list[tuple[bool, OffloadKey, ReqContext | None]] = []
+        # Chunks a load still reads whose reader has ended (aborted mid-load) -> its context:
+        # the unpin is no use of a live request, but the request's positions still order it.
+        self._orphans: dict[VOffloadKey, ReqContext] = {}
+        # Completions not yet given to the kvtier policy, in vLLM's order: (is_store, key,
+        # context for the policy, context whose positions place the key). `_flush` hands them
+        # over, one call per run of one kind, request and group.
+        self._completed: list[tuple[bool, OffloadKey, ReqContext | None, ReqContext | None]] = []
         # Chunks vLLM pinned that no request's access has claimed (a tiering cascade's read):
         # kvtier candidates still, never victims, and their unpin is no use.
         self._held: set[VOffloadKey] = set()
@@ -100,16 +115,30 @@ class KVTierPolicyAdapter(VCachePolicy):
         if not completed:
             return
         self._completed = []
+        # (is_store, context for the policy, context placing the keys, keys)
+        runs: list[tuple[bool, ReqContext | None, ReqContext | None, list[OffloadKey]]] = []
+        for is_store, key, ctx, place in completed:
+            if runs and runs[-1][0] is is_store:
+                keys, run_place = runs[-1][3], runs[-1][2]
+                if place is run_place:
+                    keys.append(key)
+                    continue
+                if not is_store:
+                    # A load's keys carry the request that last read each; split by that,
+                    # the order of vLLM's set would decide which part goes first. They stay
+                    # one run while one request's prefix holds them all, as one job's keys do.
+                    if run_place is not None and key in run_place.key_positions:
+                        keys.append(key)
+                        continue
+                    if place is not None and all(k in place.key_positions for k in keys):
+                        keys.append(key)
+                        runs[-1] = (False, ctx, place, keys)
+                        continue
+            runs.append((is_store, ctx, place, [key]))
         inner = self._inner
-        start = 0
-        for i in range(1, len(completed) + 1):
-            is_store, _, ctx = completed[start]
-            if i < len(completed) and completed[i][0] is is_store and completed[i][2] is ctx:
-                continue
-            keys = [key for _, key, _ in completed[start:i]]
-            start = i
-            if ctx is not None and len(keys) > 1:
-                positions = ctx.key_positions
+        for is_store, ctx, place, keys in runs:
+            if place is not None and len(keys) > 1:
+                positions = place.key_positions
                 if all(k in positions for k in keys):
                     # kvtier's connector completes one job per KV-cache group (the 4 bytes
                     # ending a key), its keys head first.
@@ -143,6 +172,7 @@ class KVTierPolicyAdapter(VCachePolicy):
     def remove(self, key: VOffloadKey) -> None:
         del self.chunks[key]
         self._readers.pop(key, None)
+        self._orphans.pop(key, None)
         self._held.discard(key)
         self._fresh.discard(key)
         if self._pending.pop(key, None) is None:
@@ -193,11 +223,14 @@ class KVTierPolicyAdapter(VCachePolicy):
                 used = [OffloadKey(k) for k in keys if k in reused_keys]
                 if used:
                     self._inner.touch(used, ctx)
-        readers = self._readers
+        readers, chunks = self._readers, self.chunks
         for keys in key_groups:
             for k in keys:
                 if readers.get(k) is ctx:
                     del readers[k]
+                    chunk = chunks.get(k)
+                    if chunk is not None and chunk.ref_cnt > 0:
+                        self._orphans[k] = ctx  # a load in flight: see _orphans
         self._inner.on_request_finished(ctx)
 
     def evict(
@@ -219,6 +252,7 @@ class KVTierPolicyAdapter(VCachePolicy):
         self.chunks.clear()
         self._pending.clear()
         self._readers.clear()
+        self._orphans.clear()
         self._completed.clear()
         self._held.clear()
         self._fresh.clear()
@@ -226,14 +260,16 @@ class KVTierPolicyAdapter(VCachePolicy):
 
     def mark_evictable(self, key: VOffloadKey) -> None:
         ctx = self._pending.pop(key, None)
+        orphan = self._orphans.pop(key, None) if self._orphans else None
         if ctx is not None:
-            self._completed.append((True, OffloadKey(key), ctx))  # store completed
+            self._completed.append((True, OffloadKey(key), ctx, ctx))  # store completed
         elif key in self._held:
             self._held.discard(key)  # a read no request made: no use, no move
             self._fresh.discard(key)
         else:
-            # Last load completed: a use by the request that read it, where known.
-            self._completed.append((False, OffloadKey(key), self._readers.get(key)))
+            # Last load completed: a use by the live request that read it, where known.
+            ctx = self._readers.get(key)
+            self._completed.append((False, OffloadKey(key), ctx, orphan if ctx is None else ctx))
 
     def mark_non_evictable(self, key: VOffloadKey) -> None:
         # Pinned in the kvtier policy when a request's access claims the read.
