@@ -9,6 +9,11 @@ policy, workers stubbed to complete every job at once.
 
     python benchmarks/vs_vllm.py --json out/vs_vllm.json
 
+`--kv-events off,on,self-describing` runs (c)/(d) with vLLM's KV events off, on, and on with
+`self_describing_kv_events` for both connectors (vLLM's "null" publisher: the scheduler still
+drains each connector's `take_events()` every step), the settings alternated child by child,
+and compares each connector's steps/s against the first setting's.
+
 Each scheduler run is a child process with a fixed PYTHONHASHSEED (vLLM's figure depends on
 it; see `compare_schedulers`), so the whole comparison is deterministic for given seeds.
 
@@ -100,19 +105,32 @@ def compare_managers(
 
 SCHED_BLOCK = 16
 
+KV_EVENTS = ("off", "on", "self-describing")
+"""`--kv-events` settings: vLLM's KV events off; on; on with `self_describing_kv_events`."""
+
 
 def _scheduler_engine(
-    connector: str, extra: dict[str, Any], module: str | None, blocks: int
+    connector: str,
+    extra: dict[str, Any],
+    module: str | None,
+    blocks: int,
+    kv_events: bool = False,
 ) -> Any:
-    """vLLM's Scheduler for a tiny local Llama config on CPU, with `connector`."""
+    """vLLM's Scheduler for a tiny local Llama config on CPU, with `connector` (and vLLM's KV
+    events, published nowhere, if `kv_events`)."""
     # Read once, while the config is built: removed after, or every engine (two or three a
     # window and hash seed) left a folder behind in the temp folder.
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-llama-") as model_dir:
-        return _build_scheduler(model_dir, connector, extra, module, blocks)
+        return _build_scheduler(model_dir, connector, extra, module, blocks, kv_events)
 
 
 def _build_scheduler(
-    model_dir: str, connector: str, extra: dict[str, Any], module: str | None, blocks: int
+    model_dir: str,
+    connector: str,
+    extra: dict[str, Any],
+    module: str | None,
+    blocks: int,
+    kv_events: bool = False,
 ) -> Any:
     """`_scheduler_engine`'s Scheduler, its model config written to `model_dir`."""
     import torch
@@ -120,6 +138,7 @@ def _build_scheduler(
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
+        KVEventsConfig,
         KVTransferConfig,
         ModelConfig,
         SchedulerConfig,
@@ -166,6 +185,11 @@ def _build_scheduler(
         cache_config=cache,
         scheduler_config=sched,
         kv_transfer_config=transfer,
+        # The "null" publisher drops each step's batch, but vLLM's scheduler still collects
+        # it (its own prefix-cache events and the connector's `take_events()`) every step.
+        kv_events_config=(
+            KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
+        ),
         device_config=DeviceConfig("cpu"),
     )
     spec = FullAttentionSpec(
@@ -199,14 +223,20 @@ def _vllm_chunks(scheduler: Any) -> int:
 
 
 def _vllm_engine_with_chunks(
-    policy: str, num_slots: int, slot_guess: int, align: int, device_blocks: int
+    policy: str,
+    num_slots: int,
+    slot_guess: int,
+    align: int,
+    device_blocks: int,
+    events: str = "off",
 ) -> Any:
     """vLLM's engine with exactly `num_slots` host chunks: vLLM sizes its pool from bytes with
     its own per-chunk size, so the first guess is corrected from the count it reports."""
 
     def build(chunk_bytes: int) -> Any:
         extra = {"cpu_bytes_to_use": num_slots * chunk_bytes, "eviction_policy": policy}
-        return _scheduler_engine("OffloadingConnector", extra, None, device_blocks)
+        extra |= _events_extra(events)
+        return _scheduler_engine("OffloadingConnector", extra, None, device_blocks, events != "off")
 
     engine = build(slot_guess)
     got = _vllm_chunks(engine)
@@ -216,6 +246,48 @@ def _vllm_engine_with_chunks(
     if got != num_slots:
         raise RuntimeError(f"vLLM sized its pool to {got} chunks; wanted {num_slots}")
     return engine
+
+
+def _events_extra(events: str) -> dict[str, Any]:
+    """The connector extra config of a `--kv-events` setting: the same key for both."""
+    return {"self_describing_kv_events": True} if events == "self-describing" else {}
+
+
+class _EventTally:
+    """Counts what a scheduler's connector returns from `take_events()`, and the time vLLM's
+    scheduler spends in that call (its translation of the host tier's events)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        from vllm.distributed.kv_events import BlockStored
+
+        self._stored_type = BlockStored
+        self.stored = self.removed = self.described = 0
+        self.seconds = 0.0
+        connector = scheduler.connector
+        self._take = connector.take_events
+        connector.take_events = self._take_and_count
+
+    def _take_and_count(self) -> list[Any]:
+        start = time.perf_counter()
+        # vLLM's connector returns a generator, which the scheduler lists at once anyway.
+        events = list(self._take())
+        self.seconds += time.perf_counter() - start
+        for e in events:
+            if isinstance(e, self._stored_type):
+                self.stored += 1
+                self.described += bool(e.token_ids)
+            else:
+                self.removed += 1
+        return events
+
+    def report(self, run_seconds: float) -> dict[str, float]:
+        """Event counts and `take_events()`'s share of the run's time."""
+        return {
+            "stored": self.stored,
+            "removed": self.removed,
+            "stored_with_tokens": self.described,
+            "take_events_share": self.seconds / run_seconds,
+        }
 
 
 def _stub_worker_output(meta: Any) -> Any:
@@ -323,9 +395,11 @@ def scheduler_run(
     policy: str,
     capacity: float,
     arrival_order: bool = False,
+    kv_events: str = "off",
 ) -> dict[str, Any]:
-    """One run of (c) then (d) in this process on one trace window: steps/s and external hit
-    ratios (tokens the connector served / tokens it was asked for)."""
+    """One run of (c) then (d) in this process on one trace window: steps/s, external hit
+    ratios (tokens the connector served / tokens it was asked for) and each connector's KV
+    events (`kv_events` one of `KV_EVENTS`)."""
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
     prompts = _scheduler_prompts(trace, offset, num_requests)
@@ -336,19 +410,25 @@ def scheduler_run(
     device_blocks = 256  # small, so reuse beyond the device prefix cache needs the host tier
     align = CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT
     v_slot = -(-slot_bytes // align) * align
-    vs = _vllm_engine_with_chunks(policy, num_slots, v_slot, align, device_blocks)
+    vs = _vllm_engine_with_chunks(policy, num_slots, v_slot, align, device_blocks, kv_events)
     if arrival_order:
         _finishes_in_arrival_order(vs)
+    v_events = _EventTally(vs)
     v_steps, v_secs, v_hit = _run_scheduler(vs, prompts)
     ks = _scheduler_engine(
         "KVTierConnector",
-        {"num_slots": num_slots, "cache_policy": policy},
+        {"num_slots": num_slots, "cache_policy": policy, **_events_extra(kv_events)},
         "kvtier.integrations.vllm",
         device_blocks,
+        kv_events != "off",
     )
+    k_events = _EventTally(ks)
     k_steps, k_secs, k_hit = _run_scheduler(ks, prompts)
     return {
         "offset": offset,
+        "kv_events": kv_events,
+        "vllm_events": v_events.report(v_secs),
+        "kvtier_events": k_events.report(k_secs),
         "vllm_steps_per_s": v_steps / v_secs,
         "kvtier_steps_per_s": k_steps / k_secs,
         "vllm_hit_ratio": v_hit,
@@ -385,48 +465,86 @@ def _run_child(
         return out.read(), "".join(rest), status
 
 
-def compare_schedulers(
+def _scheduler_runs(
     trace: Path,
     offsets: Sequence[int],
     num_requests: int,
     policy: str,
     capacity: float,
     hash_seeds: Sequence[int],
-    arrival_order: bool = False,
-    log: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
-    """Steps/s and external hit ratio, OffloadingConnector vs KVTierConnector, per trace
-    window (`num_requests` requests from each offset), one child process per hash seed.
-
-    vLLM's scheduler hands its connector the finished requests as a set of request ids, and
-    vLLM's LRU refreshes their chunks in that order: among requests finishing in the same
-    step, which one's chunks are evicted first follows Python's string hashing, so vLLM's
-    hit ratio changes with PYTHONHASHSEED (kvtier's does not). Each child gets a fixed seed;
-    per window, the seeds' median is compared, and the summary averages over windows (one
-    window's LRU figure moves by about 0.05 points with any change of tie order).
-    """
+    arrival_order: bool,
+    kv_events: Sequence[str],
+    log: Callable[[str], None] | None,
+) -> list[dict[str, Any]]:
+    """Every window's run, one child process per hash seed and KV-events setting; the settings
+    take turns going first from seed to seed, so the machine's drift hits each alike."""
     runs: list[dict[str, Any]] = []
-    for i, seed in enumerate(hash_seeds, 1):
+    children = len(hash_seeds) * len(kv_events)
+    done = 0
+    for i, seed in enumerate(hash_seeds):
         env = {**os.environ, "PYTHONHASHSEED": str(seed)}
-        cmd = [
-            sys.executable,
-            __file__,
-            "--scheduler-child",
-            f"--trace={trace}",
-            f"--sched-offsets={','.join(map(str, offsets))}",
-            f"--sched-requests={num_requests}",
-            f"--sched-policy={policy}",
-            f"--capacity={capacity}",
-            *(["--vllm-finishes-in-arrival-order"] if arrival_order else []),
-        ]
-        what = f"scheduler, {policy}, PYTHONHASHSEED {seed}"
-        stdout, stderr, status = _run_child(cmd, env, log, what)
-        if status != 0:
-            raise RuntimeError(f"scheduler run with PYTHONHASHSEED={seed} failed:\n{stderr}")
-        for run in json.loads(stdout.strip().splitlines()[-1]):
-            runs.append({"hash_seed": seed, **run})
-        if log is not None:
-            log(f"scheduler, {policy}, PYTHONHASHSEED {seed}: done ({i} of {len(hash_seeds)})")
+        shift = i % len(kv_events)
+        for events in [*kv_events[shift:], *kv_events[:shift]]:
+            cmd = [
+                sys.executable,
+                __file__,
+                "--scheduler-child",
+                f"--trace={trace}",
+                f"--sched-offsets={','.join(map(str, offsets))}",
+                f"--sched-requests={num_requests}",
+                f"--sched-policy={policy}",
+                f"--capacity={capacity}",
+                *(["--vllm-finishes-in-arrival-order"] if arrival_order else []),
+                *([f"--kv-events={events}"] if events != "off" else []),
+            ]
+            what = f"scheduler, {policy}, PYTHONHASHSEED {seed}"
+            if list(kv_events) != ["off"]:
+                what += f", KV events {events}"
+            stdout, stderr, status = _run_child(cmd, env, log, what)
+            if status != 0:
+                raise RuntimeError(f"{what}: the child failed:\n{stderr}")
+            for run in json.loads(stdout.strip().splitlines()[-1]):
+                runs.append({"hash_seed": seed, "kv_events": events, **run})
+            done += 1
+            if log is not None:
+                log(f"{what}: done ({done} of {children})")
+    return runs
+
+
+def _event_totals(runs: Sequence[dict[str, Any]], side: str) -> dict[str, float]:
+    """One side's KV events summed over `runs`, and the median share of a run's time spent
+    in its connector's `take_events()`."""
+    tallies = [r[f"{side}_events"] for r in runs if f"{side}_events" in r]
+    if not tallies:
+        return {}
+    out: dict[str, float] = {
+        k: sum(t[k] for t in tallies) for k in ("stored", "removed", "stored_with_tokens")
+    }
+    out["take_events_share"] = statistics.median(t["take_events_share"] for t in tallies)
+    return out
+
+
+def _take_events_time_ratio(runs: Sequence[dict[str, Any]]) -> float | None:
+    """Median over `runs` of kvtier's time in `take_events()` per step over vLLM's: a share of
+    a run over its steps/s is the time per step, whatever the machine's speed then."""
+    ratios = [
+        (k["take_events_share"] / r["kvtier_steps_per_s"])
+        / (v["take_events_share"] / r["vllm_steps_per_s"])
+        for r in runs
+        if (v := r.get("vllm_events")) and (k := r.get("kvtier_events"))
+    ]
+    return statistics.median(ratios) if ratios else None
+
+
+def _summarize(
+    runs: list[dict[str, Any]],
+    offsets: Sequence[int],
+    num_requests: int,
+    hash_seeds: Sequence[int],
+    arrival_order: bool,
+    kv_events: str,
+) -> dict[str, Any]:
+    """The runs of one policy and KV-events setting: medians, ratios, hit ratios per window."""
     windows = []
     for offset in offsets:
         rs = [r for r in runs if r["offset"] == offset]
@@ -453,8 +571,76 @@ def compare_schedulers(
         "hash_seeds": list(hash_seeds),
         "vllm_finishes_in_arrival_order": arrival_order,
         "num_requests": num_requests,
+        "kv_events": kv_events,
+        "vllm_events": _event_totals(runs, "vllm"),
+        "kvtier_events": _event_totals(runs, "kvtier"),
+        "take_events_time_ratio": _take_events_time_ratio(runs),
         "runs": runs,
     }
+
+
+def compare_schedulers(
+    trace: Path,
+    offsets: Sequence[int],
+    num_requests: int,
+    policy: str,
+    capacity: float,
+    hash_seeds: Sequence[int],
+    arrival_order: bool = False,
+    log: Callable[[str], None] | None = None,
+    kv_events: str = "off",
+) -> dict[str, Any]:
+    """Steps/s and external hit ratio, OffloadingConnector vs KVTierConnector, per trace
+    window (`num_requests` requests from each offset), one child process per hash seed.
+
+    vLLM's scheduler hands its connector the finished requests as a set of request ids, and
+    vLLM's LRU refreshes their chunks in that order: among requests finishing in the same
+    step, which one's chunks are evicted first follows Python's string hashing, so vLLM's
+    hit ratio changes with PYTHONHASHSEED (kvtier's does not). Each child gets a fixed seed;
+    per window, the seeds' median is compared, and the summary averages over windows (one
+    window's LRU figure moves by about 0.05 points with any change of tie order).
+    """
+    runs = _scheduler_runs(
+        trace, offsets, num_requests, policy, capacity, hash_seeds, arrival_order, [kv_events], log
+    )
+    return _summarize(runs, offsets, num_requests, hash_seeds, arrival_order, kv_events)
+
+
+def compare_kv_events(
+    trace: Path,
+    offsets: Sequence[int],
+    num_requests: int,
+    policy: str,
+    capacity: float,
+    hash_seeds: Sequence[int],
+    kv_events: Sequence[str],
+    arrival_order: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """`compare_schedulers` for each KV-events setting, in one run: the settings' children
+    alternate, and each setting's steps/s is set against the first setting's (`vs_baseline`:
+    the median, over windows and seeds, of each run's steps/s over the first setting's run of
+    the same window and seed). `hits_as_baseline` says whether every run's hit ratios equal
+    the first setting's (events must not change a decision)."""
+    runs = _scheduler_runs(
+        trace, offsets, num_requests, policy, capacity, hash_seeds, arrival_order, kv_events, log
+    )
+    base = {(r["hash_seed"], r["offset"]): r for r in runs if r["kv_events"] == kv_events[0]}
+    out = {}
+    for events in kv_events:
+        mine = [r for r in runs if r["kv_events"] == events]
+        summary = _summarize(mine, offsets, num_requests, hash_seeds, arrival_order, events)
+        pairs = [(r, base[r["hash_seed"], r["offset"]]) for r in mine]
+        for side in ("vllm", "kvtier"):
+            key = f"{side}_steps_per_s"
+            summary[f"{side}_vs_baseline"] = statistics.median(r[key] / b[key] for r, b in pairs)
+        summary["hits_as_baseline"] = all(
+            r[f"{side}_hit_ratio"] == b[f"{side}_hit_ratio"]
+            for r, b in pairs
+            for side in ("vllm", "kvtier")
+        )
+        out[events] = summary
+    return out
 
 
 def _print_scheduler(policy: str, sched: dict[str, Any]) -> None:
@@ -464,6 +650,7 @@ def _print_scheduler(policy: str, sched: dict[str, Any]) -> None:
         f"16-token blocks, workers stubbed, PYTHONHASHSEED "
         f"{','.join(map(str, sched['hash_seeds']))}"
         + (", vLLM fed finishes in arrival order" if ordered else "")
+        + (f", KV events {sched['kv_events']}" if sched["kv_events"] != "off" else "")
     )
     print(
         f"{'window':>7} {'slots':>6} {'vLLM hit % median':>18} {'(min-max)':>15} "
@@ -486,6 +673,49 @@ def _print_scheduler(policy: str, sched: dict[str, Any]) -> None:
         f"{sched['kvtier_steps_per_s']:,.0f}, ratio {sched['speedup']:.2f}x (median of the "
         "runs' side-by-side ratios)"
     )
+    if sched["kv_events"] != "off":
+        v, k = sched["vllm_events"], sched["kvtier_events"]
+        print(
+            f"KV events over the runs, stored / removed: vLLM {v['stored']:,.0f} / "
+            f"{v['removed']:,.0f}, kvtier {k['stored']:,.0f} / {k['removed']:,.0f}; share of "
+            f"the replay in take_events() (median): vLLM {100 * v['take_events_share']:.2f}%, "
+            f"kvtier {100 * k['take_events_share']:.2f}%"
+        )
+
+
+def _print_kv_events(policy: str, by_events: dict[str, dict[str, Any]]) -> None:
+    base = next(iter(by_events))
+    print(
+        f"\nKV events, policy {policy}: steps/s medians; ratios are medians of per-window, "
+        f"per-seed ratios (against {base}: the same window and seed with {base})"
+    )
+    print(
+        f"{'KV events':<16} {'vLLM steps/s':>12} {'kvtier steps/s':>14} {'kvtier/vLLM':>11} "
+        f"{'vLLM vs ' + base:>12} {'kvtier vs ' + base:>14} {'take_events % vLLM/kvtier':>26} "
+        f"{'hits as ' + base:>12} {'take_events/step kvtier/vLLM':>28}"
+    )
+    for events, r in by_events.items():
+        v, k = r["vllm_events"], r["kvtier_events"]
+        share = f"{100 * v['take_events_share']:.2f} / {100 * k['take_events_share']:.2f}"
+        print(
+            f"{events:<16} {r['vllm_steps_per_s']:>12,.0f} {r['kvtier_steps_per_s']:>14,.0f} "
+            f"{r['speedup']:>10.2f}x {r['vllm_vs_baseline']:>11.3f}x "
+            f"{r['kvtier_vs_baseline']:>13.3f}x {share:>26} "
+            f"{'yes' if r['hits_as_baseline'] else 'NO':>12} "
+            f"{r['take_events_time_ratio']:>27.2f}x"
+        )
+
+
+def kv_events_list(text: str) -> list[str]:
+    """`--kv-events`: a comma list of `KV_EVENTS` settings."""
+    settings = text.split(",")
+    bad = [s for s in settings if s not in KV_EVENTS]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: unknown setting {bad}; expected off, on or self-describing, or a "
+            "comma list of them"
+        )
+    return settings
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -519,6 +749,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="diagnostic: give (c) the finished requests in arrival order, not hash order",
     )
+    parser.add_argument(
+        "--kv-events",
+        type=kv_events_list,
+        default="off",
+        help="vLLM's KV events for (c)/(d), a comma list of off, on, self-describing (on with "
+        "self_describing_kv_events); several are run alternately and set against the first",
+    )
     parser.add_argument("--skip-scheduler", action="store_true")
     parser.add_argument("--skip-manager", action="store_true")
     parser.add_argument("--scheduler-child", action="store_true", help=argparse.SUPPRESS)
@@ -536,6 +773,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Else a window (or seed) given twice ran twice, and weighed twice in the mean (or median).
     require_distinct(parser, "--sched-offsets", offsets, "window")
     require_distinct(parser, "--hash-seeds", args.hash_seeds or [], "seed")
+    require_distinct(parser, "--kv-events", args.kv_events, "setting")
+    if args.skip_scheduler and args.kv_events != ["off"]:
+        parser.error(
+            f"--kv-events {','.join(args.kv_events)}: only the scheduler runs (c)/(d), which "
+            "--skip-scheduler leaves out, have KV events; expected off or no --skip-scheduler"
+        )
+    if args.scheduler_child and len(args.kv_events) != 1:
+        parser.error(f"--kv-events {args.kv_events}: a scheduler child runs one setting")
     require_file(parser, "--trace", args.trace)
     policies = [
         *([] if args.skip_manager else args.policies.split(",")),
@@ -576,6 +821,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     args.sched_policy,
                     args.capacity,
                     args.vllm_finishes_in_arrival_order,
+                    args.kv_events[0],
                 )
             )
             if i < len(offsets):  # the parent says when the last is done
@@ -607,21 +853,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.skip_scheduler:
         seeds = args.hash_seeds or list(range(args.repeats))
         by_policy = {}
+        by_events = {}
         for policy in args.sched_policy.split(","):
-            by_policy[policy] = compare_schedulers(
-                args.trace,
-                offsets,
-                args.sched_requests,
-                policy,
-                args.capacity,
-                seeds,
-                args.vllm_finishes_in_arrival_order,
-                progress,
-            )
+            if len(args.kv_events) == 1:
+                by_policy[policy] = compare_schedulers(
+                    args.trace,
+                    offsets,
+                    args.sched_requests,
+                    policy,
+                    args.capacity,
+                    seeds,
+                    args.vllm_finishes_in_arrival_order,
+                    progress,
+                    args.kv_events[0],
+                )
+            else:
+                by_events[policy] = compare_kv_events(
+                    args.trace,
+                    offsets,
+                    args.sched_requests,
+                    policy,
+                    args.capacity,
+                    seeds,
+                    args.kv_events,
+                    args.vllm_finishes_in_arrival_order,
+                    progress,
+                )
+                by_policy[policy] = by_events[policy][args.kv_events[0]]
             _print_scheduler(policy, by_policy[policy])
+            if by_events:
+                _print_kv_events(policy, by_events[policy])
         # The first policy's figures at the top level, as the issue's JSON layout has them.
         result["scheduler"] = {"policy": next(iter(by_policy)), **next(iter(by_policy.values()))}
         result["scheduler_by_policy"] = by_policy
+        if by_events:
+            # The first setting's figures are those above; every setting's, per policy.
+            result["scheduler_by_kv_events"] = by_events
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         write_results(args.json, json.dumps(result, indent=2))
