@@ -71,7 +71,13 @@ def a_then_b(engine: Engine) -> list[Any]:
         engine.scheduler.shutdown()
 
 
-def test_chunks_are_described_as_vllms_own_connector_describes_them(vllm_loaded: None) -> None:
+@pytest.mark.parametrize("int_hashes", ["1", "0"])
+def test_chunks_are_described_as_vllms_own_connector_describes_them(
+    vllm_loaded: None, monkeypatch: pytest.MonkeyPatch, int_hashes: str
+) -> None:
+    # Hashes published as ints (vLLM's default) or as bytes: kvtier reads the setting once,
+    # where vLLM reads it for every hash.
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", int_hashes)
     # Two chunks of two 16-token blocks each way: vLLM's pool counts its chunk bytes
     # differently, so it gets half kvtier's budget for the same two chunks.
     ours = a_then_b(kvtier_engine(2))
@@ -90,6 +96,7 @@ def test_chunks_are_described_as_vllms_own_connector_describes_them(vllm_loaded:
     assert first[2] is None and first[3] == tuple(PROMPT_A[:32]) and first[4] == 16
     assert second[2] == first[1][-1] and second[3] == tuple(PROMPT_A[32:64])
     assert first[6] == "full_attention"
+    assert all(isinstance(h, int if int_hashes == "1" else bytes) for h in first[1])
 
 
 def test_a_removal_names_every_block_of_the_chunks(vllm_loaded: None) -> None:

@@ -15,16 +15,17 @@ A `BlockRemoved` then names every block hash of the removed chunks.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from vllm import envs
 from vllm.distributed.kv_events import (
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
 )
-from vllm.v1.core.kv_cache_utils import BlockHash, ExternalBlockHash, maybe_convert_block_hash
+from vllm.v1.core.kv_cache_utils import BlockHash, ExternalBlockHash
 
 from kvtier.base import (
     OffloadingEvent,
@@ -35,6 +36,25 @@ from kvtier.base import (
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
+
+
+Convert = Callable[[bytes], ExternalBlockHash]
+
+
+def _low_64_bits(h: bytes) -> ExternalBlockHash:
+    return int.from_bytes(h, "big") & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def _as_is(h: bytes) -> ExternalBlockHash:
+    return BlockHash(h)
+
+
+def hash_converter() -> Convert:
+    """How vLLM publishes a block hash (`maybe_convert_block_hash`): its low 64 bits as an int
+    under `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES` (the default), else the bytes. The setting is
+    read once here: vLLM reads it from the environment on every call, which was about two
+    thirds of the time kvtier spent translating events."""
+    return _low_64_bits if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES else _as_is
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +87,7 @@ class ChunkPayloads:
         self.tokens_per_block = tokens_per_block
         self.blocks_per_chunk = blocks_per_chunk
         self.group_kinds = tuple(group_kinds)
+        self._convert = hash_converter()
         self._planned: dict[OffloadKey, tuple[int, ChunkPayload]] = {}  # key -> (job, payload)
         self._held: dict[OffloadKey, ChunkPayload] = {}
 
@@ -80,17 +101,14 @@ class ChunkPayloads:
         hashes, tokens = request.block_hashes, request.all_token_ids
         lora = request.lora_request
         lora_id, lora_name = (lora.adapter_id, lora.name) if lora is not None else (None, None)
+        convert = self._convert
         for key, chunk in chunks:
             first = chunk * bpc
             self._planned[key] = (
                 job_id,
                 ChunkPayload(
-                    block_hashes=tuple(
-                        maybe_convert_block_hash(h) for h in hashes[first : first + bpc]
-                    ),
-                    parent_block_hash=(
-                        maybe_convert_block_hash(hashes[first - 1]) if first else None
-                    ),
+                    block_hashes=tuple(convert(h) for h in hashes[first : first + bpc]),
+                    parent_block_hash=convert(hashes[first - 1]) if first else None,
                     token_ids=array("i", tokens[first * tpb : (first + bpc) * tpb]),
                     lora_id=lora_id,
                     lora_name=lora_name,
@@ -105,7 +123,7 @@ class ChunkPayloads:
         # replaced this one (with the same blocks and tokens: the key hashes them).
         entry = self._planned.get(key)
         if entry is None:
-            return _bare_stored(key, medium)
+            return _bare_stored(key, medium, self._convert)
         payload = self._held[key] = entry[1]
         group = get_offload_group_idx(key)
         kind, window = self.group_kinds[group]
@@ -126,7 +144,9 @@ class ChunkPayloads:
         """Every block hash of `key`'s chunk (its own alone without a payload); the payload
         is dropped."""
         payload = self._held.pop(key, None)
-        return (_external(key),) if payload is None else payload.block_hashes
+        if payload is None:
+            return (self._convert(get_offload_block_hash(key)),)
+        return payload.block_hashes
 
     def forget_ended(self, jobs_in_flight: Iterable[int]) -> None:
         """Drop the planned payloads of store jobs that ended: stored ones are held by now;
@@ -139,13 +159,9 @@ class ChunkPayloads:
                 del planned[k]
 
 
-def _external(key: OffloadKey) -> ExternalBlockHash:
-    return maybe_convert_block_hash(BlockHash(get_offload_block_hash(key)))
-
-
-def _bare_stored(key: OffloadKey, medium: str) -> BlockStored:
+def _bare_stored(key: OffloadKey, medium: str, convert: Convert) -> BlockStored:
     return BlockStored(
-        block_hashes=[_external(key)],
+        block_hashes=[convert(get_offload_block_hash(key))],
         parent_block_hash=None,
         token_ids=[],
         block_size=0,
@@ -167,11 +183,12 @@ def to_vllm_events(
     chain that admission may have broken); with them, by every block hash of the chunk.
     """
     out: list[KVCacheEvent] = []
+    convert = hash_converter()
     for event in events:
         medium = event.medium
         if not event.removed:
             if payloads is None:
-                out.extend(_bare_stored(k, medium) for k in event.keys)
+                out.extend(_bare_stored(k, medium, convert) for k in event.keys)
             else:
                 out.extend(payloads.stored(k, medium) for k in event.keys)
             continue
@@ -179,7 +196,7 @@ def to_vllm_events(
         for k in event.keys:
             hashes = by_group.setdefault(get_offload_group_idx(k), [])
             if payloads is None:
-                hashes.append(_external(k))
+                hashes.append(convert(get_offload_block_hash(k)))
             else:
                 hashes.extend(payloads.removed(k))
         out.extend(
