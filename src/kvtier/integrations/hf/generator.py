@@ -45,6 +45,7 @@ from kvtier.integrations.hf.prefix import (
     input_vocab_size,
     learned_position_rows,
     rope_switch_length,
+    stop_ids,
 )
 from kvtier.transfer import FaultInjector, HostPool, TransferWorker
 from kvtier.transfer.factory import transfer_worker_from_config
@@ -518,19 +519,29 @@ class KVTierGenerator:
     # -- public API ---------------------------------------------------------------------------
 
     def generate_one(
-        self, prompt: Sequence[int] | torch.Tensor, max_new_tokens: int
+        self,
+        prompt: Sequence[int] | torch.Tensor,
+        max_new_tokens: int,
+        *,
+        stop_token_ids: int | Iterable[int] | None = None,
     ) -> GenerationResult:
         """Generate for one prompt: load its cached prefix, prefill the rest, store new blocks.
 
-        Calls from other threads wait for this one to end (prompts run one at a time)."""
+        Generation ends after `max_new_tokens` tokens or at the first of `stop_token_ids` (such
+        as `model.generation_config.eos_token_id`), which ends the reply. Calls from other
+        threads wait for this one to end (prompts run one at a time)."""
         with self._lock:
-            return self._generate_one(prompt, max_new_tokens)
+            return self._generate_one(prompt, max_new_tokens, stop_token_ids)
 
     def _generate_one(
-        self, prompt: Sequence[int] | torch.Tensor, max_new_tokens: int
+        self,
+        prompt: Sequence[int] | torch.Tensor,
+        max_new_tokens: int,
+        stop_token_ids: int | Iterable[int] | None,
     ) -> GenerationResult:
         start = time.perf_counter()  # once its turn has come: waiting for a thread is no TTFT
         ids, max_new_tokens, need = self._checked(prompt, max_new_tokens)
+        stops = stop_ids(self.model, stop_token_ids)  # before the request is tracked
         # Ctrl-C is held back outside the model's forward passes: see _HeldInterrupts.
         with _HeldInterrupts() as held:
             req_id = f"hf-{next(self._req_ids)}"
@@ -576,7 +587,11 @@ class KVTierGenerator:
                 device = self._pages[0].device
                 with held.allowed():  # the model's time: Ctrl-C stops it at once
                     out = generate_greedy(
-                        self.model, ids.unsqueeze(0).to(device), max_new_tokens, cache
+                        self.model,
+                        ids.unsqueeze(0).to(device),
+                        max_new_tokens,
+                        cache,
+                        stop_token_ids=stops,
                     )
 
                 # Offer the request's full blocks to kvtier (reply blocks only if they may be
@@ -620,7 +635,11 @@ class KVTierGenerator:
         return GenerationResult(out.tokens[0], out.logits[0], hit, out.prefill_tokens, ttft)
 
     def generate(
-        self, prompts: Iterable[Sequence[int] | torch.Tensor], max_new_tokens: int
+        self,
+        prompts: Iterable[Sequence[int] | torch.Tensor],
+        max_new_tokens: int,
+        *,
+        stop_token_ids: int | Iterable[int] | None = None,
     ) -> list[GenerationResult]:
         """`generate_one` for each prompt in order (a later prompt may reuse an earlier one's).
 
@@ -630,6 +649,7 @@ class KVTierGenerator:
         # max_new_tokens (0, -1, "x"), and a closed generator, without a word.
         self._check_open()
         max_new_tokens = checked_int("max_new_tokens", max_new_tokens)
+        stops = stop_ids(self.model, stop_token_ids)
         if isinstance(prompts, torch.Tensor) and prompts.ndim < 2:
             raise ValueError(
                 f"prompts is a tensor of shape {tuple(prompts.shape)}; expected a list of "
@@ -652,7 +672,7 @@ class KVTierGenerator:
                     if type(e) not in (TypeError, ValueError, IndexError):
                         raise  # a subclass may take other arguments: keep it as it is
                     raise type(e)(f"prompts[{i}]: {e}") from None
-            return [self.generate_one(p, max_new_tokens) for p in prompts]
+            return [self.generate_one(p, max_new_tokens, stop_token_ids=stops) for p in prompts]
 
     def flush(self) -> None:
         """Wait until every store in flight is done (on a closed generator none is)."""

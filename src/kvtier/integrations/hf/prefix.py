@@ -15,10 +15,11 @@ ragged prompts run one batch per prompt; `kvtier.integrations.hf.generator` does
 from __future__ import annotations
 
 import contextlib
+import operator
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer
@@ -36,6 +37,7 @@ __all__ = [
     "learned_position_rows",
     "prefill",
     "rope_switch_length",
+    "stop_ids",
 ]
 
 
@@ -43,11 +45,14 @@ __all__ = [
 class GreedyOutput:
     """Result of `generate_greedy`.
 
-    `tokens`: `(batch, max_new_tokens)` greedy choices. `logits`: `(batch, max_new_tokens,
+    `tokens`: `(batch, n)` greedy choices, `n` = `max_new_tokens` unless every row produced a
+    stop token before (then `n` is the step at which the last row did). `logits`: `(batch, n,
     vocab)` float32 logits each choice was the argmax of. `cache`: the KV of the prompt and of
     every generated token but the last (its KV is computed only when a later step feeds it).
     `prefill_tokens`: how many prompt tokens the forward ran over (prompt length minus the
-    cached prefix actually used).
+    cached prefix actually used). `lengths`: per row, the tokens up to and including its first
+    stop token (`n` for a row without one); a row's tokens after it are the greedy
+    continuation that decoding the other rows produced, not part of its answer.
     """
 
     tokens: torch.Tensor
@@ -56,6 +61,8 @@ class GreedyOutput:
     prefill_tokens: int
     first_token_time: float = 0.0
     """`time.perf_counter()` when the first token's logits were ready (time to first token)."""
+    lengths: torch.Tensor | None = None
+    """`(batch,)` int64 answer lengths (see above); `None` only in outputs built by hand."""
 
 
 def _check_ids(model: Any, input_ids: torch.Tensor) -> None:
@@ -466,16 +473,22 @@ def generate_greedy(
     input_ids: torch.Tensor,
     max_new_tokens: int,
     cache: Cache | None = None,
+    *,
+    stop_token_ids: int | Iterable[int] | None = None,
 ) -> GreedyOutput:
-    """Greedy-decode `max_new_tokens` tokens after `input_ids`, reusing `cache`'s prefix KV.
+    """Greedy-decode up to `max_new_tokens` tokens after `input_ids`, reusing `cache`'s prefix
+    KV.
 
     With `cache=None` this is the recompute baseline: the same model calls a user makes with
-    `model.generate(do_sample=False)`, minus its stopping rules (it always generates
-    `max_new_tokens`). See `prefill` for what `cache` must hold.
+    `model.generate(do_sample=False)`. Its one stopping rule is `stop_token_ids` (such as
+    `model.generation_config.eos_token_id`): decoding ends once every row has produced one of
+    them, the stop token included in its answer (`GreedyOutput.lengths`); without it, always
+    `max_new_tokens`. See `prefill` for what `cache` must hold.
     """
     max_new_tokens = checked_int("max_new_tokens", max_new_tokens)
     check_decoder_only(model)
     _check_ids(model, input_ids)
+    stops = stop_ids(model, stop_token_ids)
     check_positions(learned_position_rows(model), input_ids.shape[1], max_new_tokens)
     logits, cache, ran = prefill(model, input_ids, cache)
     if logits.device.type == "cuda":
@@ -486,11 +499,54 @@ def generate_greedy(
     batch = input_ids.shape[0]
     tokens = torch.empty((batch, max_new_tokens), dtype=torch.int64, device=input_ids.device)
     steps = torch.empty((batch, max_new_tokens, logits.shape[-1]), dtype=torch.float32)
+    lengths = torch.full((batch,), max_new_tokens, dtype=torch.int64)
+    stopped = torch.zeros(batch, dtype=torch.bool)
     position = input_ids.shape[1]
+    n = max_new_tokens
     for step in range(max_new_tokens):
         steps[:, step] = logits.cpu()
         tokens[:, step] = logits.argmax(dim=-1)
+        if stops is not None:
+            # The logits were just copied to the host, so this read waits for nothing more.
+            now = torch.isin(tokens[:, step].cpu(), stops) & ~stopped
+            lengths[now] = step + 1
+            stopped |= now
+            if bool(stopped.all()):
+                n = step + 1  # the last stop token is not fed: nothing needs its KV
+                break
         if step + 1 < max_new_tokens:
             logits = _forward(model, tokens[:, step : step + 1], cache, position)
             position += 1
-    return GreedyOutput(tokens, steps, cache, ran, first_token_time)
+    return GreedyOutput(
+        tokens[:, :n], steps[:, :n], cache, ran, first_token_time, lengths.clamp_(max=n)
+    )
+
+
+def stop_ids(model: Any, stop_token_ids: int | Iterable[int] | None) -> torch.Tensor | None:
+    """`stop_token_ids` checked, as a 1-D int64 CPU tensor (`None`, or none given: no stop).
+
+    Checked before any forward: an id no token can have would never stop the decoding, which
+    would then run silently to `max_new_tokens`."""
+    if stop_token_ids is None:
+        return None
+    one = (
+        isinstance(stop_token_ids, (int, str, bytes))
+        or (isinstance(stop_token_ids, torch.Tensor) and stop_token_ids.ndim == 0)
+        or not isinstance(stop_token_ids, Iterable)
+    )
+    given: list[Any] = [stop_token_ids] if one else list(cast(Iterable[Any], stop_token_ids))
+    vocab = input_vocab_size(model)
+    ids: list[int] = []
+    for v in given:
+        i = -1
+        if not isinstance(v, bool) and not (isinstance(v, torch.Tensor) and v.dtype == torch.bool):
+            with contextlib.suppress(TypeError, ValueError, RuntimeError):
+                i = operator.index(v)  # numpy and 0-d torch integers too
+        if i < 0 or (vocab is not None and i >= vocab):
+            within = f"0..{vocab - 1}" if vocab is not None else ">= 0"
+            raise ValueError(
+                f"stop_token_ids has {v!r}; expected token ids ({within}), such as "
+                "model.generation_config.eos_token_id"
+            )
+        ids.append(i)
+    return torch.tensor(ids, dtype=torch.int64) if ids else None
