@@ -336,6 +336,39 @@ VLLM_POLICY_PREFIX: Final = "kvtier_"
 _VLLM_ROUTING_KEYS: Final = frozenset({"spec_name", "spec_module_path"})
 
 
+# Keys of vLLM 0.33's own OffloadingConnector for features kvtier lacks: what they do there,
+# and whether a value asks for nothing (read as vLLM reads it), which is accepted as a no-op.
+# Any other value is refused by name: "unknown key" read like a typo to someone moving from
+# vLLM's connector, and ignoring it would drop a tier they asked for without a word.
+def _off(raw: object) -> bool:
+    return isinstance(raw, (bool, int, float, type(None))) and not raw  # vLLM: bool(raw)
+
+
+_VLLM_ONLY: Final[dict[str, tuple[str, Callable[[object], bool], str]]] = {
+    "secondary_tiers": (
+        "vLLM's secondary tiers (file system, object store, peers) behind its CPU tier",
+        lambda raw: isinstance(raw, list) and not raw,
+        "[]",
+    ),
+    # These two tune only the secondary tiers, refused above when asked for: inert.
+    "tier_poll_interval_s": ("how often vLLM polls its secondary tiers", lambda raw: True, ""),
+    "backpressure": ("vLLM's flow control of stores to secondary tiers", lambda raw: True, ""),
+    "enable_telemetry": ("telemetry of vLLM's KVCR secondary tier", _off, "false"),
+    "canonical_layout": ("vLLM's parallelism-agnostic shared host layout", _off, "false"),
+    "sync_load_budget_bytes": ("vLLM's per-step byte budget of same-step loads", _off, "0"),
+}
+
+
+def _check_vllm_only(key: str, raw: object) -> None:
+    """Accept a key of vLLM's own connector only with a value that asks for nothing."""
+    what, asks_nothing, off = _VLLM_ONLY[key]
+    if not asks_nothing(raw):
+        raise ConfigError(
+            f"{key}={_shown(raw)} (from {_VLLM_SOURCE}) sets {what}, which kvtier does not "
+            f"have; expected it unset or {off}, or vLLM's own OffloadingConnector for it"
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -417,7 +450,10 @@ class KVTierConfig:
 
         vLLM's names (`cpu_bytes_to_use`, `eviction_policy`, `cache_policy_module_path`,
         `block_size`) and kvtier's field names are both accepted; vLLM's `spec_name` and
-        `spec_module_path` (which pick the spec class) are ignored; any other key is an error.
+        `spec_module_path` (which pick the spec class) are ignored; keys of vLLM's own
+        connector for features kvtier lacks (`secondary_tiers`, ...) are accepted only with
+        the value that asks for nothing, and named as such otherwise; any other key is an
+        error.
         The config of kvtier's policy plugin for vLLM (`kvtier.integrations.vllm.policy`,
         `kvtier_<name>`) means kvtier's policy `<name>`.
         """
@@ -430,6 +466,9 @@ class KVTierConfig:
                 module_path = raw
                 continue
             if key in _VLLM_ROUTING_KEYS:
+                continue
+            if key in _VLLM_ONLY:
+                _check_vllm_only(key, raw)
                 continue
             name = _VLLM_ALIASES.get(key, key)
             if name == "cpu_bytes" and isinstance(raw, float) and raw.is_integer():
@@ -548,7 +587,12 @@ def _field_for(
         known = list(_PARSERS)
         if source == _VLLM_SOURCE:
             # The routing keys too: accepted (and ignored), so a list without them misleads.
-            known += [*_VLLM_ALIASES, _VLLM_MODULE_PATH, *sorted(_VLLM_ROUTING_KEYS)]
+            known += [
+                *_VLLM_ALIASES,
+                _VLLM_MODULE_PATH,
+                *sorted(_VLLM_ROUTING_KEYS),
+                *_VLLM_ONLY,
+            ]
     if name not in _PARSERS:
         # vLLM's names, which only from_vllm_extra_config reads: spelling-based matching sent
         # KVTIER_BLOCK_SIZE to KVTIER_MAX_TRACKER_SIZE, and eviction_policy nowhere.
