@@ -105,9 +105,12 @@ def _unhashable_key(keys: Iterable[object]) -> TypeError:
 
 
 def _bad_position(ctx: ReqContext) -> tuple[object, object] | None:
-    """The first (key, position) of `ctx` whose position is not a number, else None."""
+    """The first (key, position) of `ctx` whose position is not a number, or is NaN, else
+    None."""
     for key, position in ctx.key_positions.items():
-        if not isinstance(position, Real):
+        # NaN is a Real that kvaware refuses as it does a str: let through, the call was
+        # applied without the ctx instead of refused.
+        if not isinstance(position, Real) or position != position:
             return key, position
     return None
 
