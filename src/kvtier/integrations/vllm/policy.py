@@ -18,8 +18,10 @@ that (LRU keeps a prefix's head longest). The adapter therefore collects consecu
 completions and hands each request's run to the kvtier policy in one call, head first by the
 request's token positions, before the policy is next asked or told anything. A load's keys
 stay in one call when they name different readers (another request read the prefix's head
-meanwhile) but lie on one request's prefix, and keep their order when the request that read
-them ended first (aborted with its load in flight).
+meanwhile) but one request read them all and its prefix holds them; another request's load
+that ends in the same step stays its own call, with its own request, even where its keys lie
+on that prefix. They keep their order when the request that read them ended first (aborted
+with its load in flight).
 
 A kvtier unpin counts as a use. vLLM also pins chunks that no request reads: a tiering
 manager's cascade to a secondary tier (`prepare_read`), which must not change recency. The
@@ -46,6 +48,20 @@ from kvtier.policies import CachePolicy, get_policy_cls, registered_policies
 
 PREFIX = VLLM_POLICY_PREFIX
 """`eviction_policy` names this module answers: `kvtier_` + a kvtier policy name."""
+
+
+# A completion as `_flush` takes it: (is_store, key, context for the policy, context whose
+# positions place the key, other requests that read it while it was pinned).
+_Completion = tuple[bool, OffloadKey, ReqContext | None, ReqContext | None, Sequence[ReqContext]]
+# (is_store, context for the policy, context placing the keys, keys, a load's completions)
+_Run = tuple[bool, ReqContext | None, ReqContext | None, list[OffloadKey], list[_Completion]]
+
+
+def _read_on(ctx: ReqContext, completion: _Completion) -> bool:
+    """Whether request `ctx` read the completion's key and its prefix holds it: then the
+    key's last unpin may end ctx's load, and goes to the kvtier policy with ctx's keys."""
+    _, key, _, place, others = completion
+    return key in ctx.key_positions and (place is ctx or any(r is ctx for r in others))
 
 
 def _ctx(vctx: VReqContext) -> ReqContext:
@@ -94,10 +110,13 @@ class KVTierPolicyAdapter(VCachePolicy):
         # Chunks a load still reads whose reader has ended (aborted mid-load) -> its context:
         # the unpin is no use of a live request, but the request's positions still order it.
         self._orphans: dict[VOffloadKey, ReqContext] = {}
+        # Pinned chunks other live requests accessed before their reader in `_readers`: the
+        # last unpin may end any of their loads, so `_flush` may hand it over with theirs.
+        self._co_readers: dict[VOffloadKey, list[ReqContext]] = {}
         # Completions not yet given to the kvtier policy, in vLLM's order: (is_store, key,
-        # context for the policy, context whose positions place the key). `_flush` hands them
-        # over, one call per run of one kind, request and group.
-        self._completed: list[tuple[bool, OffloadKey, ReqContext | None, ReqContext | None]] = []
+        # context for the policy, context whose positions place the key, other requests that
+        # read it). `_flush` hands them over, one call per run of one kind, request and group.
+        self._completed: list[_Completion] = []
         # Chunks vLLM pinned that no request's access has claimed (a tiering cascade's read):
         # kvtier candidates still, never victims, and their unpin is no use.
         self._held: set[VOffloadKey] = set()
@@ -115,28 +134,34 @@ class KVTierPolicyAdapter(VCachePolicy):
         if not completed:
             return
         self._completed = []
-        # (is_store, context for the policy, context placing the keys, keys)
-        runs: list[tuple[bool, ReqContext | None, ReqContext | None, list[OffloadKey]]] = []
-        for is_store, key, ctx, place in completed:
+        runs: list[_Run] = []
+        for entry in completed:
+            is_store, key, ctx, place, _ = entry
             if runs and runs[-1][0] is is_store:
-                keys, run_place = runs[-1][3], runs[-1][2]
+                _, _, run_place, keys, loads = runs[-1]
                 if place is run_place:
                     keys.append(key)
+                    if not is_store:
+                        loads.append(entry)
                     continue
                 if not is_store:
                     # A load's keys carry the request that last read each; split by that,
                     # the order of vLLM's set would decide which part goes first. They stay
-                    # one run while one request's prefix holds them all, as one job's keys do.
-                    if run_place is not None and key in run_place.key_positions:
+                    # one run while one request read them all and its prefix holds them, as
+                    # one job's keys do; another request's load ending in the same step is
+                    # not that request's use, even where its keys lie on that prefix.
+                    if run_place is not None and _read_on(run_place, entry):
                         keys.append(key)
+                        loads.append(entry)
                         continue
-                    if place is not None and all(k in place.key_positions for k in keys):
+                    if place is not None and all(_read_on(place, e) for e in loads):
                         keys.append(key)
-                        runs[-1] = (False, ctx, place, keys)
+                        loads.append(entry)
+                        runs[-1] = (False, ctx, place, keys, loads)
                         continue
-            runs.append((is_store, ctx, place, [key]))
+            runs.append((is_store, ctx, place, [key], [] if is_store else [entry]))
         inner = self._inner
-        for is_store, ctx, place, keys in runs:
+        for is_store, ctx, place, keys, _ in runs:
             if place is not None and len(keys) > 1:
                 positions = place.key_positions
                 if all(k in positions for k in keys):
@@ -173,6 +198,7 @@ class KVTierPolicyAdapter(VCachePolicy):
         del self.chunks[key]
         self._readers.pop(key, None)
         self._orphans.pop(key, None)
+        self._co_readers.pop(key, None)
         self._held.discard(key)
         self._fresh.discard(key)
         if self._pending.pop(key, None) is None:
@@ -194,7 +220,12 @@ class KVTierPolicyAdapter(VCachePolicy):
         loaded: list[OffloadKey] = []
         for k in keys:
             if k in chunks:
-                readers[k] = ctx
+                earlier = readers.setdefault(k, ctx)
+                if earlier is not ctx:
+                    readers[k] = ctx
+                    # Pinned, and not by this access alone (not fresh): maybe by earlier's load.
+                    if chunks[k].ref_cnt > 0 and k not in fresh:
+                        self._co_readers.setdefault(k, []).append(earlier)
                 if k in fresh and k in held:
                     # The pin just before is this request's load: kvtier pins it, and its
                     # unpin will be the request's use. A cascade's pin that this access
@@ -253,6 +284,7 @@ class KVTierPolicyAdapter(VCachePolicy):
         self._pending.clear()
         self._readers.clear()
         self._orphans.clear()
+        self._co_readers.clear()
         self._completed.clear()
         self._held.clear()
         self._fresh.clear()
@@ -262,14 +294,19 @@ class KVTierPolicyAdapter(VCachePolicy):
         ctx = self._pending.pop(key, None)
         orphan = self._orphans.pop(key, None) if self._orphans else None
         if ctx is not None:
-            self._completed.append((True, OffloadKey(key), ctx, ctx))  # store completed
-        elif key in self._held:
+            self._completed.append((True, OffloadKey(key), ctx, ctx, ()))  # store completed
+            return
+        # Only a chunk read while pinned has co-readers (so no chunk being stored, and no
+        # victim: its last unpin came here first).
+        others = self._co_readers.pop(key, ()) if self._co_readers else ()
+        if key in self._held:
             self._held.discard(key)  # a read no request made: no use, no move
             self._fresh.discard(key)
         else:
             # Last load completed: a use by the live request that read it, where known.
             ctx = self._readers.get(key)
-            self._completed.append((False, OffloadKey(key), ctx, orphan if ctx is None else ctx))
+            place = orphan if ctx is None else ctx
+            self._completed.append((False, OffloadKey(key), ctx, place, others))
 
     def mark_non_evictable(self, key: VOffloadKey) -> None:
         # Pinned in the kvtier policy when a request's access claims the read.
