@@ -56,6 +56,7 @@ def test_defaults() -> None:
         "transfer_coalesce_depth": 0,
         "pin_memory": None,
         "offload_prompt_only": True,
+        "release_finished_blocks": True,
     }
 
 
@@ -165,6 +166,7 @@ def test_env_values_are_parsed_per_type(var: str, text: str, field: str, value: 
         ("transfer_coalesce_depth", "two"),
         ("pin_memory", "sometimes"),
         ("offload_prompt_only", None),
+        ("release_finished_blocks", "later"),
     ],
 )
 def test_bad_values_name_key_value_and_source(key: str, value: Any) -> None:

@@ -44,6 +44,7 @@ _LAYER_VALUES: dict[str, tuple[tuple[str, object], tuple[str, object], tuple[str
     "enable_events": (("yes", True), ("off", False), ("TRUE", True)),
     "max_pending_events": (("5", 5), ("6", 6), ("7", 7)),
     "self_describing_kv_events": (("on", True), ("no", False), ("1", True)),
+    "release_finished_blocks": (("off", False), ("yes", True), ("0", False)),
     "transfer_backend": (("cpu", "cpu"), ("CUDA", "cuda"), ("auto", "auto")),
     "transfer_cpus": (("1", (1,)), ("3-4", (3, 4)), ("6,2", (2, 6))),
     "transfer_avoid_submitter_cpu": (("no", False), ("1", True), ("false", False)),

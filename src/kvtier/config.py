@@ -318,6 +318,7 @@ _PARSERS: Final[dict[str, Callable[[object], Any]]] = {
     "transfer_coalesce_depth": _parse_coalesce_depth,
     "pin_memory": _parse_pin_memory,
     "offload_prompt_only": _parse_bool,
+    "release_finished_blocks": _parse_bool,
 }
 
 # vLLM's kv_connector_extra_config names for kvtier fields; the other vLLM keys kvtier reads
@@ -398,6 +399,7 @@ class KVTierConfig:
     transfer_coalesce_depth: int = 0
     pin_memory: bool | None = None
     offload_prompt_only: bool = True
+    release_finished_blocks: bool = True
 
     # Per instance, field name -> (key that set it, layer), for errors found after parsing
     # (e.g. a budget too small for one slot). Not a field: equality and to_dict ignore it.

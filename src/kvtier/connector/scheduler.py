@@ -294,6 +294,13 @@ class OffloadingScheduler:
         """Chunk lookups that missed, counted as `lookup_hits` are: at most one each time a
         request is scheduled, as its lookups stop at the first miss."""
         self._wait_for: list[int] = []
+        # Device block -> store jobs in flight that read it, of requests finished with their
+        # blocks released: the engine may give the block to another request, whose step must
+        # first wait for them (`blocks_allocated`).
+        self._fences: dict[int, set[int]] = {}
+        # Job id -> its request, for requests finished that way: no longer tracked by id, so
+        # that the engine may reuse the id while their stores run.
+        self._released: dict[int, _Request] = {}
         self._finished = FinishedRequests()
         # Device blocks of failed loads (at allocation, or reported failed), per request, until
         # `take_finished` reports them: a preemption, or a finish that holds nothing, before
@@ -355,9 +362,15 @@ class OffloadingScheduler:
             )
         req.num_prompt_tokens = prompt
 
-    def request_finished(self, req_id: str) -> bool:
+    def request_finished(self, req_id: str, *, release: bool = False) -> bool:
         """The engine is done with a request. Returns True when its device blocks must be held
         until the request appears in `take_finished().sending` (transfers still use them).
+
+        With `release`, a request whose jobs in flight are all stores gives its blocks back at
+        once (returns False, and is never reported in `sending`): the engine may hand them to
+        other requests, and must then tell `blocks_allocated`, which makes the next step wait
+        for the stores that still read them (vLLM's own connector frees blocks this way). A
+        load in flight (the request aborted mid-load) still holds its blocks.
 
         The reused prefix (device hits, loads that succeeded and a load still in flight; not
         a load that failed, was cancelled or was outlived by a preemption) is touched now; the
@@ -393,8 +406,41 @@ class OffloadingScheduler:
             if not req.jobs:
                 self._failed_blocks.pop(req_id, None)  # the engine frees its blocks now
                 del self._requests[req_id]
+        jobs = self._jobs
+        if release and req.jobs and all(jobs[j].spec.kind is JobKind.STORE for j in req.jobs):
+            # Every job left was sent (unsent ones were just cancelled) and only reads the
+            # blocks: fence them instead of holding them.
+            fences = self._fences
+            for job_id in req.jobs:
+                for block in jobs[job_id].spec.device_blocks.tolist():
+                    fences.setdefault(block, set()).add(job_id)
+                self._released[job_id] = req
+            req.released_jobs.update(req.jobs)
+            del self._requests[req_id]
+            return False
         # With jobs, its blocks are held until `sending`, failed ones reported with it.
         return bool(req.jobs)
+
+    def has_fences(self) -> bool:
+        """Whether stores of released requests still read device blocks (`blocks_allocated`
+        has work to do)."""
+        return bool(self._fences)
+
+    def blocks_allocated(self, block_ids: Iterable[int]) -> None:
+        """The engine gave these device blocks (any group) to requests in the step being
+        planned: stores of released requests that still read one are put in the step's
+        `wait_for`, so the worker waits for them before anything writes the block."""
+        fences = self._fences
+        if not fences:
+            return
+        waits: set[int] = set()
+        for block in block_ids:
+            jobs = fences.get(block)
+            if jobs:
+                waits.update(jobs)
+        if waits:
+            known = set(self._wait_for)
+            self._wait_for.extend(sorted(waits - known))
 
     def request_preempted(self, req_id: str) -> None:
         """The engine freed a request's device blocks to run others: jobs that still use them
@@ -843,9 +889,9 @@ class OffloadingScheduler:
                 again, job.attempted = job.attempted, True
                 try:
                     if spec.kind is JobKind.LOAD:
-                        self.manager.complete_load(job.keys, self._ctx(spec.req_id))
+                        self.manager.complete_load(job.keys, self._job_ctx(spec))
                     else:
-                        self.manager.complete_store(job.keys, self._ctx(spec.req_id), job.success)
+                        self.manager.complete_store(job.keys, self._job_ctx(spec), job.success)
                 except ValueError as e:
                     if not again:
                         raise
@@ -882,7 +928,8 @@ class OffloadingScheduler:
                     spec.job_id,
                     spec.req_id,
                 )
-        req = self._requests.get(spec.req_id)
+        released = self._released.get(spec.job_id)
+        req = released if released is not None else self._requests.get(spec.req_id)
         ended: ReqContext | None = None
         if req is not None:
             # The job leaves `req.jobs` last: until then the request has a job in flight, so
@@ -912,13 +959,18 @@ class OffloadingScheduler:
                         req.reused_chunks = max(req.reused_chunks, req.loading_chunks)
                     req.loading_chunks = 0
             if last and req.finished:
-                self._finished.sending.add(spec.req_id)
-                del self._requests[spec.req_id]
+                if released is None:
+                    self._finished.sending.add(spec.req_id)
+                    del self._requests[spec.req_id]
                 ended = req.ctx
             else:
                 req.jobs.discard(spec.job_id)
                 req.released_jobs.discard(spec.job_id)  # after: a rerun must still see it
+        if self._fences:
+            self._unfence(spec)
         del self._jobs[spec.job_id]
+        if released is not None:
+            del self._released[spec.job_id]
         if ended is not None:
             # Last, with the scheduler's state complete: a rerun after an interrupt here finds
             # neither job nor request, so the policy hears of the end at most once. A policy
@@ -930,6 +982,16 @@ class OffloadingScheduler:
                 errors.append(e)
 
     # -- helpers ------------------------------------------------------------------------------
+
+    def _unfence(self, spec: TransferJob) -> None:
+        """A job is done: the blocks it read need no wait any more (idempotent, for reruns)."""
+        fences = self._fences
+        for block in spec.device_blocks.tolist():
+            jobs = fences.get(block)
+            if jobs is not None:
+                jobs.discard(spec.job_id)
+                if not jobs:
+                    del fences[block]
 
     def _check_worker(self, worker: int | None) -> None:
         if worker is not None and (
@@ -947,9 +1009,13 @@ class OffloadingScheduler:
             raise ValueError(f"request {req_id!r} is not tracked; call add_request first")
         return req
 
-    def _ctx(self, req_id: str) -> ReqContext:
-        req = self._requests.get(req_id)
-        return req.ctx if req is not None else ReqContext(req_id)
+    def _job_ctx(self, spec: TransferJob) -> ReqContext:
+        """The context of a job's request: a released request's, though the engine may have
+        given its id to a new request since."""
+        req = self._released.get(spec.job_id)
+        if req is None:
+            req = self._requests.get(spec.req_id)
+        return req.ctx if req is not None else ReqContext(spec.req_id)
 
     def _num_chunks(self, req: _Request) -> int:
         return len(req.block_hashes) // self.blocks_per_chunk
@@ -1027,7 +1093,7 @@ class OffloadingScheduler:
         record = self._jobs.get(job_id)
         if record is None or record.spec.kind is not JobKind.STORE:
             raise ValueError(f"job {job_id!r} is not a store job in flight")
-        positions, tpc = self._ctx(record.spec.req_id).key_positions, self.tokens_per_chunk
+        positions, tpc = self._job_ctx(record.spec).key_positions, self.tokens_per_chunk
         return [(k, positions[k] // tpc - 1) for k in record.keys]
 
     def job_ids_in_flight(self) -> list[int]:

@@ -285,9 +285,10 @@ def test_abort_during_a_failing_load_forgets_the_request(vllm_loaded: None) -> N
 
 
 def test_abort_with_stores_in_flight_holds_blocks_until_sent(vllm_loaded: None) -> None:
+    """With `release_finished_blocks` off (on by default, test_release_finished_blocks_vllm)."""
     from vllm.v1.request import RequestStatus
 
-    engine = make_engine("KVTierConnector", EXTRA)
+    engine = make_engine("KVTierConnector", {**EXTRA, "release_finished_blocks": False})
     opened = gate(engine)
     engine.add("a", PROMPT, max_tokens=8)
     engine.step(settle=False)

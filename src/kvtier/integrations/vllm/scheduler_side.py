@@ -58,6 +58,29 @@ class _LazyBlockIds(Sequence[Sequence[int]]):
         return iter(self._resolve())
 
 
+def _allocated_blocks(out: SchedulerOutput, tokens_per_block: int) -> Iterator[int]:
+    """Device blocks a scheduler step gives to requests to write: new and resumed requests'
+    blocks past their prefix hit (blocks they only read need no fence), running requests' new
+    ones, and the targets of copy-on-write copies."""
+    for new in out.scheduled_new_reqs:
+        hit = new.num_computed_tokens // tokens_per_block
+        for ids in new.block_ids:
+            yield from ids[hit:]
+    cached = out.scheduled_cached_reqs
+    resumed = cached.resumed_req_ids
+    for i, group_ids in enumerate(cached.new_block_ids):
+        if group_ids is None:
+            continue
+        # A resumed request's list is its whole block table, prefix hits first.
+        hit = (
+            cached.num_computed_tokens[i] // tokens_per_block if cached.req_ids[i] in resumed else 0
+        )
+        for ids in group_ids:
+            yield from ids[hit:]
+    for copy in out.kv_cache_block_copies or ():
+        yield copy.dst_block_id
+
+
 class KVTierSchedulerSide:
     """Adapts vLLM's scheduler-side connector calls to kvtier's `OffloadingScheduler`."""
 
@@ -86,6 +109,13 @@ class KVTierSchedulerSide:
             full_prompt_hits=not setup.rswa and not setup.proof_chunks,
         )
         self._live_prompt_only = cfg.offload_prompt_only and not setup.rswa
+        # A finished request's blocks go back to vLLM at once; a step given one that a store
+        # still reads waits for it first (the workers' `handle_preemptions`, before anything
+        # writes the block), as vLLM's own OffloadingConnector fences reused blocks.
+        self._release = cfg.release_finished_blocks
+        self._allocated: list[int] = []  # blocks vLLM gave out this step, if any is fenced
+        # The device prefix hit each request was last asked about (its blocks are only read).
+        self._local_hits: dict[str, int] = {}
         self._requests: dict[str, Request] = {}
         self._get_block_ids: Callable[[str], tuple[list[int], ...]] | None = None
         # Requests with a load in flight: vLLM frees their blocks on `finished_recving`, so
@@ -170,6 +200,7 @@ class KVTierSchedulerSide:
         n = self.scheduler.get_num_new_matched_tokens(
             request.request_id, num_computed_tokens, read=not request.skip_reading_prefix_cache
         )
+        self._local_hits[request.request_id] = num_computed_tokens
         if n is None:
             return None, False
         return n, n > 0
@@ -199,6 +230,12 @@ class KVTierSchedulerSide:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         """Plan the load into the blocks vLLM allocated for the matched tokens."""
+        local = self._local_hits.pop(request.request_id, 0)
+        if self._release and num_external_tokens and self.scheduler.has_fences():
+            # A request whose load is planned now is not in this step's scheduler output, and
+            # the load writes its blocks past the device hit.
+            first = local // self.setup.tokens_per_block
+            self._allocated.extend(b for ids in blocks.get_block_ids() for b in ids[first:])
         if num_external_tokens == 0:
             self.scheduler.update_state_after_alloc(request.request_id, (), 0)
             return
@@ -240,6 +277,10 @@ class KVTierSchedulerSide:
             if prompt_only and computed > request.num_prompt_tokens:
                 computed = request.num_prompt_tokens
             progress.append(StepProgress(req_id, _LazyBlockIds(get, req_id), computed))
+        if self._release and sched.has_fences():
+            self._allocated.extend(_allocated_blocks(scheduler_output, self.setup.tokens_per_block))
+            sched.blocks_allocated(b for b in self._allocated if b)  # 0: vLLM's null block
+        self._allocated.clear()
         step = sched.build_step_metadata(progress)
         self._unsent_loads.clear()  # every job planned is in `step` now
         for job in step.loads:
@@ -303,7 +344,8 @@ class KVTierSchedulerSide:
             # report it (failed, with no block to recompute: the request is gone).
             self._unsent_loads.discard(req_id)
             self._failed_at_alloc[req_id] = []
-        hold = self.scheduler.request_finished(req_id)
+        self._local_hits.pop(req_id, None)
+        hold = self.scheduler.request_finished(req_id, release=self._release)
         if hold and req_id not in self._loading:
             self._held.append(req_id)
         return hold
