@@ -157,3 +157,26 @@ def test_a_load_into_a_released_block_waits_for_its_store(vllm_loaded: None) -> 
     expect_loaded(engine, "c", z, 4 * BLOCK_SIZE)
     engine.run_until(["c", "f"])
     assert_no_leaks(engine)
+
+
+def test_the_blocks_a_step_writes_are_fenced_and_those_it_only_reads_are_not() -> None:
+    from types import SimpleNamespace
+
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+
+    from kvtier.integrations.vllm.scheduler_side import _allocated_blocks
+
+    out = SimpleNamespace(
+        # 2 groups; 32 tokens computed before the step: the first 2 blocks of each are hits.
+        scheduled_new_reqs=[SimpleNamespace(num_computed_tokens=32, block_ids=([1, 2, 3], [4, 5]))],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=["run", "back", "idle"],
+            resumed_req_ids={"back"},
+            num_computed_tokens=[100, 16, 7],
+            # A running request's list is its new blocks only; a resumed one's its whole table.
+            new_block_ids=[([6],), ([7, 8],), None],
+        ),
+        kv_cache_block_copies=[KVCacheBlockCopy(9, 10)],
+        new_block_ids_to_zero=[11],
+    )
+    assert sorted(_allocated_blocks(out, 16)) == [3, 6, 8, 10, 11]  # type: ignore[arg-type]

@@ -61,7 +61,7 @@ class _LazyBlockIds(Sequence[Sequence[int]]):
 def _allocated_blocks(out: SchedulerOutput, tokens_per_block: int) -> Iterator[int]:
     """Device blocks a scheduler step gives to requests to write: new and resumed requests'
     blocks past their prefix hit (blocks they only read need no fence), running requests' new
-    ones, and the targets of copy-on-write copies."""
+    ones, the targets of copy-on-write copies, and blocks the workers zero."""
     for new in out.scheduled_new_reqs:
         hit = new.num_computed_tokens // tokens_per_block
         for ids in new.block_ids:
@@ -79,6 +79,8 @@ def _allocated_blocks(out: SchedulerOutput, tokens_per_block: int) -> Iterator[i
             yield from ids[hit:]
     for copy in out.kv_cache_block_copies or ():
         yield copy.dst_block_id
+    # Zeroed by the workers before the forward pass (a hybrid model's new blocks): written too.
+    yield from out.new_block_ids_to_zero or ()
 
 
 class KVTierSchedulerSide:
