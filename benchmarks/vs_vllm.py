@@ -5,7 +5,10 @@ kvtier's, with the same engine call sequence (benchmarks/manager_ops.py), policy
 (c)/(d): five windows of the trace (2,000 requests from offsets 0, 2000, ..., 8000), in 16-token
 blocks (each hash id becomes 16 token ids), as requests through vLLM's real `Scheduler` with
 (c) vLLM's `OffloadingConnector` and (d) kvtier's `KVTierConnector`, same capacity and
-policy, workers stubbed to complete every job at once.
+policy, workers stubbed to complete every job at once (`--job-delay N`: N steps after the step
+that issued it, as an asynchronous copy engine would). The two take turns going first, window
+by window, starting with the other one from seed to seed; each run's JSON says which went
+first (`first`), and the summary gives the steps/s ratio for each order as well.
 
     python benchmarks/vs_vllm.py --json out/vs_vllm.json
 
@@ -23,6 +26,7 @@ Needs vLLM 0.33.0 installed next to kvtier (see docs/vllm.md for the CPU-only re
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import os
@@ -39,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from _cli import (
+    at_least,
     int_list,
     positive_int,
     progress,
@@ -290,39 +295,132 @@ class _EventTally:
         }
 
 
-def _stub_worker_output(meta: Any) -> Any:
-    """What workers that finish every job at once would report for `meta`."""
-    from vllm.v1.outputs import KVConnectorOutput
+class _StubWorkers:
+    """Workers that move no bytes but report each job `delay` steps after the step that issued
+    it, as an asynchronous copy engine would (0: in the step itself). A job the scheduler has
+    the workers wait for (vLLM's `jobs_to_flush`, kvtier's `wait_for`: blocks about to be
+    reused) and vLLM's synchronous loads end in their step, as the real workers wait for them.
+    """
 
-    from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
+    def __init__(self, delay: int) -> None:
+        self.delay = delay
+        self.step = 0
+        # job id -> (step due, request id, load that reports `finished_recving`)
+        self._pending: dict[int, tuple[int, str, bool]] = {}
+        self._in_flight: dict[str, int] = {}  # request id -> its jobs pending (kvtier)
+        self._loads: dict[str, int] = {}  # request id -> its loads pending (kvtier)
+        self._held: set[str] = set()  # kvtier: finished requests whose blocks vLLM holds
+        self.jobs_done = 0
+        # Jobs ended before their delay because the scheduler had the workers wait for them:
+        # a real worker stalls the step for each (vLLM's flushes, kvtier's `wait_for`).
+        self.jobs_waited = 0
 
-    if isinstance(meta, KVTierConnectorMetadata):
+    @property
+    def pending(self) -> int:
+        """Jobs issued and not yet reported."""
+        return len(self._pending)
+
+    def _issue(self, job_id: int, req_id: str, recv: bool) -> None:
+        self._pending[job_id] = (self.step + self.delay, req_id, recv)
+
+    def _due(self, waited: Any) -> list[tuple[int, str, bool]]:
+        """Take the jobs due this step (and those in `waited`), in the order issued."""
+        for job_id in waited or ():
+            if job_id in self._pending:
+                due, req_id, recv = self._pending[job_id]
+                self.jobs_waited += due > self.step
+                self._pending[job_id] = (self.step, req_id, recv)
+        done = [(j, r, recv) for j, (due, r, recv) in self._pending.items() if due <= self.step]
+        for job_id, _, _ in done:
+            del self._pending[job_id]
+        self.jobs_done += len(done)
+        return done
+
+    def output(self, meta: Any) -> Any:
+        """What the workers report at the end of the step that received `meta`."""
+        from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata
+
+        try:
+            if isinstance(meta, KVTierConnectorMetadata):
+                return self._kvtier_output(meta)
+            return self._vllm_output(meta)
+        finally:
+            self.step += 1
+
+    def _kvtier_output(self, meta: Any) -> Any:
+        from vllm.v1.outputs import KVConnectorOutput
+
+        from kvtier.integrations.vllm.metadata import KVTierWorkerMetadata
+
         step = meta.step
+        for jobs, is_load in ((step.loads, True), (step.stores, False)):
+            for j in jobs:
+                self._issue(j.job_id, j.req_id, is_load)
+                self._in_flight[j.req_id] = self._in_flight.get(j.req_id, 0) + 1
+                if is_load:
+                    self._loads[j.req_id] = self._loads.get(j.req_id, 0) + 1
+        self._held.update(meta.held)
+        recving: set[str] = set()
+        invalid: set[int] = set()
+        for req_id, blocks in meta.failed_loads.items():
+            # Loads the scheduler ended before any job ran: failed, as kvtier's workers say.
+            recving.add(req_id)
+            invalid.update(blocks)
         # (job id, success, worker 0 of 1, bytes, seconds): no bytes move in this comparison
-        done = [(j.job_id, True, 0, 0, 0.0) for j in (*step.loads, *step.stores)]
+        done = []
+        for job_id, req_id, is_load in self._due(step.wait_for):
+            done.append((job_id, True, 0, 0, 0.0))
+            self._in_flight[req_id] -= 1
+            if not self._in_flight[req_id]:
+                del self._in_flight[req_id]
+            if is_load:
+                self._loads[req_id] -= 1
+                if not self._loads[req_id]:
+                    del self._loads[req_id]
+                    recving.add(req_id)
+        sending = {r for r in self._held if r not in self._in_flight}
+        self._held -= sending
         return KVConnectorOutput(
-            finished_recving={j.req_id for j in step.loads},
-            finished_sending=set(meta.held),
+            finished_recving=recving,
+            finished_sending=sending,
             kv_connector_worker_meta=KVTierWorkerMetadata(done) if done else None,
+            invalid_block_ids=invalid,
+            failed_recving=set(meta.failed_loads),
         )
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
-        OffloadingWorkerMetadata,
-    )
 
-    worker_meta = OffloadingWorkerMetadata()
-    for job_id in [*meta.load_jobs, *meta.store_jobs]:
-        worker_meta.mark_completed(job_id)
-    return KVConnectorOutput(
-        finished_recving={j.req_id for j in meta.load_jobs.values()},
-        kv_connector_worker_meta=worker_meta,
-    )
+    def _vllm_output(self, meta: Any) -> Any:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+            OffloadingWorkerMetadata,
+        )
+        from vllm.v1.outputs import KVConnectorOutput
+
+        waited = set(meta.jobs_to_flush or ())
+        for job_id, job in meta.load_jobs.items():
+            # A synchronous load's request runs this step: the worker waits for it, and
+            # reports no `finished_recving` for it.
+            self._issue(job_id, job.req_id, not job.sync)
+            if job.sync:
+                waited.add(job_id)
+        for job_id, job in meta.store_jobs.items():
+            self._issue(job_id, job.req_id, False)
+        worker_meta = OffloadingWorkerMetadata()
+        recving = set()
+        for job_id, req_id, recv in self._due(waited):
+            worker_meta.mark_completed(job_id)
+            if recv:
+                recving.add(req_id)
+        return KVConnectorOutput(finished_recving=recving, kv_connector_worker_meta=worker_meta)
 
 
 def _run_scheduler(
-    scheduler: Any, prompts: list[list[int]], max_running: int = 16
+    scheduler: Any,
+    prompts: list[list[int]],
+    max_running: int = 16,
+    workers: _StubWorkers | None = None,
 ) -> tuple[int, float, float]:
-    """Feed the prompts, keeping `max_running` in the engine; return (steps, seconds, external
-    hit ratio = tokens the connector served / tokens it was asked for)."""
+    """Feed the prompts, keeping `max_running` in the engine, with `workers` (default: every
+    job done in its step); return (steps, seconds, external hit ratio = tokens the connector
+    served / tokens it was asked for)."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -335,15 +433,25 @@ def _run_scheduler(
     requests = [
         Request(str(i), p, params, None, block_hasher=hasher) for i, p in enumerate(prompts)
     ]
-    nxt = steps = queries = hits = 0
+    if workers is None:
+        workers = _StubWorkers(0)
+    job_delay = workers.delay
+    nxt = steps = queries = hits = idle = 0
+    # Every job ends within `job_delay` steps, and a request waiting on none is scheduled: many
+    # more idle steps than that in a row (nothing scheduled, no job reported; 8 of slack) is a
+    # replay that hangs, which looped for good.
+    max_idle = job_delay + 8
     live: set[str] = set()
     start = time.perf_counter()
-    while nxt < len(requests) or scheduler.has_requests():
+    # vLLM's `has_requests` also counts finished requests whose blocks wait for their stores
+    # (kvtier) and a connector's jobs in flight (vLLM's): the replay drains both.
+    while nxt < len(requests) or scheduler.has_requests() or workers.pending:
         while nxt < len(requests) and len(live) < max_running:
             scheduler.add_request(requests[nxt])
             live.add(requests[nxt].request_id)
             nxt += 1
         so = scheduler.schedule()
+        jobs_done = workers.jobs_done
         stats = scheduler.connector_prefix_cache_stats
         queries += stats.queries
         hits += stats.hits
@@ -355,13 +463,21 @@ def _run_scheduler(
             sampled_token_ids=[
                 [7] if reqs[r].num_computed_tokens >= reqs[r].num_tokens else [] for r in req_ids
             ],
-            kv_connector_output=_stub_worker_output(so.kv_connector_metadata),
+            kv_connector_output=workers.output(so.kv_connector_metadata),
         )
         for eo in scheduler.update_from_output(so, out).values():
             for o in eo.outputs:
                 if o.finish_reason is not None:
                     live.discard(o.request_id)
         steps += 1
+        idle = 0 if req_ids or workers.jobs_done > jobs_done else idle + 1
+        if idle > max_idle:
+            raise RuntimeError(
+                f"the replay made no progress for {idle} steps (step {steps}, --job-delay "
+                f"{job_delay}): {len(requests) - nxt} requests not yet added, {len(live)} in "
+                f"the engine, {workers.pending} jobs in flight; expected a request scheduled "
+                f"or a job reported at least every {max_idle} steps"
+            )
     return steps, time.perf_counter() - start, hits / max(queries, 1)
 
 
@@ -388,6 +504,10 @@ def _finishes_in_arrival_order(scheduler: Any) -> None:
     connector.build_connector_meta = ordered
 
 
+SIDES = ("vllm", "kvtier")
+"""The connectors of (c) and (d), as the JSON names them."""
+
+
 def scheduler_run(
     trace: Path,
     offset: int,
@@ -396,12 +516,17 @@ def scheduler_run(
     capacity: float,
     arrival_order: bool = False,
     kv_events: str = "off",
+    first: str = "vllm",
+    job_delay: int = 0,
 ) -> dict[str, Any]:
-    """One run of (c) then (d) in this process on one trace window: steps/s, external hit
-    ratios (tokens the connector served / tokens it was asked for) and each connector's KV
-    events (`kv_events` one of `KV_EVENTS`)."""
+    """One run of (c) and (d) in this process on one trace window, `first` ("vllm" or
+    "kvtier") first, the workers reporting each job `job_delay` steps after its step:
+    steps/s, external hit ratios (tokens the connector served / tokens it was asked for) and
+    each connector's KV events (`kv_events` one of `KV_EVENTS`)."""
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
+    if first not in SIDES:
+        raise ValueError(f"first={first!r}; expected one of {SIDES}")
     prompts = _scheduler_prompts(trace, offset, num_requests)
     unique = len({t // SCHED_BLOCK for p in prompts for t in p[:-1]})
     slot_bytes = 2 * 2 * 2 * SCHED_BLOCK * 32 * 4  # layers x K/V x heads x tokens x dim x fp32
@@ -410,32 +535,42 @@ def scheduler_run(
     device_blocks = 256  # small, so reuse beyond the device prefix cache needs the host tier
     align = CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT
     v_slot = -(-slot_bytes // align) * align
-    vs = _vllm_engine_with_chunks(policy, num_slots, v_slot, align, device_blocks, kv_events)
-    if arrival_order:
-        _finishes_in_arrival_order(vs)
-    v_events = _EventTally(vs)
-    v_steps, v_secs, v_hit = _run_scheduler(vs, prompts)
-    ks = _scheduler_engine(
-        "KVTierConnector",
-        {"num_slots": num_slots, "cache_policy": policy, **_events_extra(kv_events)},
-        "kvtier.integrations.vllm",
-        device_blocks,
-        kv_events != "off",
-    )
-    k_events = _EventTally(ks)
-    k_steps, k_secs, k_hit = _run_scheduler(ks, prompts)
-    return {
-        "offset": offset,
-        "kv_events": kv_events,
-        "vllm_events": v_events.report(v_secs),
-        "kvtier_events": k_events.report(k_secs),
-        "vllm_steps_per_s": v_steps / v_secs,
-        "kvtier_steps_per_s": k_steps / k_secs,
-        "vllm_hit_ratio": v_hit,
-        "kvtier_hit_ratio": k_hit,
-        "num_slots": num_slots,
-        "num_requests": len(prompts),
-    }
+
+    def engine(side: str) -> Any:
+        if side == "vllm":
+            vs = _vllm_engine_with_chunks(
+                policy, num_slots, v_slot, align, device_blocks, kv_events
+            )
+            if arrival_order:
+                _finishes_in_arrival_order(vs)
+            return vs
+        return _scheduler_engine(
+            "KVTierConnector",
+            {"num_slots": num_slots, "cache_policy": policy, **_events_extra(kv_events)},
+            "kvtier.integrations.vllm",
+            device_blocks,
+            kv_events != "off",
+        )
+
+    out: dict[str, Any] = {"offset": offset, "kv_events": kv_events, "first": first}
+    # Each side's engine is built just before its replay and dropped after it: the second
+    # replay of the pair runs on the heap the first left, so the parent alternates `first`.
+    for side in (first, *(s for s in SIDES if s != first)):
+        sched = engine(side)
+        events = _EventTally(sched)
+        workers = _StubWorkers(job_delay)
+        # The earlier replays' garbage, collected before the clock starts rather than by
+        # whichever replay's allocations happen to trigger a full collection.
+        gc.collect()
+        steps, secs, hit = _run_scheduler(sched, prompts, workers=workers)
+        out[f"{side}_events"] = events.report(secs)
+        out[f"{side}_steps_per_s"] = steps / secs
+        out[f"{side}_steps"] = steps
+        out[f"{side}_seconds"] = secs
+        out[f"{side}_hit_ratio"] = hit
+        out[f"{side}_jobs_waited"] = workers.jobs_waited
+        del sched, events
+    return out | {"job_delay": job_delay, "num_slots": num_slots, "num_requests": len(prompts)}
 
 
 CHILD_PROGRESS = "vs_vllm progress: "
@@ -465,6 +600,13 @@ def _run_child(
         return out.read(), "".join(rest), status
 
 
+def first_connector(at_first_window: str, window: int) -> str:
+    """The connector that goes first on a child's `window`-th window (from 0): the two take
+    turns, starting with `at_first_window`, which the parent alternates from seed to seed, so
+    each goes first in half the runs (one more for an odd count) of every window."""
+    return SIDES[(SIDES.index(at_first_window) + window) % 2]
+
+
 def _scheduler_runs(
     trace: Path,
     offsets: Sequence[int],
@@ -475,9 +617,11 @@ def _scheduler_runs(
     arrival_order: bool,
     kv_events: Sequence[str],
     log: Callable[[str], None] | None,
+    job_delay: int = 0,
 ) -> list[dict[str, Any]]:
     """Every window's run, one child process per hash seed and KV-events setting; the settings
-    take turns going first from seed to seed, so the machine's drift hits each alike."""
+    take turns going first from seed to seed, so the machine's drift hits each alike, and so
+    do the connectors within a child, window by window (`first_connector`)."""
     runs: list[dict[str, Any]] = []
     children = len(hash_seeds) * len(kv_events)
     done = 0
@@ -496,6 +640,8 @@ def _scheduler_runs(
                 f"--capacity={capacity}",
                 *(["--vllm-finishes-in-arrival-order"] if arrival_order else []),
                 *([f"--kv-events={events}"] if events != "off" else []),
+                f"--first-connector={SIDES[i % 2]}",
+                f"--job-delay={job_delay}",
             ]
             what = f"scheduler, {policy}, PYTHONHASHSEED {seed}"
             if list(kv_events) != ["off"]:
@@ -536,6 +682,31 @@ def _take_events_time_ratio(runs: Sequence[dict[str, Any]]) -> float | None:
     return statistics.median(ratios) if ratios else None
 
 
+def _speedup(runs: Sequence[dict[str, Any]]) -> float | None:
+    """The median of the runs' kvtier-over-vLLM steps/s ratios; None for no run."""
+    ratios = [r["kvtier_steps_per_s"] / r["vllm_steps_per_s"] for r in runs]
+    return statistics.median(ratios) if ratios else None
+
+
+def _order_figures(runs: Sequence[dict[str, Any]], offsets: Sequence[int]) -> dict[str, Any]:
+    """The steps/s ratio of the runs each connector went first in (None for one that never
+    did), and `order_effect`: per window, the vLLM-first runs' median ratio over the
+    kvtier-first runs', the median over the windows run both ways (None for none). Windows
+    differ in ratio, and which went first in which window follows the seed: the per-window
+    quotient keeps the windows' own spread out of the order's effect."""
+    by_first = {side: [r for r in runs if r.get("first") == side] for side in SIDES}
+    effects = []
+    for offset in offsets:
+        v, k = (_speedup([r for r in by_first[s] if r["offset"] == offset]) for s in SIDES)
+        if v is not None and k is not None:
+            effects.append(v / k)
+    return {
+        "speedup_by_first": {side: _speedup(rs) for side, rs in by_first.items()},
+        "runs_by_first": {side: len(rs) for side, rs in by_first.items()},
+        "order_effect": statistics.median(effects) if effects else None,
+    }
+
+
 def _summarize(
     runs: list[dict[str, Any]],
     offsets: Sequence[int],
@@ -543,8 +714,10 @@ def _summarize(
     hash_seeds: Sequence[int],
     arrival_order: bool,
     kv_events: str,
+    job_delay: int = 0,
 ) -> dict[str, Any]:
-    """The runs of one policy and KV-events setting: medians, ratios, hit ratios per window."""
+    """The runs of one policy and KV-events setting: medians, ratios, hit ratios per window,
+    and the steps/s ratio by the connector that went first (`_order_figures`)."""
     windows = []
     for offset in offsets:
         rs = [r for r in runs if r["offset"] == offset]
@@ -561,10 +734,25 @@ def _summarize(
                 - min(r["kvtier_hit_ratio"] for r in rs),
             }
         )
+    timed = [r for r in runs if "vllm_seconds" in r]
     return {
         "vllm_steps_per_s": statistics.median(r["vllm_steps_per_s"] for r in runs),
         "kvtier_steps_per_s": statistics.median(r["kvtier_steps_per_s"] for r in runs),
-        "speedup": statistics.median(r["kvtier_steps_per_s"] / r["vllm_steps_per_s"] for r in runs),
+        "speedup": _speedup(runs),
+        **_order_figures(runs, offsets),
+        # With a job delay the two take different step counts for the same requests, and
+        # steps/s no longer compares their work: the replays' times do.
+        "replay_time_ratio": (
+            statistics.median(r["vllm_seconds"] / r["kvtier_seconds"] for r in timed)
+            if timed
+            else None
+        ),
+        "job_delay": job_delay,
+        **{
+            f"{side}_{what}": sum(r.get(f"{side}_{what}", 0) for r in runs)
+            for side in SIDES
+            for what in ("steps", "jobs_waited")
+        },
         "vllm_hit_ratio": statistics.fmean(w["vllm_hit_ratio"] for w in windows),
         "kvtier_hit_ratio": statistics.fmean(w["kvtier_hit_ratio"] for w in windows),
         "windows": windows,
@@ -589,6 +777,7 @@ def compare_schedulers(
     arrival_order: bool = False,
     log: Callable[[str], None] | None = None,
     kv_events: str = "off",
+    job_delay: int = 0,
 ) -> dict[str, Any]:
     """Steps/s and external hit ratio, OffloadingConnector vs KVTierConnector, per trace
     window (`num_requests` requests from each offset), one child process per hash seed.
@@ -601,9 +790,18 @@ def compare_schedulers(
     window's LRU figure moves by about 0.05 points with any change of tie order).
     """
     runs = _scheduler_runs(
-        trace, offsets, num_requests, policy, capacity, hash_seeds, arrival_order, [kv_events], log
+        trace,
+        offsets,
+        num_requests,
+        policy,
+        capacity,
+        hash_seeds,
+        arrival_order,
+        [kv_events],
+        log,
+        job_delay,
     )
-    return _summarize(runs, offsets, num_requests, hash_seeds, arrival_order, kv_events)
+    return _summarize(runs, offsets, num_requests, hash_seeds, arrival_order, kv_events, job_delay)
 
 
 def compare_kv_events(
@@ -616,6 +814,7 @@ def compare_kv_events(
     kv_events: Sequence[str],
     arrival_order: bool = False,
     log: Callable[[str], None] | None = None,
+    job_delay: int = 0,
 ) -> dict[str, dict[str, Any]]:
     """`compare_schedulers` for each KV-events setting, in one run: the settings' children
     alternate, and each setting's steps/s is set against the first setting's (`vs_baseline`:
@@ -623,13 +822,24 @@ def compare_kv_events(
     the same window and seed). `hits_as_baseline` says whether every run's hit ratios equal
     the first setting's (events must not change a decision)."""
     runs = _scheduler_runs(
-        trace, offsets, num_requests, policy, capacity, hash_seeds, arrival_order, kv_events, log
+        trace,
+        offsets,
+        num_requests,
+        policy,
+        capacity,
+        hash_seeds,
+        arrival_order,
+        kv_events,
+        log,
+        job_delay,
     )
     base = {(r["hash_seed"], r["offset"]): r for r in runs if r["kv_events"] == kv_events[0]}
     out = {}
     for events in kv_events:
         mine = [r for r in runs if r["kv_events"] == events]
-        summary = _summarize(mine, offsets, num_requests, hash_seeds, arrival_order, events)
+        summary = _summarize(
+            mine, offsets, num_requests, hash_seeds, arrival_order, events, job_delay
+        )
         pairs = [(r, base[r["hash_seed"], r["offset"]]) for r in mine]
         for side in ("vllm", "kvtier"):
             key = f"{side}_steps_per_s"
@@ -647,7 +857,13 @@ def _print_scheduler(policy: str, sched: dict[str, Any]) -> None:
     ordered = sched["vllm_finishes_in_arrival_order"]
     print(
         f"\nscheduler, policy {policy}: {sched['num_requests']} trace requests per window in "
-        f"16-token blocks, workers stubbed, PYTHONHASHSEED "
+        "16-token blocks, workers stubbed "
+        + (
+            f"(each job reported {sched['job_delay']} steps after its step)"
+            if sched["job_delay"]
+            else "(every job done in its step)"
+        )
+        + ", PYTHONHASHSEED "
         f"{','.join(map(str, sched['hash_seeds']))}"
         + (", vLLM fed finishes in arrival order" if ordered else "")
         + (f", KV events {sched['kv_events']}" if sched["kv_events"] != "off" else "")
@@ -673,6 +889,26 @@ def _print_scheduler(policy: str, sched: dict[str, Any]) -> None:
         f"{sched['kvtier_steps_per_s']:,.0f}, ratio {sched['speedup']:.2f}x (median of the "
         "runs' side-by-side ratios)"
     )
+    by_first = ", ".join(
+        f"{side} first: "
+        + ("-" if ratio is None else f"{ratio:.2f}x")
+        + f" ({sched['runs_by_first'][side]} runs)"
+        for side, ratio in sched["speedup_by_first"].items()
+    )
+    effect = sched["order_effect"]
+    print(
+        f"ratio by the connector that ran first in its pair (median): {by_first}; order "
+        "effect (per window, vLLM-first ratio over kvtier-first ratio, median): "
+        + ("-" if effect is None else f"{effect:.2f}x")
+    )
+    if sched["job_delay"]:
+        print(
+            f"steps over the runs: vLLM {sched['vllm_steps']:,}, kvtier "
+            f"{sched['kvtier_steps']:,}; replay time vLLM / kvtier "
+            f"{sched['replay_time_ratio']:.2f}x (median); jobs the workers were made to wait "
+            f"for before their delay: vLLM {sched['vllm_jobs_waited']:,}, kvtier "
+            f"{sched['kvtier_jobs_waited']:,}"
+        )
     if sched["kv_events"] != "off":
         v, k = sched["vllm_events"], sched["kvtier_events"]
         print(
@@ -756,9 +992,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="vLLM's KV events for (c)/(d), a comma list of off, on, self-describing (on with "
         "self_describing_kv_events); several are run alternately and set against the first",
     )
+    parser.add_argument(
+        "--job-delay",
+        type=at_least(0),
+        default=0,
+        help="steps after its step that the stub workers report each job of (c)/(d) done, "
+        "loads and stores alike, as an asynchronous copy engine would (default 0: in its step)",
+    )
     parser.add_argument("--skip-scheduler", action="store_true")
     parser.add_argument("--skip-manager", action="store_true")
     parser.add_argument("--scheduler-child", action="store_true", help=argparse.SUPPRESS)
+    # A child's first window's first connector; the parent alternates it from seed to seed.
+    parser.add_argument("--first-connector", choices=SIDES, default="vllm", help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help="write the results as JSON to this file")
     args = parser.parse_args(argv)
 
@@ -778,6 +1023,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(
             f"--kv-events {','.join(args.kv_events)}: only the scheduler runs (c)/(d), which "
             "--skip-scheduler leaves out, have KV events; expected off or no --skip-scheduler"
+        )
+    if args.skip_scheduler and args.job_delay:
+        parser.error(
+            f"--job-delay {args.job_delay}: only the scheduler runs (c)/(d) have stub workers, "
+            "which --skip-scheduler leaves out; expected 0 or no --skip-scheduler"
         )
     if args.scheduler_child and len(args.kv_events) != 1:
         parser.error(f"--kv-events {args.kv_events}: a scheduler child runs one setting")
@@ -822,6 +1072,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     args.capacity,
                     args.vllm_finishes_in_arrival_order,
                     args.kv_events[0],
+                    first_connector(args.first_connector, i - 1),
+                    args.job_delay,
                 )
             )
             if i < len(offsets):  # the parent says when the last is done
@@ -866,6 +1118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     args.vllm_finishes_in_arrival_order,
                     progress,
                     args.kv_events[0],
+                    args.job_delay,
                 )
             else:
                 by_events[policy] = compare_kv_events(
@@ -878,6 +1131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     args.kv_events,
                     args.vllm_finishes_in_arrival_order,
                     progress,
+                    args.job_delay,
                 )
                 by_policy[policy] = by_events[policy][args.kv_events[0]]
             _print_scheduler(policy, by_policy[policy])
