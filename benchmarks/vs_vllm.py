@@ -17,6 +17,9 @@ first (`first`), and the summary gives the steps/s ratio for each order as well.
 drains each connector's `take_events()` every step), the settings alternated child by child,
 and compares each connector's steps/s against the first setting's.
 
+`--kvtier-extra '{"release_finished_blocks": false}'` adds keys to kvtier's extra config in (d),
+to compare kvtier's settings under the same stub workers.
+
 Each scheduler run is a child process with a fixed PYTHONHASHSEED (vLLM's figure depends on
 it; see `compare_schedulers`), so the whole comparison is deterministic for given seeds.
 
@@ -35,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -518,11 +521,13 @@ def scheduler_run(
     kv_events: str = "off",
     first: str = "vllm",
     job_delay: int = 0,
+    kvtier_extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One run of (c) and (d) in this process on one trace window, `first` ("vllm" or
     "kvtier") first, the workers reporting each job `job_delay` steps after its step:
     steps/s, external hit ratios (tokens the connector served / tokens it was asked for) and
-    each connector's KV events (`kv_events` one of `KV_EVENTS`)."""
+    each connector's KV events (`kv_events` one of `KV_EVENTS`). `kvtier_extra` adds keys to
+    kvtier's `kv_connector_extra_config` (to compare its settings)."""
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
     if first not in SIDES:
@@ -546,7 +551,12 @@ def scheduler_run(
             return vs
         return _scheduler_engine(
             "KVTierConnector",
-            {"num_slots": num_slots, "cache_policy": policy, **_events_extra(kv_events)},
+            {
+                "num_slots": num_slots,
+                "cache_policy": policy,
+                **_events_extra(kv_events),
+                **(kvtier_extra or {}),
+            },
             "kvtier.integrations.vllm",
             device_blocks,
             kv_events != "off",
@@ -570,7 +580,12 @@ def scheduler_run(
         out[f"{side}_hit_ratio"] = hit
         out[f"{side}_jobs_waited"] = workers.jobs_waited
         del sched, events
-    return out | {"job_delay": job_delay, "num_slots": num_slots, "num_requests": len(prompts)}
+    return out | {
+        "job_delay": job_delay,
+        "kvtier_extra": dict(kvtier_extra or {}),
+        "num_slots": num_slots,
+        "num_requests": len(prompts),
+    }
 
 
 CHILD_PROGRESS = "vs_vllm progress: "
@@ -618,6 +633,7 @@ def _scheduler_runs(
     kv_events: Sequence[str],
     log: Callable[[str], None] | None,
     job_delay: int = 0,
+    kvtier_extra: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Every window's run, one child process per hash seed and KV-events setting; the settings
     take turns going first from seed to seed, so the machine's drift hits each alike, and so
@@ -642,6 +658,7 @@ def _scheduler_runs(
                 *([f"--kv-events={events}"] if events != "off" else []),
                 f"--first-connector={SIDES[i % 2]}",
                 f"--job-delay={job_delay}",
+                *([f"--kvtier-extra={json.dumps(kvtier_extra)}"] if kvtier_extra else []),
             ]
             what = f"scheduler, {policy}, PYTHONHASHSEED {seed}"
             if list(kv_events) != ["off"]:
@@ -778,6 +795,7 @@ def compare_schedulers(
     log: Callable[[str], None] | None = None,
     kv_events: str = "off",
     job_delay: int = 0,
+    kvtier_extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Steps/s and external hit ratio, OffloadingConnector vs KVTierConnector, per trace
     window (`num_requests` requests from each offset), one child process per hash seed.
@@ -800,6 +818,7 @@ def compare_schedulers(
         [kv_events],
         log,
         job_delay,
+        kvtier_extra,
     )
     return _summarize(runs, offsets, num_requests, hash_seeds, arrival_order, kv_events, job_delay)
 
@@ -815,6 +834,7 @@ def compare_kv_events(
     arrival_order: bool = False,
     log: Callable[[str], None] | None = None,
     job_delay: int = 0,
+    kvtier_extra: Mapping[str, Any] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """`compare_schedulers` for each KV-events setting, in one run: the settings' children
     alternate, and each setting's steps/s is set against the first setting's (`vs_baseline`:
@@ -832,6 +852,7 @@ def compare_kv_events(
         kv_events,
         log,
         job_delay,
+        kvtier_extra,
     )
     base = {(r["hash_seed"], r["offset"]): r for r in runs if r["kv_events"] == kv_events[0]}
     out = {}
@@ -853,6 +874,12 @@ def compare_kv_events(
     return out
 
 
+def _kvtier_extra(sched: dict[str, Any]) -> dict[str, Any]:
+    runs = sched.get("runs") or [{}]
+    extra: dict[str, Any] = runs[0].get("kvtier_extra", {})
+    return extra
+
+
 def _print_scheduler(policy: str, sched: dict[str, Any]) -> None:
     ordered = sched["vllm_finishes_in_arrival_order"]
     print(
@@ -866,6 +893,7 @@ def _print_scheduler(policy: str, sched: dict[str, Any]) -> None:
         + ", PYTHONHASHSEED "
         f"{','.join(map(str, sched['hash_seeds']))}"
         + (", vLLM fed finishes in arrival order" if ordered else "")
+        + (f", kvtier extra config {json.dumps(extra)}" if (extra := _kvtier_extra(sched)) else "")
         + (f", KV events {sched['kv_events']}" if sched["kv_events"] != "off" else "")
     )
     print(
@@ -942,6 +970,21 @@ def _print_kv_events(policy: str, by_events: dict[str, dict[str, Any]]) -> None:
         )
 
 
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object given on the command line (argparse names the option if this raises)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not JSON ({e.msg}); expected an object"
+        ) from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is a JSON {type(value).__name__}; expected an object"
+        )
+    return value
+
+
 def kv_events_list(text: str) -> list[str]:
     """`--kv-events`: a comma list of `KV_EVENTS` settings."""
     settings = text.split(",")
@@ -998,6 +1041,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0,
         help="steps after its step that the stub workers report each job of (c)/(d) done, "
         "loads and stores alike, as an asynchronous copy engine would (default 0: in its step)",
+    )
+    parser.add_argument(
+        "--kvtier-extra",
+        type=json_object,
+        default={},
+        help="JSON object of keys added to kvtier's kv_connector_extra_config in (d), such as "
+        "'{\"release_finished_blocks\": false}' (default: none)",
     )
     parser.add_argument("--skip-scheduler", action="store_true")
     parser.add_argument("--skip-manager", action="store_true")
@@ -1074,6 +1124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     args.kv_events[0],
                     first_connector(args.first_connector, i - 1),
                     args.job_delay,
+                    args.kvtier_extra,
                 )
             )
             if i < len(offsets):  # the parent says when the last is done
@@ -1119,6 +1170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     progress,
                     args.kv_events[0],
                     args.job_delay,
+                    args.kvtier_extra,
                 )
             else:
                 by_events[policy] = compare_kv_events(
@@ -1132,6 +1184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     args.vllm_finishes_in_arrival_order,
                     progress,
                     args.job_delay,
+                    args.kvtier_extra,
                 )
                 by_policy[policy] = by_events[policy][args.kv_events[0]]
             _print_scheduler(policy, by_policy[policy])

@@ -1,5 +1,6 @@
 """benchmarks/vs_vllm.py: the two connectors take turns going first in the scheduler runs
-(c)/(d), and `--job-delay` has the stub workers report each job some steps late."""
+(c)/(d), `--job-delay` has the stub workers report each job some steps late, and
+`--kvtier-extra` adds keys to kvtier's extra config."""
 
 from __future__ import annotations
 
@@ -196,3 +197,76 @@ def test_bad_job_delay_is_refused_naming_the_value(
 
     last = refused_argv(main, argv, monkeypatch, capsys).strip().splitlines()[-1]
     assert last == f"vs_vllm.py: error: {message}"
+
+
+# --kvtier-extra: keys added to kvtier's kv_connector_extra_config in (d), to compare kvtier's
+# settings (release_finished_blocks) under the same stub workers.
+
+
+def test_the_extra_config_reaches_kvtiers_connector_and_the_results(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("vllm")
+    from kvtier.integrations.vllm.scheduler_side import KVTierSchedulerSide
+
+    seen: list[bool] = []
+    init = KVTierSchedulerSide.__init__
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        seen.append(self._release)
+
+    monkeypatch.setattr(KVTierSchedulerSide, "__init__", spy)
+    trace = _trace(tmp_path / "reuse.jsonl")
+    extra = '--kvtier-extra={"release_finished_blocks": false}'
+    (held,) = _child(trace, capsys, "--sched-offsets=0", "--job-delay=2", extra)
+    (released,) = _child(trace, capsys, "--sched-offsets=0", "--job-delay=2")
+    assert seen == [False, True]
+    assert held["kvtier_extra"] == {"release_finished_blocks": False}
+    assert released["kvtier_extra"] == {}
+    # vLLM's side is not given the keys: its figures are the same either way.
+    assert held["vllm_steps"] == released["vllm_steps"]
+    assert held["vllm_hit_ratio"] == released["vllm_hit_ratio"]
+
+
+def test_a_key_kvtier_refuses_fails_the_run_with_kvtiers_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("vllm")
+    from kvtier.config import ConfigError
+
+    trace = _trace(tmp_path / "reuse.jsonl")
+    bad = '--kvtier-extra={"release_finished_blocks": "maybe"}'
+    with pytest.raises(ConfigError, match="release_finished_blocks='maybe'"):
+        _child(trace, capsys, "--sched-offsets=0", bad)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("x", "'x' is not JSON (Expecting value); expected an object"),
+        ("[1]", "'[1]' is a JSON list; expected an object"),
+    ],
+)
+def test_an_extra_config_that_is_not_a_json_object_is_refused(
+    value: str,
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import vs_vllm
+
+    def must_not_run(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the benchmark started before refusing its arguments")
+
+    for name in ("compare_managers", "compare_schedulers", "compare_kv_events"):
+        monkeypatch.setattr(vs_vllm, name, must_not_run)
+    trace = _trace(tmp_path / "reuse.jsonl")
+    argv = ["vs_vllm.py", f"--trace={trace}", f"--kvtier-extra={value}"]
+
+    def main() -> None:
+        vs_vllm.main()
+
+    last = refused_argv(main, argv, monkeypatch, capsys).strip().splitlines()[-1]
+    assert last == f"vs_vllm.py: error: argument --kvtier-extra: {message}"
