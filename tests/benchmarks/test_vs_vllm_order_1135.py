@@ -160,22 +160,32 @@ def test_a_replay_that_stops_making_progress_is_stopped_with_an_error(
 
 
 @pytest.mark.parametrize(
-    ("value", "extra", "message"),
+    ("option", "extra", "message"),
     [
-        ("-1", [], "argument --job-delay: '-1' is invalid; expected an integer >= 0"),
-        ("1.5", [], "argument --job-delay: '1.5' is invalid; expected an integer >= 0"),
-        ("two", [], "argument --job-delay: 'two' is invalid; expected an integer >= 0"),
+        ("--job-delay=-1", [], "argument --job-delay: '-1' is invalid; expected an integer >= 0"),
+        ("--job-delay=1.5", [], "argument --job-delay: '1.5' is invalid; expected an integer >= 0"),
+        ("--job-delay=two", [], "argument --job-delay: 'two' is invalid; expected an integer >= 0"),
         (
-            "2",
+            "--job-delay=2",
             ["--skip-scheduler"],
             "--job-delay 2: only the scheduler runs (c)/(d) have stub workers, which "
             "--skip-scheduler leaves out; expected 0 or no --skip-scheduler",
         ),
+        (
+            "--kvtier-extra=x",
+            [],
+            "argument --kvtier-extra: 'x' is not JSON (Expecting value); expected an object",
+        ),
+        (
+            "--kvtier-extra=[1]",
+            [],
+            "argument --kvtier-extra: '[1]' is a JSON list; expected an object",
+        ),
     ],
-    ids=["negative", "fraction", "word", "without-scheduler"],
+    ids=["negative", "fraction", "word", "without-scheduler", "extra-not-json", "extra-list"],
 )
-def test_bad_job_delay_is_refused_naming_the_value(
-    value: str,
+def test_bad_job_delay_or_extra_config_is_refused_naming_the_value(
+    option: str,
     extra: list[str],
     message: str,
     tmp_path: Path,
@@ -190,7 +200,7 @@ def test_bad_job_delay_is_refused_naming_the_value(
     for name in ("compare_managers", "compare_schedulers", "compare_kv_events"):
         monkeypatch.setattr(vs_vllm, name, must_not_run)
     trace = _trace(tmp_path / "reuse.jsonl")
-    argv = ["vs_vllm.py", f"--trace={trace}", f"--job-delay={value}", *extra]
+    argv = ["vs_vllm.py", f"--trace={trace}", option, *extra]
 
     def main() -> None:
         vs_vllm.main()  # it reads sys.argv
@@ -239,34 +249,3 @@ def test_a_key_kvtier_refuses_fails_the_run_with_kvtiers_message(
     bad = '--kvtier-extra={"release_finished_blocks": "maybe"}'
     with pytest.raises(ConfigError, match="release_finished_blocks='maybe'"):
         _child(trace, capsys, "--sched-offsets=0", bad)
-
-
-@pytest.mark.parametrize(
-    ("value", "message"),
-    [
-        ("x", "'x' is not JSON (Expecting value); expected an object"),
-        ("[1]", "'[1]' is a JSON list; expected an object"),
-    ],
-)
-def test_an_extra_config_that_is_not_a_json_object_is_refused(
-    value: str,
-    message: str,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    import vs_vllm
-
-    def must_not_run(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("the benchmark started before refusing its arguments")
-
-    for name in ("compare_managers", "compare_schedulers", "compare_kv_events"):
-        monkeypatch.setattr(vs_vllm, name, must_not_run)
-    trace = _trace(tmp_path / "reuse.jsonl")
-    argv = ["vs_vllm.py", f"--trace={trace}", f"--kvtier-extra={value}"]
-
-    def main() -> None:
-        vs_vllm.main()
-
-    last = refused_argv(main, argv, monkeypatch, capsys).strip().splitlines()[-1]
-    assert last == f"vs_vllm.py: error: argument --kvtier-extra: {message}"
