@@ -154,9 +154,9 @@ def _hold_reports_from_the_end(gen: KVTierGenerator) -> list[bool]:
     held = [False]
     finished, get = gen.scheduler.request_finished, gen.worker.get_finished
 
-    def request_finished(req_id: str) -> bool:
+    def request_finished(req_id: str, *, release: bool = False) -> bool:
         held[0] = True
-        return finished(req_id)
+        return finished(req_id, release=release)
 
     gen.scheduler.request_finished = request_finished  # type: ignore[method-assign]
     gen.worker.get_finished = lambda: [] if held[0] else get()  # type: ignore[method-assign]
