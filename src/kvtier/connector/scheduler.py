@@ -416,6 +416,10 @@ class OffloadingScheduler:
                     fences.setdefault(block, set()).add(job_id)
                 self._released[job_id] = req
             req.released_jobs.update(req.jobs)
+            # The engine frees the blocks now: a failed load's, not yet taken, are not reported.
+            self._failed_blocks.pop(req_id, None)
+            # The release takes effect here, with no call after it (`_complete` holds a request
+            # still tracked, should an interrupt stop this before).
             del self._requests[req_id]
             return False
         # With jobs, its blocks are held until `sending`, failed ones reported with it.
@@ -929,7 +933,13 @@ class OffloadingScheduler:
                     spec.req_id,
                 )
         released = self._released.get(spec.job_id)
-        req = released if released is not None else self._requests.get(spec.req_id)
+        tracked = self._requests.get(spec.req_id)
+        if released is not None and released is tracked:
+            # An interrupt stopped `request_finished` before the release took effect (the
+            # request is still in `_requests`): the engine was told nothing, so the request
+            # is held and reported in `sending`, as when a policy error stops it there.
+            released = None
+        req = released if released is not None else tracked
         ended: ReqContext | None = None
         if req is not None:
             # The job leaves `req.jobs` last: until then the request has a job in flight, so
@@ -969,8 +979,7 @@ class OffloadingScheduler:
         if self._fences:
             self._unfence(spec)
         del self._jobs[spec.job_id]
-        if released is not None:
-            del self._released[spec.job_id]
+        self._released.pop(spec.job_id, None)
         if ended is not None:
             # Last, with the scheduler's state complete: a rerun after an interrupt here finds
             # neither job nor request, so the policy hears of the end at most once. A policy

@@ -232,11 +232,15 @@ class KVTierSchedulerSide:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         """Plan the load into the blocks vLLM allocated for the matched tokens."""
-        local = self._local_hits.pop(request.request_id, 0)
-        if self._release and num_external_tokens and self.scheduler.has_fences():
-            # A request whose load is planned now is not in this step's scheduler output, and
-            # the load writes its blocks past the device hit.
-            first = local // self.setup.tokens_per_block
+        local = self._local_hits.pop(request.request_id, None)
+        if self._release and self.scheduler.has_fences():
+            # Its blocks past the device hit are written by a load, kvtier's or, inside a
+            # MultiConnector that chose another connector, that one's (kvtier is then told
+            # num_external_tokens=0), and a request waiting for a load is not in the step's
+            # output. Not looked up in this pass (resumed after a load, a streaming session's
+            # next input): its computed tokens are the hit.
+            hit = request.num_computed_tokens if local is None else local
+            first = hit // self.setup.tokens_per_block
             self._allocated.extend(b for ids in blocks.get_block_ids() for b in ids[first:])
         if num_external_tokens == 0:
             self.scheduler.update_state_after_alloc(request.request_id, (), 0)
