@@ -180,3 +180,28 @@ def test_the_blocks_a_step_writes_are_fenced_and_those_it_only_reads_are_not() -
         new_block_ids_to_zero=[11],
     )
     assert sorted(_allocated_blocks(out, 16)) == [3, 6, 8, 10, 11]  # type: ignore[arg-type]
+
+
+def test_the_engine_keeps_stepping_until_a_released_requests_stores_are_collected(
+    vllm_loaded: None,
+) -> None:
+    """No request is left, but the stores of the last one are still in flight: vLLM must keep
+    stepping (`has_pending_push_work`) to collect them, or they stay pending writes, never
+    announced, until the next request arrives."""
+    engine = make_engine("KVTierConnector", RELEASE)
+    opened = gate(engine)
+    engine.add("a", PROMPT, max_tokens=1)
+    engine.step(settle=False)  # prefilled, its one token sampled: finished, stores in flight
+    assert "a" in engine.finished and "a" not in engine.scheduler.requests
+    engine.step(settle=False)  # the finish reaches the workers; the stores are still held
+    assert kvtier_side(engine).scheduler.num_jobs_in_flight() > 0
+    assert engine.scheduler.has_requests()  # only the stores keep it stepping
+    opened.set()
+    for _ in range(10):
+        if not engine.scheduler.has_requests():
+            break
+        engine.step()
+    assert not engine.scheduler.has_requests()
+    stats = kvtier_side(engine).manager.get_stats()
+    assert stats.ready == 4 and stats.pending_writes == 0
+    assert_no_leaks(engine)

@@ -242,6 +242,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             return ()
         return self.scheduler_side.take_events()
 
+    def has_pending_push_work(self) -> bool:
+        """Jobs in flight: vLLM keeps stepping to collect them though no request is left
+        (a released request's stores, with `release_finished_blocks`), or their chunks would
+        stay pending writes, unannounced, until the next request arrives."""
+        side = self.scheduler_side
+        return side is not None and side.scheduler.num_jobs_in_flight() > 0
+
     def has_pending_block_frees(self) -> bool:
         """Stores in flight will hand blocks back, so vLLM may wait instead of preempting."""
         return self.scheduler_side is not None and self.scheduler_side.has_held()
