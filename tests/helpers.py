@@ -5,6 +5,7 @@ from __future__ import annotations
 import dis
 import functools
 import gc
+import json
 import os
 import signal
 import sys
@@ -538,3 +539,24 @@ class FakeCudart:
     def cudaHostUnregister(self, address: int) -> int:
         self.unregistered.append(address)
         return 0
+
+
+def vs_vllm_reuse_trace(path: Path, second_window: bool = False) -> Path:
+    """A Mooncake-format trace for benchmarks/vs_vllm.py's scheduler runs (--sched-requests 46,
+    --capacity 0.6): request 0's 20 blocks come back after every 14 requests of 20 new blocks,
+    more than the 256 device blocks in between (the device's prefix cache has lost them) and
+    fewer than the host tier's slots (it still holds them, so they load from it), while the
+    new blocks overflow it (chunks are evicted). `second_window` adds one more request of new
+    blocks, so that a window at offset 1 holds as many requests."""
+    shared = list(range(20))
+    rows, fresh = [], 20
+    for _ in range(3):
+        rows.append(shared)
+        for _ in range(14):
+            rows.append(list(range(fresh, fresh + 20)))
+            fresh += 20
+    rows.append(shared)
+    if second_window:
+        rows.append(list(range(fresh, fresh + 20)))
+    path.write_text("".join(json.dumps({"hash_ids": r}) + "\n" for r in rows))
+    return path

@@ -12,26 +12,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from helpers import refused_argv
+from helpers import refused_argv, vs_vllm_reuse_trace
 
 SETTINGS = ["off", "on", "self-describing"]
-
-
-def _reuse_trace(path: Path) -> Path:
-    """Request 0's 20 blocks come back after every 14 requests of 20 new blocks: more than
-    the 256 device blocks in between (so the device's prefix cache has lost them), fewer than
-    the host tier's slots at --capacity 0.6 (so it still holds them), while the new blocks
-    overflow it (so chunks are evicted)."""
-    shared = list(range(20))
-    rows, fresh = [], 20
-    for _ in range(3):
-        rows.append(shared)
-        for _ in range(14):
-            rows.append(list(range(fresh, fresh + 20)))
-            fresh += 20
-    rows.append(shared)
-    path.write_text("".join(json.dumps({"hash_ids": r}) + "\n" for r in rows))
-    return path
 
 
 def test_kv_events_are_translated_and_change_no_decision(
@@ -40,7 +23,7 @@ def test_kv_events_are_translated_and_change_no_decision(
     pytest.importorskip("vllm")
     import vs_vllm
 
-    trace = _reuse_trace(tmp_path / "reuse.jsonl")
+    trace = vs_vllm_reuse_trace(tmp_path / "reuse.jsonl")
     out = tmp_path / "events.json"
     argv = ["--skip-manager", "--sched-policy=lru", "--sched-offsets=0", "--hash-seeds=0"]
     argv += [f"--trace={trace}", "--sched-requests=46", "--capacity=0.6", f"--json={out}"]
@@ -77,7 +60,7 @@ def test_a_scheduler_child_runs_the_setting_it_is_given(
     pytest.importorskip("vllm")
     import vs_vllm
 
-    trace = _reuse_trace(tmp_path / "reuse.jsonl")
+    trace = vs_vllm_reuse_trace(tmp_path / "reuse.jsonl")
     argv = ["--scheduler-child", f"--trace={trace}", "--sched-offsets=0", "--sched-requests=16"]
     assert vs_vllm.main([*argv, "--sched-policy=lru", "--kv-events=self-describing"]) == 0
     (run,) = json.loads(capsys.readouterr().out.splitlines()[-1])
@@ -119,7 +102,7 @@ def test_bad_kv_events_are_refused_naming_the_value(
 
     monkeypatch.setattr(vs_vllm, "compare_kv_events", must_not_run)
     monkeypatch.setattr(vs_vllm, "compare_schedulers", must_not_run)
-    trace = _reuse_trace(tmp_path / "reuse.jsonl")
+    trace = vs_vllm_reuse_trace(tmp_path / "reuse.jsonl")
     argv = ["vs_vllm.py", f"--trace={trace}", f"--kv-events={value}", *extra]
 
     def main() -> None:

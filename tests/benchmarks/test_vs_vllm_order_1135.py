@@ -13,29 +13,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from helpers import refused_argv
+from helpers import refused_argv, vs_vllm_reuse_trace
 
-# What the source before `--job-delay` and the alternation gave on `_trace`'s windows 0 and 1
-# (46 requests each, LRU, --capacity 0.6): the same for PYTHONHASHSEED 0 to 4, and for both
-# connectors (steps, external hit ratio), with every job done in its step.
+# What the source before `--job-delay` and the alternation gave on windows 0 and 1 of
+# `vs_vllm_reuse_trace(..., second_window=True)` (46 requests each, LRU, --capacity 0.6): the
+# same for PYTHONHASHSEED 0 to 4, and for both connectors (steps, external hit ratio), with
+# every job done in its step.
 BEFORE = {0: (10, 0.0443029212238682), 1: (9, 0.0221514606119341)}
-
-
-def _trace(path: Path) -> Path:
-    """Request 0's 20 blocks come back after every 14 requests of 20 new blocks: by then the
-    256 device blocks have lost them but the host tier (--capacity 0.6) still holds them, so
-    they load from it; one more request of new blocks ends the trace, so that a second window
-    (offset 1) holds as many requests."""
-    shared = list(range(20))
-    rows, fresh = [], 20
-    for _ in range(3):
-        rows.append(shared)
-        for _ in range(14):
-            rows.append(list(range(fresh, fresh + 20)))
-            fresh += 20
-    rows += [shared, list(range(fresh, fresh + 20))]
-    path.write_text("".join(json.dumps({"hash_ids": r}) + "\n" for r in rows))
-    return path
 
 
 def _child(trace: Path, capsys: pytest.CaptureFixture[str], *options: str) -> list[dict[str, Any]]:
@@ -54,7 +38,7 @@ def test_connectors_take_turns_going_first_window_by_window_and_seed_by_seed(
     pytest.importorskip("vllm")
     import vs_vllm
 
-    trace = _trace(tmp_path / "reuse.jsonl")
+    trace = vs_vllm_reuse_trace(tmp_path / "reuse.jsonl", second_window=True)
     out = tmp_path / "order.json"
     argv = ["--skip-manager", "--sched-policy=lru", "--sched-offsets=0,1", "--hash-seeds=0,1"]
     argv += [f"--trace={trace}", "--sched-requests=46", "--capacity=0.6", f"--json={out}"]
@@ -77,7 +61,7 @@ def test_hit_ratios_and_steps_do_not_depend_on_which_connector_goes_first(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     pytest.importorskip("vllm")
-    trace = _trace(tmp_path / "reuse.jsonl")
+    trace = vs_vllm_reuse_trace(tmp_path / "reuse.jsonl", second_window=True)
     runs = {
         first: _child(trace, capsys, "--sched-offsets=0,1", f"--first-connector={first}")
         for first in ("vllm", "kvtier")
@@ -95,7 +79,7 @@ def test_job_delay_0_is_the_old_instant_completion(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     pytest.importorskip("vllm")
-    trace = _trace(tmp_path / "reuse.jsonl")
+    trace = vs_vllm_reuse_trace(tmp_path / "reuse.jsonl", second_window=True)
     (run,) = _child(trace, capsys, "--sched-offsets=0", "--job-delay=0")
     steps, hit = BEFORE[0]
     assert run["job_delay"] == 0
@@ -129,7 +113,7 @@ def test_job_delay_2_reports_every_load_two_steps_late_to_both_connectors(
         return out
 
     monkeypatch.setattr(vs_vllm._StubWorkers, "output", record)
-    trace = _trace(tmp_path / "reuse.jsonl")
+    trace = vs_vllm_reuse_trace(tmp_path / "reuse.jsonl", second_window=True)
     (run,) = _child(trace, capsys, "--sched-offsets=0", "--job-delay=2")
     assert run["job_delay"] == 2
     for side in ("vllm", "kvtier"):
@@ -154,7 +138,7 @@ def test_a_replay_that_stops_making_progress_is_stopped_with_an_error(
                 super()._issue(job_id, req_id, recv)
 
     monkeypatch.setattr(vs_vllm, "_StubWorkers", LosesLoads)
-    trace = _trace(tmp_path / "reuse.jsonl")
+    trace = vs_vllm_reuse_trace(tmp_path / "reuse.jsonl", second_window=True)
     with pytest.raises(RuntimeError, match=r"the replay made no progress for 9 steps \(step"):
         _child(trace, capsys, "--sched-offsets=0")
 
@@ -199,7 +183,7 @@ def test_bad_job_delay_or_extra_config_is_refused_naming_the_value(
 
     for name in ("compare_managers", "compare_schedulers", "compare_kv_events"):
         monkeypatch.setattr(vs_vllm, name, must_not_run)
-    trace = _trace(tmp_path / "reuse.jsonl")
+    trace = vs_vllm_reuse_trace(tmp_path / "reuse.jsonl", second_window=True)
     argv = ["vs_vllm.py", f"--trace={trace}", option, *extra]
 
     def main() -> None:
@@ -227,7 +211,7 @@ def test_the_extra_config_reaches_kvtiers_connector_and_the_results(
         seen.append(self._release)
 
     monkeypatch.setattr(KVTierSchedulerSide, "__init__", spy)
-    trace = _trace(tmp_path / "reuse.jsonl")
+    trace = vs_vllm_reuse_trace(tmp_path / "reuse.jsonl", second_window=True)
     extra = '--kvtier-extra={"release_finished_blocks": false}'
     (held,) = _child(trace, capsys, "--sched-offsets=0", "--job-delay=2", extra)
     (released,) = _child(trace, capsys, "--sched-offsets=0", "--job-delay=2")
@@ -245,7 +229,7 @@ def test_a_key_kvtier_refuses_fails_the_run_with_kvtiers_message(
     pytest.importorskip("vllm")
     from kvtier.config import ConfigError
 
-    trace = _trace(tmp_path / "reuse.jsonl")
+    trace = vs_vllm_reuse_trace(tmp_path / "reuse.jsonl", second_window=True)
     bad = '--kvtier-extra={"release_finished_blocks": "maybe"}'
     with pytest.raises(ConfigError, match="release_finished_blocks='maybe'"):
         _child(trace, capsys, "--sched-offsets=0", bad)
