@@ -662,8 +662,8 @@ class OffloadingScheduler:
                 blocks = self._check_block_table(req, p.block_ids, end_chunk)
                 due[p.req_id] = (req, blocks, end_chunk)
         for req, blocks, end_chunk in due.values():
-            self._plan_stores(req, blocks, req.next_store_chunk, end_chunk)
-            req.next_store_chunk = end_chunk
+            if self._plan_stores(req, blocks, req.next_store_chunk, end_chunk):
+                req.next_store_chunk = end_chunk
         for job in self._unsent:
             self._jobs[job.job_id].sent = True
         meta = StepMetadata(
@@ -697,9 +697,13 @@ class OffloadingScheduler:
 
     def _plan_stores(
         self, req: _Request, blocks: list[npt.NDArray[np.int64]], start: int, end: int
-    ) -> None:
+    ) -> bool:
         """Reserve and plan chunks `start` to `end`; `blocks[g]` holds group g's device blocks
-        of those chunks, from chunk `start` on."""
+        of those chunks, from chunk `start` on. False when the manager found no room: the
+        chunks are offered again at the request's next step, as vLLM's connector does, since
+        the slots that transfers in flight hold (pinned by loads, written by stores) free up
+        as they complete; turned away for good, the request's prefix was never stored. An
+        offer larger than the whole tier can never fit and is not offered again."""
         bpc = self.blocks_per_chunk
         # Every group's keys in one call: a chunk hits only if every group holds it, and one
         # call makes room for all of them or for none. Called group by group, a later group
@@ -721,8 +725,8 @@ class OffloadingScheduler:
                     positions[k] = (c + 1) * tpc
                     chunk_of[k] = (g, c)
         out = self.manager.prepare_store(list(chunk_of), req.ctx)
-        if out is None:
-            return  # no room now (the manager counts them); these chunks are not offered again
+        if out is None:  # no room now (the manager counts them at each try)
+            return len(chunk_of) > self.manager.get_stats().num_slots
         slots = _block_ids(out.store_spec)
         for g, group in enumerate(self.groups):
             if len(self.groups) == 1:
@@ -743,6 +747,7 @@ class OffloadingScheduler:
                 device_blocks=blocks[g][idx],
             )
             self._track(req, job, g_keys)
+        return True
 
     # -- completions --------------------------------------------------------------------------
 
