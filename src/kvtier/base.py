@@ -180,7 +180,7 @@ class ManagerStats:
     """Keys absent from the tier that a `prepare_store` turned away because no room could be
     made (every slot pinned or being written): the call returned None. All of them, whatever
     admission decided (a policy that previews learns nothing from such a call), at every such
-    call: kvtier's connector offers the same chunks again at the request's next step."""
+    call: kvtier's connector offers the same chunks again once the tier has more room."""
 
     @property
     def usage(self) -> float:

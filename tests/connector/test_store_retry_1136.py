@@ -104,13 +104,29 @@ def test_an_offer_larger_than_the_tier_is_not_offered_again() -> None:
         assert _c_step(s, 1, 12).stores == []
     stats = m.get_stats()
     assert (stats.used_slots, stats.pending_writes, stats.evictions) == (0, 0, 0)
-    assert stats.stores_no_room == 3  # offered once: three chunks can never fit in two slots
+    # Turned away with nothing pinned or being written: three chunks never fit two slots.
+    assert stats.stores_no_room == 3
     assert not s.request_finished("c")
 
 
-def test_an_offer_that_fits_the_tier_is_counted_at_each_try() -> None:
+def test_a_store_is_tried_again_only_once_room_has_grown() -> None:
     s, m = _tier_with_a_load_in_flight(1)
     _add_c(s)
-    for step in range(1, 4):
+    meta = _c_step(s, 1, 12)
+    assert meta.stores == [] and m.get_stats().stores_no_room == 3
+    for _ in range(3):  # b's load is still in flight: nothing can have freed a slot
         assert _c_step(s, 1, 12).stores == []
-        assert m.get_stats().stores_no_room == 3 * step
+    assert m.get_stats().stores_no_room == 3
+    # Another request's store takes one of the two free slots: less room than before.
+    s.add_request("e", block_hashes("e", 1), 5)
+    assert s.get_num_new_matched_tokens("e", 0) == 0
+    e_meta = s.build_step_metadata([StepProgress("e", [[9, 10]], 4)])
+    assert len(e_meta.stores) == 1
+    assert _c_step(s, 1, 12).stores == [] and m.get_stats().stores_no_room == 3
+    # b's load ends, but e's store is in flight: as much room as when c was turned away.
+    _done(s, meta)
+    assert _c_step(s, 1, 12).stores == [] and m.get_stats().stores_no_room == 3
+    _done(s, e_meta)  # e's store ends too: its chunk and a's may be evicted
+    stored = _c_step(s, 1, 12).stores
+    assert [j.device_blocks.tolist() for j in stored] == [[5, 6, 7]]
+    assert m.get_stats().stores_no_room == 3

@@ -32,6 +32,7 @@ from kvtier.base import (
     BlockIDsLoadStoreSpec,
     LoadStoreSpec,
     LookupResult,
+    ManagerStats,
     OffloadingManager,
     OffloadKey,
     ReqContext,
@@ -56,6 +57,11 @@ def _block_ids(spec: LoadStoreSpec) -> npt.NDArray[np.int64]:
     return spec.block_ids
 
 
+def _room(stats: ManagerStats) -> int:
+    """Slots a store could have: free, or ready to be evicted."""
+    return stats.num_slots - stats.pinned - stats.pending_writes
+
+
 @dataclass(slots=True)
 class _Request:
     ctx: ReqContext
@@ -63,6 +69,9 @@ class _Request:
     num_prompt_tokens: int
     keys: list[list[OffloadKey]]  # per group, per chunk; grown lazily
     next_store_chunk: int = 0
+    # The tier's room (slots neither pinned nor being written) when the request's last store
+    # found none, else -1: the store is planned again only once there is more.
+    no_room_at: int = -1
     reused_chunks: int = 0  # leading chunks this request used: device hits, then loads
     # End chunk of the request's load in flight (else 0): reused once every group's job has
     # succeeded, or if the request ends while it is sent (its outcome unknown then).
@@ -477,6 +486,7 @@ class OffloadingScheduler:
             # are skipped by the manager. A load on readmission moves the start past what it
             # loads.
             req.next_store_chunk = 0
+            req.no_room_at = -1
 
     # -- loads --------------------------------------------------------------------------------
 
@@ -637,6 +647,7 @@ class OffloadingScheduler:
         worker everything due this step."""
         tpc = self.tokens_per_chunk
         due: dict[str, tuple[_Request, list[npt.NDArray[np.int64]], int]] = {}
+        room = -1  # read once a step, and only if a request is waiting for room
         for p in progress:
             if not isinstance(p, StepProgress):
                 # A tuple (or a dict's key) raised a bare AttributeError that named neither.
@@ -657,6 +668,13 @@ class OffloadingScheduler:
                 end_chunk -= self.proof_chunks  # a decoding drafter's tail is not final yet
             end_chunk = min(end_chunk, self._num_chunks(req))
             if end_chunk > req.next_store_chunk:
+                if req.no_room_at >= 0:
+                    # Its offer only grows: until a transfer frees room it cannot fit, and
+                    # planning it again would cost its whole range every step.
+                    if room < 0:
+                        room = _room(self.manager.get_stats())
+                    if room <= req.no_room_at:
+                        continue
                 # Every block table is checked before any store is planned: a bad entry
                 # raises with no slot reserved for the entries before it either.
                 blocks = self._check_block_table(req, p.block_ids, end_chunk)
@@ -703,7 +721,8 @@ class OffloadingScheduler:
         chunks are offered again at the request's next step, as vLLM's connector does, since
         the slots that transfers in flight hold (pinned by loads, written by stores) free up
         as they complete; turned away for good, the request's prefix was never stored. An
-        offer larger than the whole tier can never fit and is not offered again."""
+        offer turned away while no slot was pinned or being written can never fit and is not
+        offered again."""
         bpc = self.blocks_per_chunk
         # Every group's keys in one call: a chunk hits only if every group holds it, and one
         # call makes room for all of them or for none. Called group by group, a later group
@@ -726,7 +745,13 @@ class OffloadingScheduler:
                     chunk_of[k] = (g, c)
         out = self.manager.prepare_store(list(chunk_of), req.ctx)
         if out is None:  # no room now (the manager counts them at each try)
-            return len(chunk_of) > self.manager.get_stats().num_slots
+            stats = self.manager.get_stats()
+            room = _room(stats)
+            if room >= stats.num_slots:
+                return True
+            req.no_room_at = room
+            return False
+        req.no_room_at = -1
         slots = _block_ids(out.store_spec)
         for g, group in enumerate(self.groups):
             if len(self.groups) == 1:
@@ -877,6 +902,7 @@ class OffloadingScheduler:
             # same, and requests that kept their store offsets never stored them again.
             for req in self._requests.values():
                 req.next_store_chunk = 0
+                req.no_room_at = -1
         if self._jobs_before_reset == 0:
             self.manager.on_reset_flushed()
 

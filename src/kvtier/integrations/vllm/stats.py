@@ -53,7 +53,10 @@ COUNTERS: dict[str, str] = {
         "scheduling: a request's lookups stop at its first miss)"
     ),
     "stored_chunks": "Chunks written to the host tier",
-    "skipped_chunks": "Chunks offered for storing that admission or a full tier turned away",
+    "skipped_chunks": (
+        "Chunks offered for storing that admission or a full tier turned away (a full tier's "
+        "at each try: such chunks are offered again)"
+    ),
     "evicted_chunks": (
         "Chunks evicted from the host tier to make room; a cache reset's removals are not counted"
     ),
