@@ -718,11 +718,11 @@ class OffloadingScheduler:
     ) -> bool:
         """Reserve and plan chunks `start` to `end`; `blocks[g]` holds group g's device blocks
         of those chunks, from chunk `start` on. False when the manager found no room: the
-        chunks are offered again at the request's next step, as vLLM's connector does, since
-        the slots that transfers in flight hold (pinned by loads, written by stores) free up
-        as they complete; turned away for good, the request's prefix was never stored. An
-        offer turned away while no slot was pinned or being written can never fit and is not
-        offered again."""
+        chunks are offered again once the tier has more room (vLLM's connector offers them at
+        its next step), since the slots that transfers in flight hold (pinned by loads,
+        written by stores) free up as they complete; turned away for good, the request's
+        prefix was never stored. An offer turned away while no slot was pinned or being
+        written can never fit and is not offered again."""
         bpc = self.blocks_per_chunk
         # Every group's keys in one call: a chunk hits only if every group holds it, and one
         # call makes room for all of them or for none. Called group by group, a later group
