@@ -11,7 +11,7 @@ import numbers
 import operator
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, NewType
 
@@ -231,6 +231,13 @@ class OffloadingManager(ABC):
 
     def on_request_finished(self, ctx: ReqContext) -> None:  # noqa: B027 - optional hook
         """Called once when a request ends; its transfers may still complete afterwards."""
+
+    def prefix_extended(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:  # noqa: B027
+        """`keys`, head first, are a request's chunks before (and up to) chunks its store just
+        added: its prompt stored over several steps (chunked prefill), or its reply after its
+        prompt. Not a use. A policy that orders chunks by recency ranks them, head last, above
+        what the store added, so that the request's prefix is evicted from its tail, as when
+        the whole prefix is stored in one call."""
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Return the events collected since the last call, oldest first."""

@@ -972,6 +972,8 @@ class OffloadingScheduler:
             released = None
         req = released if released is not None else tracked
         ended: ReqContext | None = None
+        extended = self._extended_prefix(job, tracked) if released is None else None
+        extended_ctx = tracked.ctx if tracked is not None else None
         if req is not None:
             # The job leaves `req.jobs` last: until then the request has a job in flight, so
             # no new job of it starts before this one's effects are all applied. Every step
@@ -1011,6 +1013,13 @@ class OffloadingScheduler:
             self._unfence(spec)
         del self._jobs[spec.job_id]
         self._released.pop(spec.job_id, None)
+        if extended is not None and extended_ctx is not None:
+            # A hint for the policy's order only: after the job's effects, and lost (not
+            # repeated) if an interrupt lands here.
+            try:
+                self.manager.prefix_extended(extended, extended_ctx)
+            except Exception as e:
+                errors.append(e)
         if ended is not None:
             # Last, with the scheduler's state complete: a rerun after an interrupt here finds
             # neither job nor request, so the policy hears of the end at most once. A policy
@@ -1022,6 +1031,28 @@ class OffloadingScheduler:
                 errors.append(e)
 
     # -- helpers ------------------------------------------------------------------------------
+
+    def _extended_prefix(self, job: _Job, req: _Request | None) -> list[OffloadKey] | None:
+        """For a live request's successful store that does not start at its first chunk: the
+        request's chunk keys of that group from the first to the deepest stored, which the
+        policy ranks above the new ones (`OffloadingManager.prefix_extended`). Stored over
+        several steps, a prompt's later chunks would otherwise be newer than its head, and an
+        LRU tier would evict the head first, leaving the tail unreachable."""
+        spec = job.spec
+        if (
+            req is None
+            or req.finished
+            or spec.kind is not JobKind.STORE
+            or not job.success
+            or not job.keys
+            or job.generation != self._generation
+        ):
+            return None
+        positions, tpc = req.ctx.key_positions, self.tokens_per_chunk
+        first, last = positions.get(job.keys[0]), positions.get(job.keys[-1])
+        if first is None or last is None or first <= tpc:
+            return None  # from the first chunk: the store put the head above its tail itself
+        return self._chunk_keys(req, 0, last // tpc, self.groups.index(spec.group))
 
     def _unfence(self, spec: TransferJob) -> None:
         """A job is done: the blocks it read need no wait any more (idempotent, for reruns)."""

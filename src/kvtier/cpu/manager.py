@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from itertools import chain, repeat
 from numbers import Real
 from operator import setitem
@@ -121,6 +121,20 @@ def _check_ctx(ctx: object) -> None:
     # None) failed there, leaving a slot ready but never evictable, or a key pinned forever.
     if type(ctx) is not ReqContext and not isinstance(ctx, ReqContext):
         raise TypeError(f"ctx={ctx!r} has type {type(ctx).__name__}; expected a ReqContext")
+
+
+def _request_keys(keys: Collection[OffloadKey], ctx: object) -> Sequence[OffloadKey]:
+    """`keys` and `ctx` of a call the policy only reads (`touch`, `prefix_extended`), checked:
+    a list (read twice: checked, then handed to the policy) of bytes keys, and a ReqContext."""
+    if not isinstance(keys, (list, tuple)):
+        keys = _key_list(keys)
+    _check_ctx(ctx)
+    for key in keys:
+        if type(key) is not bytes:
+            # Policies ignore (or, kvaware, count) a key they do not hold, so an int block
+            # hash was a silent no-op, and an unhashable one raised after earlier keys moved.
+            raise _not_bytes(key)
+    return keys
 
 
 class CPUOffloadingManager(OffloadingManager):
@@ -345,15 +359,7 @@ class CPUOffloadingManager(OffloadingManager):
             raise error  # done without the ctx: the policy's bug is still the caller's to see
 
     def touch(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
-        if not isinstance(keys, (list, tuple)):
-            keys = _key_list(keys)  # read twice: checked, then handed to the policy
-        _check_ctx(ctx)
-        for key in keys:
-            if type(key) is not bytes:
-                # Policies ignore (or, kvaware, count) a key they do not hold, so an int block
-                # hash was a silent no-op, and an unhashable one raised after earlier keys moved.
-                raise _not_bytes(key)
-        self._policy.touch(keys, ctx)
+        self._policy.touch(_request_keys(keys, ctx), ctx)
 
     # -- stores -------------------------------------------------------------------------------
 
@@ -523,6 +529,9 @@ class CPUOffloadingManager(OffloadingManager):
     def on_request_finished(self, ctx: ReqContext) -> None:
         _check_ctx(ctx)
         self._policy.on_request_finished(ctx)
+
+    def prefix_extended(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        self._policy.prefix_extended(_request_keys(keys, ctx), ctx)
 
     def reset_cache(self) -> None:
         """Forget every chunk. Slots that in-flight transfers still use are quarantined until

@@ -92,6 +92,12 @@ class CachePolicy(ABC):
     def on_request_finished(self, ctx: ReqContext) -> None:  # noqa: B027 - optional hook
         """A request ended; policies that learn per request override this."""
 
+    def prefix_extended(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:  # noqa: B027
+        """`keys` (head first, held or not) are one request's chunks up to the deepest it has
+        just stored, as `OffloadingManager.prefix_extended` describes. Not a use: a policy
+        that orders by recency moves the held ones to its newest end, head last, and counts
+        nothing; others ignore it."""
+
     def table_sizes(self) -> dict[str, int]:
         """Sizes of the policy's internal tables, so tests can check their bounds."""
         return {"candidates": len(self)}

@@ -51,6 +51,11 @@ class LRUPolicy(CachePolicy):
             if key in order:
                 order.move_to_end(key)
 
+    def prefix_extended(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
+        # LRU's touch only moves keys (it counts nothing), so it is the re-rank; a subclass
+        # whose use does not move a key (FIFO) then does not re-rank either.
+        self.touch(keys, ctx)
+
     def pin(self, keys: Iterable[OffloadKey]) -> None:
         order, pinned = self._order, self._pinned
         for key in keys:
