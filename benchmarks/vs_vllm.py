@@ -20,6 +20,10 @@ and compares each connector's steps/s against the first setting's.
 `--kvtier-extra '{"release_finished_blocks": false}'` adds keys to kvtier's extra config in (d),
 to compare kvtier's settings under the same stub workers.
 
+`--max-batched-tokens 256` lowers vLLM's per-step token budget in (c)/(d) below the prompts'
+lengths, so vLLM prefills them over several steps (chunked prefill) and each connector stores
+a prompt step by step.
+
 Each scheduler run is a child process with a fixed PYTHONHASHSEED (vLLM's figure depends on
 it; see `compare_schedulers`), so the whole comparison is deterministic for given seeds.
 
@@ -112,6 +116,9 @@ def compare_managers(
 
 
 SCHED_BLOCK = 16
+BATCH_TOKENS = 8192
+"""vLLM's `max_num_batched_tokens` in (c)/(d) unless `--max-batched-tokens` says otherwise: the
+default windows' prompts (at most 247 blocks of 16 tokens) are each prefilled in one step."""
 
 KV_EVENTS = ("off", "on", "self-describing")
 """`--kv-events` settings: vLLM's KV events off; on; on with `self_describing_kv_events`."""
@@ -123,13 +130,16 @@ def _scheduler_engine(
     module: str | None,
     blocks: int,
     kv_events: bool = False,
+    batch_tokens: int = BATCH_TOKENS,
 ) -> Any:
     """vLLM's Scheduler for a tiny local Llama config on CPU, with `connector` (and vLLM's KV
     events, published nowhere, if `kv_events`)."""
     # Read once, while the config is built: removed after, or every engine (two or three a
     # window and hash seed) left a folder behind in the temp folder.
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-llama-") as model_dir:
-        return _build_scheduler(model_dir, connector, extra, module, blocks, kv_events)
+        return _build_scheduler(
+            model_dir, connector, extra, module, blocks, kv_events, batch_tokens
+        )
 
 
 def _build_scheduler(
@@ -139,6 +149,7 @@ def _build_scheduler(
     module: str | None,
     blocks: int,
     kv_events: bool = False,
+    batch_tokens: int = BATCH_TOKENS,
 ) -> Any:
     """`_scheduler_engine`'s Scheduler, its model config written to `model_dir`."""
     import torch
@@ -178,7 +189,7 @@ def _build_scheduler(
     cache.num_gpu_blocks = blocks
     sched = SchedulerConfig(
         max_num_seqs=16,
-        max_num_batched_tokens=8192,
+        max_num_batched_tokens=batch_tokens,
         max_model_len=max_len,
         is_encoder_decoder=False,
     )
@@ -237,6 +248,7 @@ def _vllm_engine_with_chunks(
     align: int,
     device_blocks: int,
     events: str = "off",
+    batch_tokens: int = BATCH_TOKENS,
 ) -> Any:
     """vLLM's engine with exactly `num_slots` host chunks: vLLM sizes its pool from bytes with
     its own per-chunk size, so the first guess is corrected from the count it reports."""
@@ -244,7 +256,9 @@ def _vllm_engine_with_chunks(
     def build(chunk_bytes: int) -> Any:
         extra = {"cpu_bytes_to_use": num_slots * chunk_bytes, "eviction_policy": policy}
         extra |= _events_extra(events)
-        return _scheduler_engine("OffloadingConnector", extra, None, device_blocks, events != "off")
+        return _scheduler_engine(
+            "OffloadingConnector", extra, None, device_blocks, events != "off", batch_tokens
+        )
 
     engine = build(slot_guess)
     got = _vllm_chunks(engine)
@@ -522,6 +536,7 @@ def scheduler_run(
     first: str = "vllm",
     job_delay: int = 0,
     kvtier_extra: Mapping[str, Any] | None = None,
+    batch_tokens: int = BATCH_TOKENS,
 ) -> dict[str, Any]:
     """One run of (c) and (d) in this process on one trace window, `first` ("vllm" or
     "kvtier") first, the workers reporting each job `job_delay` steps after its step:
@@ -544,7 +559,7 @@ def scheduler_run(
     def engine(side: str) -> Any:
         if side == "vllm":
             vs = _vllm_engine_with_chunks(
-                policy, num_slots, v_slot, align, device_blocks, kv_events
+                policy, num_slots, v_slot, align, device_blocks, kv_events, batch_tokens
             )
             if arrival_order:
                 _finishes_in_arrival_order(vs)
@@ -560,6 +575,7 @@ def scheduler_run(
             "kvtier.integrations.vllm",
             device_blocks,
             kv_events != "off",
+            batch_tokens,
         )
 
     out: dict[str, Any] = {"offset": offset, "kv_events": kv_events, "first": first}
@@ -583,6 +599,7 @@ def scheduler_run(
     return out | {
         "job_delay": job_delay,
         "kvtier_extra": dict(kvtier_extra or {}),
+        "batch_tokens": batch_tokens,
         "num_slots": num_slots,
         "num_requests": len(prompts),
     }
@@ -634,6 +651,7 @@ def _scheduler_runs(
     log: Callable[[str], None] | None,
     job_delay: int = 0,
     kvtier_extra: Mapping[str, Any] | None = None,
+    batch_tokens: int = BATCH_TOKENS,
 ) -> list[dict[str, Any]]:
     """Every window's run, one child process per hash seed and KV-events setting; the settings
     take turns going first from seed to seed, so the machine's drift hits each alike, and so
@@ -659,6 +677,7 @@ def _scheduler_runs(
                 f"--first-connector={SIDES[i % 2]}",
                 f"--job-delay={job_delay}",
                 *([f"--kvtier-extra={json.dumps(kvtier_extra)}"] if kvtier_extra else []),
+                f"--max-batched-tokens={batch_tokens}",
             ]
             what = f"scheduler, {policy}, PYTHONHASHSEED {seed}"
             if list(kv_events) != ["off"]:
@@ -796,6 +815,7 @@ def compare_schedulers(
     kv_events: str = "off",
     job_delay: int = 0,
     kvtier_extra: Mapping[str, Any] | None = None,
+    batch_tokens: int = BATCH_TOKENS,
 ) -> dict[str, Any]:
     """Steps/s and external hit ratio, OffloadingConnector vs KVTierConnector, per trace
     window (`num_requests` requests from each offset), one child process per hash seed.
@@ -819,6 +839,7 @@ def compare_schedulers(
         log,
         job_delay,
         kvtier_extra,
+        batch_tokens,
     )
     return _summarize(runs, offsets, num_requests, hash_seeds, arrival_order, kv_events, job_delay)
 
@@ -835,6 +856,7 @@ def compare_kv_events(
     log: Callable[[str], None] | None = None,
     job_delay: int = 0,
     kvtier_extra: Mapping[str, Any] | None = None,
+    batch_tokens: int = BATCH_TOKENS,
 ) -> dict[str, dict[str, Any]]:
     """`compare_schedulers` for each KV-events setting, in one run: the settings' children
     alternate, and each setting's steps/s is set against the first setting's (`vs_baseline`:
@@ -853,6 +875,7 @@ def compare_kv_events(
         log,
         job_delay,
         kvtier_extra,
+        batch_tokens,
     )
     base = {(r["hash_seed"], r["offset"]): r for r in runs if r["kv_events"] == kv_events[0]}
     out = {}
@@ -880,6 +903,11 @@ def _kvtier_extra(sched: dict[str, Any]) -> dict[str, Any]:
     return extra
 
 
+def _batch_tokens(sched: dict[str, Any]) -> int:
+    runs = sched.get("runs") or [{}]
+    return int(runs[0].get("batch_tokens", BATCH_TOKENS))
+
+
 def _print_scheduler(policy: str, sched: dict[str, Any]) -> None:
     ordered = sched["vllm_finishes_in_arrival_order"]
     print(
@@ -894,6 +922,7 @@ def _print_scheduler(policy: str, sched: dict[str, Any]) -> None:
         f"{','.join(map(str, sched['hash_seeds']))}"
         + (", vLLM fed finishes in arrival order" if ordered else "")
         + (f", kvtier extra config {json.dumps(extra)}" if (extra := _kvtier_extra(sched)) else "")
+        + (f", at most {b:,} tokens a step" if (b := _batch_tokens(sched)) != BATCH_TOKENS else "")
         + (f", KV events {sched['kv_events']}" if sched["kv_events"] != "off" else "")
     )
     print(
@@ -1049,6 +1078,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="JSON object of keys added to kvtier's kv_connector_extra_config in (d), such as "
         "'{\"release_finished_blocks\": false}' (default: none)",
     )
+    parser.add_argument(
+        "--max-batched-tokens",
+        type=at_least(SCHED_BLOCK),
+        default=BATCH_TOKENS,
+        help="vLLM's max_num_batched_tokens in (c)/(d): below a prompt's length, vLLM prefills "
+        f"it over several steps (chunked prefill; default {BATCH_TOKENS}, above every prompt "
+        "of the default windows)",
+    )
     parser.add_argument("--skip-scheduler", action="store_true")
     parser.add_argument("--skip-manager", action="store_true")
     parser.add_argument("--scheduler-child", action="store_true", help=argparse.SUPPRESS)
@@ -1125,6 +1162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     first_connector(args.first_connector, i - 1),
                     args.job_delay,
                     args.kvtier_extra,
+                    args.max_batched_tokens,
                 )
             )
             if i < len(offsets):  # the parent says when the last is done
@@ -1171,6 +1209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     args.kv_events[0],
                     args.job_delay,
                     args.kvtier_extra,
+                    args.max_batched_tokens,
                 )
             else:
                 by_events[policy] = compare_kv_events(
@@ -1185,6 +1224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     progress,
                     args.job_delay,
                     args.kvtier_extra,
+                    args.max_batched_tokens,
                 )
                 by_policy[policy] = by_events[policy][args.kv_events[0]]
             _print_scheduler(policy, by_policy[policy])

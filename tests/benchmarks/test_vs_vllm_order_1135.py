@@ -165,8 +165,21 @@ def test_a_replay_that_stops_making_progress_is_stopped_with_an_error(
             [],
             "argument --kvtier-extra: '[1]' is a JSON list; expected an object",
         ),
+        (
+            "--max-batched-tokens=8",
+            [],
+            "argument --max-batched-tokens: '8' is invalid; expected an integer >= 16",
+        ),
     ],
-    ids=["negative", "fraction", "word", "without-scheduler", "extra-not-json", "extra-list"],
+    ids=[
+        "negative",
+        "fraction",
+        "word",
+        "without-scheduler",
+        "extra-not-json",
+        "extra-list",
+        "batch-below-a-block",
+    ],
 )
 def test_bad_job_delay_or_extra_config_is_refused_naming_the_value(
     option: str,
