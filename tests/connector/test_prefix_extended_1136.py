@@ -12,7 +12,7 @@ from kvtier.base import ReqContext, TransferResult
 from kvtier.connector import OffloadingScheduler, StepProgress
 from kvtier.connector.metadata import StepMetadata
 from kvtier.cpu import CPUOffloadingManager
-from kvtier.policies import ARCPolicy, LRUPolicy, make_policy
+from kvtier.policies import LRUPolicy, make_policy
 
 A = block_hashes("a", 4)
 
@@ -33,9 +33,8 @@ def _prompt_in_two_steps(policy: str, slots: int) -> OffloadingScheduler:
     return s
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
-def test_the_tail_of_a_prompt_stored_in_two_steps_is_evicted_first(policy: str) -> None:
-    s = _prompt_in_two_steps(policy, 4)
+def test_the_tail_of_a_prompt_stored_in_two_steps_is_evicted_first() -> None:
+    s = _prompt_in_two_steps("lru", 4)
     # b's two chunks need two of a's: the tail (chunks 2-3) must go, not the head.
     s.add_request("b", block_hashes("b", 2), 9)
     assert s.get_num_new_matched_tokens("b", 0) == 0
@@ -56,17 +55,7 @@ def test_lru_ranks_the_prefix_head_last_and_counts_no_use() -> None:
     assert lru.evict(5, ()) == [key(9), ks[3], ks[2], ks[1], ks[0]]
 
 
-def test_arc_reorders_within_its_lists_without_promoting() -> None:
-    arc = ARCPolicy(8)
-    ks = [key(i) for i in range(3)]
-    arc.insert(ks, None)
-    arc.insert([key(9)], None)
-    arc.prefix_extended(ks, None)
-    assert set(arc._t1) == {*ks, key(9)} and not arc._t2  # no key became "frequent"
-    assert arc.evict(1, ()) == [key(9)]
-
-
-@pytest.mark.parametrize("name", ["s3fifo", "sieve", "kvaware"])
+@pytest.mark.parametrize("name", ["arc", "s3fifo", "sieve", "kvaware"])
 def test_policies_without_recency_order_ignore_it(name: str) -> None:
     policy = make_policy(name, 8)
     ks = [key(i) for i in range(3)]

@@ -972,8 +972,8 @@ class OffloadingScheduler:
             released = None
         req = released if released is not None else tracked
         ended: ReqContext | None = None
-        extended = self._extended_prefix(job, tracked) if released is None else None
-        extended_ctx = tracked.ctx if tracked is not None else None
+        extended = self._extended_prefix(job, req)
+        extended_ctx = req.ctx if req is not None else None
         if req is not None:
             # The job leaves `req.jobs` last: until then the request has a job in flight, so
             # no new job of it starts before this one's effects are all applied. Every step
@@ -1013,13 +1013,18 @@ class OffloadingScheduler:
             self._unfence(spec)
         del self._jobs[spec.job_id]
         self._released.pop(spec.job_id, None)
-        if extended is not None and extended_ctx is not None:
-            # A hint for the policy's order only: after the job's effects, and lost (not
-            # repeated) if an interrupt lands here.
-            try:
-                self.manager.prefix_extended(extended, extended_ctx)
-            except Exception as e:
-                errors.append(e)
+        try:
+            if extended is not None and extended_ctx is not None:
+                # A hint for the policy's order only: after the job's effects, and lost (not
+                # repeated) if an interrupt lands here.
+                try:
+                    self.manager.prefix_extended(extended, extended_ctx)
+                except Exception as e:
+                    errors.append(e)
+        finally:
+            self._end_in_policy(ended, errors)
+
+    def _end_in_policy(self, ended: ReqContext | None, errors: list[Exception]) -> None:
         if ended is not None:
             # Last, with the scheduler's state complete: a rerun after an interrupt here finds
             # neither job nor request, so the policy hears of the end at most once. A policy
@@ -1033,15 +1038,16 @@ class OffloadingScheduler:
     # -- helpers ------------------------------------------------------------------------------
 
     def _extended_prefix(self, job: _Job, req: _Request | None) -> list[OffloadKey] | None:
-        """For a live request's successful store that does not start at its first chunk: the
-        request's chunk keys of that group from the first to the deepest stored, which the
-        policy ranks above the new ones (`OffloadingManager.prefix_extended`). Stored over
-        several steps, a prompt's later chunks would otherwise be newer than its head, and an
-        LRU tier would evict the head first, leaving the tail unreachable."""
+        """For a request's successful store (also one ending after the request did) that did
+        not store all of the request's chunks up to its deepest: the request's chunk keys,
+        every group's, from the first to that deepest, which the policy ranks above the new
+        ones (`OffloadingManager.prefix_extended`). Stored over several steps, a prompt's later
+        chunks would otherwise be newer than its head, and an LRU tier would evict the head
+        first, leaving the tail unreachable. With several groups always: one job per group
+        stacks a group's chunks above another's."""
         spec = job.spec
         if (
             req is None
-            or req.finished
             or spec.kind is not JobKind.STORE
             or not job.success
             or not job.keys
@@ -1050,9 +1056,15 @@ class OffloadingScheduler:
             return None
         positions, tpc = req.ctx.key_positions, self.tokens_per_chunk
         first, last = positions.get(job.keys[0]), positions.get(job.keys[-1])
-        if first is None or last is None or first <= tpc:
-            return None  # from the first chunk: the store put the head above its tail itself
-        return self._chunk_keys(req, 0, last // tpc, self.groups.index(spec.group))
+        if first is None or last is None:
+            return None
+        n = last // tpc
+        if len(self.groups) == 1 and first <= tpc and len(job.keys) == n:
+            return None  # chunks 0..n all stored by this call: head above tail already
+        # Every group's keys, chunk by chunk: a chunk hits only if every group holds it, so
+        # the groups' tails go before any group's head (one job per group stacked them).
+        per_group = [self._chunk_keys(req, 0, n, g) for g in range(len(self.groups))]
+        return [keys[c] for c in range(n) for keys in per_group]
 
     def _unfence(self, spec: TransferJob) -> None:
         """A job is done: the blocks it read need no wait any more (idempotent, for reruns)."""

@@ -92,15 +92,6 @@ class ARCPolicy(CachePolicy):
             elif key in t2:
                 t2.move_to_end(key)
 
-    def prefix_extended(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
-        # Within its list: not a use, so a T1 key is not promoted.
-        t1, t2 = self._t1, self._t2
-        for key in reversed(keys):
-            if key in t1:
-                t1.move_to_end(key)
-            elif key in t2:
-                t2.move_to_end(key)
-
     def pin(self, keys: Iterable[OffloadKey]) -> None:
         t1, t2, pinned = self._t1, self._t2, self._pinned
         for key in keys:

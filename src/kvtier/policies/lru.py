@@ -52,9 +52,12 @@ class LRUPolicy(CachePolicy):
                 order.move_to_end(key)
 
     def prefix_extended(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
-        # LRU's touch only moves keys (it counts nothing), so it is the re-rank; a subclass
-        # whose use does not move a key (FIFO) then does not re-rank either.
-        self.touch(keys, ctx)
+        # Not `touch`: a subclass may count a use there, and one whose use does not move a key
+        # (FIFO) still needs its prefix in the order a single call would have left it.
+        order = self._order
+        for key in reversed(keys):
+            if key in order:
+                order.move_to_end(key)
 
     def pin(self, keys: Iterable[OffloadKey]) -> None:
         order, pinned = self._order, self._pinned
