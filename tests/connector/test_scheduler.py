@@ -231,9 +231,9 @@ def test_reset_between_offer_and_alloc_fails_the_load_and_recomputes(engine: Eng
     assert_clean(e)
 
 
-def test_one_load_or_one_set_of_stores_in_flight_per_request(engine: Engine) -> None:
+def test_stores_overlap_but_nothing_is_stored_beside_a_load(engine: Engine) -> None:
     e = engine
-    e.gate.hold["store"] = gate = threading.Event()
+    e.gate.hold["store"] = store_gate = threading.Event()
     a = Request("a", block_hashes("a", 2))
     e.add(a)
     meta = e.step()
@@ -241,14 +241,29 @@ def test_one_load_or_one_set_of_stores_in_flight_per_request(engine: Engine) -> 
     a.hashes.extend(block_hashes("more", 2, a.hashes)[2:])  # decode grew the sequence
     a.blocks.extend(e.free_blocks.pop() for _ in range(2))
     meta = e.step()
-    assert meta.stores == []  # a's first stores are still in flight
+    # a's first stores are still in flight: the new chunks are stored beside them, so that
+    # a request ending now (vLLM frees it before it reads the step's reports) leaves none
+    # unstored. Its lookups still wait for them.
+    (job,) = meta.stores
+    assert job.device_blocks.tolist() == a.blocks[2:4]
     assert e.scheduler.get_num_new_matched_tokens("a", 0) is None
-    gate.set()
+    assert e.scheduler.request_finished("a")  # held until both sets are reported
+    e.held["a"] = e.running.pop("a").blocks
+    store_gate.set()
+    e.drain()
+    assert e.manager.get_stats().ready == 4
+    # b loads a's 4 chunks: its own 2 new ones are not stored while the load writes its blocks.
+    e.gate.hold["load"] = load_gate = threading.Event()
+    b = Request("b", [*a.hashes, *block_hashes("b", 2, a.hashes)[4:]])
+    assert e.add(b) == 4 * TOKENS_PER_BLOCK
+    meta = e.step()
+    assert len(meta.loads) == 1 and meta.stores == []
+    load_gate.set()
     e.drain()
     meta = e.step()
-    assert len(meta.stores) == 1 and len(meta.stores[0].device_blocks) == 2
-    e.drain()
-    e.finish("a")
+    (job,) = meta.stores
+    assert job.device_blocks.tolist() == b.blocks[4:6]
+    e.finish("b")
     assert_clean(e)
 
 

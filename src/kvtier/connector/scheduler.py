@@ -4,7 +4,8 @@ Engine-agnostic: an engine adapter (vLLM, transformers, the simulator) calls the
 its step loop and ships each step's `StepMetadata` to the worker half. The rules that keep KV
 correct live here:
 
-- at most one load, or one set of stores, is in flight per request;
+- a request's load in flight is its only job: no store is planned beside it, nor beside
+  jobs left from before a preemption; its stores of successive steps may overlap;
 - a finished request's device blocks are held until its jobs are done (`request_finished`
   returns True), and a preempted request's jobs are waited for before the next step;
 - a failed load is reported, so the engine recomputes instead of using the blocks, and the
@@ -58,8 +59,9 @@ def _block_ids(spec: LoadStoreSpec) -> npt.NDArray[np.int64]:
 
 
 def _room(stats: ManagerStats) -> int:
-    """Slots a store could have: free, or ready to be evicted."""
-    return stats.num_slots - stats.pinned - stats.pending_writes
+    """Slots a store could have: free, or ready to be evicted (not those pinned, being
+    written, or held since a reset until the transfers then in flight end)."""
+    return stats.num_slots - stats.used_slots + stats.ready
 
 
 @dataclass(slots=True)
@@ -69,7 +71,7 @@ class _Request:
     num_prompt_tokens: int
     keys: list[list[OffloadKey]]  # per group, per chunk; grown lazily
     next_store_chunk: int = 0
-    # The tier's room (slots neither pinned nor being written) when the request's last store
+    # The tier's room (`_room`: slots a store could have) when the request's last store
     # found none, else -1: the store is planned again only once there is more.
     no_room_at: int = -1
     reused_chunks: int = 0  # leading chunks this request used: device hits, then loads
@@ -659,8 +661,12 @@ class OffloadingScheduler:
             # must leave no slot reserved for the entries before it.
             computed = _token_count(p.req_id, "num_computed_tokens", p.num_computed_tokens)
             req = self._requests.get(p.req_id)
-            if req is None or req.finished or req.jobs or p.req_id in due:
-                continue  # one load or one set of stores in flight per request
+            if req is None or req.finished or p.req_id in due:
+                continue
+            if req.jobs and not self._only_stores(req):
+                # A load in flight writes the request's blocks; a preempted request's jobs
+                # still in flight may read blocks the engine gave away.
+                continue
             if self.offload_prompt_only:
                 computed = min(computed, req.num_prompt_tokens)
             end_chunk = computed // tpc
@@ -720,9 +726,10 @@ class OffloadingScheduler:
         of those chunks, from chunk `start` on. False when the manager found no room: the
         chunks are offered again once the tier has more room (vLLM's connector offers them at
         its next step), since the slots that transfers in flight hold (pinned by loads,
-        written by stores) free up as they complete; turned away for good, the request's
-        prefix was never stored. An offer turned away while no slot was pinned or being
-        written can never fit and is not offered again."""
+        written by stores, or held since a reset until those then in flight end) free up as
+        they complete; turned away for good, the request's prefix was never stored. An offer
+        turned away while no slot was held in any of those ways can never fit and is not
+        offered again."""
         bpc = self.blocks_per_chunk
         # Every group's keys in one call: a chunk hits only if every group holds it, and one
         # call makes room for all of them or for none. Called group by group, a later group
@@ -1117,6 +1124,14 @@ class OffloadingScheduler:
         if end > start:
             self._key(req, g, end - 1)
         return req.keys[g][start:end]
+
+    def _only_stores(self, req: _Request) -> bool:
+        """Whether every job of `req` in flight is a store of its current run (not one left
+        from before a preemption): new chunks may then be stored beside them."""
+        if req.released_jobs:
+            return False
+        jobs = self._jobs
+        return all(jobs[j].spec.kind is JobKind.STORE for j in req.jobs)
 
     def _new_job_id(self) -> int:
         self._next_job_id += 1

@@ -127,6 +127,22 @@ def step_until_running(engine: Engine, req_id: str) -> None:
     raise AssertionError(f"{req_id} never ran")
 
 
+def load_back(engine: Engine, req_id: str, prompt: list[int]) -> int:
+    """Tokens of `prompt` that a new request `req_id` loads from kvtier alone (vLLM's prefix
+    cache reset and every device block zeroed first), its bytes checked, nothing leaked."""
+    assert engine.scheduler.reset_prefix_cache()
+    for t in engine.kv_caches.values():
+        t.zero_()  # only a load from kvtier can bring the bytes back
+    engine.add(req_id, prompt)
+    engine.step()
+    loaded = int(engine.scheduler.requests[req_id].num_computed_tokens)
+    step_until_running(engine, req_id)
+    expect_loaded(engine, req_id, prompt, loaded)
+    engine.run_until([req_id])
+    assert_no_leaks(engine)
+    return loaded
+
+
 @pytest.mark.parametrize("num_groups", [1, 2])
 def test_second_request_loads_the_stored_bytes(vllm_loaded: None, num_groups: int) -> None:
     engine = make_engine("KVTierConnector", EXTRA, num_groups=num_groups)
