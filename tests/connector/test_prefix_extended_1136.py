@@ -55,7 +55,7 @@ def test_lru_ranks_the_prefix_head_last_and_counts_no_use() -> None:
     assert lru.evict(5, ()) == [key(9), ks[3], ks[2], ks[1], ks[0]]
 
 
-@pytest.mark.parametrize("name", ["arc", "s3fifo", "sieve", "kvaware"])
+@pytest.mark.parametrize("name", ["arc", "s3fifo", "sieve"])  # kvaware: test_kvaware_chunked_1137
 def test_policies_without_recency_order_ignore_it(name: str) -> None:
     policy = make_policy(name, 8)
     ks = [key(i) for i in range(3)]

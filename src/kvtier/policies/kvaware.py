@@ -146,6 +146,19 @@ class KVAwarePolicy(CachePolicy):
         # The same per live request (table, length covered, deepest key), oldest first: an
         # engine step calls for many requests in turn, and each switch would read a whole table.
         self._tails: OrderedDict[str, tuple[dict[OffloadKey, int], int, OffloadKey]] = OrderedDict()
+        # Per live request, its deepest key inserted so far: the deepest-block rule waits for
+        # the request's end. An engine that stores a prompt over several steps (chunked
+        # prefill) inserts each step's last chunk as the request's deepest; sent out first,
+        # it cut the prompt at that chunk (a lookup stops at the first miss).
+        # With the key: per shadow (and the replica, last) whether the rule is due to it at
+        # the end, as it would have applied it when it replayed the store (None: not sampled).
+        self._unsettled: OrderedDict[str, tuple[OffloadKey, tuple[bool, ...] | None]] = (
+            OrderedDict()
+        )
+        # Per live request, (keys, last key, sampled keys) of its last `prefix_extended`.
+        self._prefix_samples: OrderedDict[str, tuple[int, OffloadKey, list[OffloadKey]]] = (
+            OrderedDict()
+        )
         # Keys already counted per live request: an engine reports one use of a chunk more than
         # once (a device hit when the request arrives and again when it ends; a load's unpin
         # and the same end-of-request touch), and a use must count once, as in a replay.
@@ -453,9 +466,16 @@ class KVAwarePolicy(CachePolicy):
         for key in reversed(keys):
             if key in win or key in credit or key in pinned:
                 continue
-            seen(key, ctx, tail_key, False)
-            # Read after the count: a sampled key may switch the mode.
-            tail = self._tail_first and key == tail_key
+            tail = False
+            if key == tail_key and ctx is not None and ctx.req_id not in self._finished:
+                # The shadows wait for the request's end too (`_settle_tail`).
+                due = self._shadows_due(key)
+                seen(key, ctx, None, False)
+                self._defer_tail(ctx.req_id, key, due)
+            else:
+                seen(key, ctx, tail_key, False)
+                # Read after the count: a sampled key may switch the mode.
+                tail = self._tail_first and key == tail_key
             win[key] = tail
             if tail:
                 win.move_to_end(key, last=False)
@@ -508,6 +528,129 @@ class KVAwarePolicy(CachePolicy):
                 # A use the tier did not serve (an engine's device prefix cache hit): counted
                 # all the same, or a block kept hot on the device would leave it looking new.
                 seen(key, ctx, tail_key, False)
+
+    def prefix_extended(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
+        """A request stored over several steps (chunked prefill) ranks its prefix as one store
+        would have: above what its later stores added, head last (the deepest-block rule
+        waits for the request's end). Not a use: nothing is counted."""
+        keys = checked_keys(keys)
+        if ctx is not None and type(ctx) is not ReqContext and not isinstance(ctx, ReqContext):
+            raise _not_ctx(ctx)
+        if not keys:
+            return
+        # A store reported after its request ended took the rule at once: its deepest key
+        # stays first in the window.
+        late = self._tail_of(ctx) if ctx is not None and ctx.req_id in self._finished else None
+        self._extend(keys, late)
+        models = self._models
+        if models is None:
+            return
+        # The shadows re-rank their sampled keys of the prefix. A request's prefix only grows
+        # between calls, so the keys already sampled are kept and only the new ones hashed:
+        # hashing every key was most of the call's cost.
+        req_id = ctx.req_id if ctx is not None else None
+        saved = self._prefix_samples.get(req_id) if req_id is not None else None
+        n = len(keys)
+        if saved is not None and saved[0] <= n and keys[saved[0] - 1] == saved[1]:
+            start, sampled = saved[0], saved[2]
+        else:
+            start, sampled = 0, []
+        mask = self._sample_mask
+        sampled.extend(
+            k for k in keys[start:] if not (hash(int.from_bytes(k, "big")) * _SAMPLE) & mask
+        )
+        if req_id is not None and req_id not in self._finished:
+            samples = self._prefix_samples
+            if len(sampled) > 2 * models[0].capacity:
+                # Bounded like every per-key table: a longer prefix is hashed at every call.
+                samples.pop(req_id, None)
+            else:
+                samples[req_id] = (n, keys[-1], sampled)
+                samples.move_to_end(req_id)
+                if len(samples) > _LIVE_REQUESTS:
+                    samples.popitem(last=False)
+        if sampled:
+            for model in models:
+                model._extend(sampled, late)
+            if self._replica is not None:
+                self._replica._extend(sampled, late)
+
+    def _extend(self, keys: Sequence[OffloadKey], late: OffloadKey | None = None) -> None:
+        win, credit, buckets = self._win, self._credit, self._buckets
+        estimate_key = self._sketch.estimate_key if self._counts else None
+        floor = self._floor
+        for key in reversed(keys):
+            old = credit.get(key)
+            if old is None:
+                if key in win:
+                    win.move_to_end(key)
+                continue
+            # As a use would place it (`_place`), but never lower: not a use.
+            new = floor + ((estimate_key(key) or 1) if estimate_key is not None else 1)
+            bucket = buckets[old]
+            if new <= old:
+                bucket.move_to_end(key)
+                continue
+            del bucket[key]
+            if not bucket:
+                del buckets[old]
+            credit[key] = new
+            try:
+                buckets[new][key] = None
+            except KeyError:
+                buckets[new] = OrderedDict.fromkeys((key,))
+        if late is not None and win.get(late) is True:
+            win.move_to_end(late, last=False)
+
+    def _shadows_due(self, key: OffloadKey) -> tuple[bool, ...] | None:
+        """For a deepest key whose rule waits: per shadow (the replica last), whether its
+        replay of this store would have applied the rule. Not for a key in its window (a
+        hit there only moves it), and with the mode the replica has before the access
+        (which may switch the policy's)."""
+        models = self._models
+        if models is None or (hash(int.from_bytes(key, "big")) * _SAMPLE) & self._sample_mask:
+            return None
+        replica = self._replica
+        every = models if replica is None else (*models, replica)
+        return tuple(m._tail_first and key not in m._win for m in every)
+
+    def _defer_tail(self, req_id: str, key: OffloadKey, due: tuple[bool, ...] | None) -> None:
+        unsettled = self._unsettled
+        unsettled[req_id] = (key, due)
+        unsettled.move_to_end(req_id)
+        if len(unsettled) > _LIVE_REQUESTS:
+            unsettled.popitem(last=False)  # that request's deepest block is never demoted
+
+    def _settle_tail(self, ctx: ReqContext) -> None:
+        """At a request's end: its deepest key inserted, if still its deepest, goes first, in
+        the tier and in the shadows that would have applied the rule at the store."""
+        entry = self._unsettled.get(ctx.req_id)
+        if entry is None:
+            return
+        tail = self._tail_of(ctx)  # may raise (an unreadable table): nothing changed yet
+        del self._unsettled[ctx.req_id]
+        key, due = entry
+        if key != tail:
+            return
+        if self._tail_first:
+            self._settle_key(key)
+        if due is not None and self._models is not None:
+            replica = self._replica
+            every = self._models if replica is None else (*self._models, replica)
+            for model, rule in zip(every, due, strict=True):
+                if rule:
+                    model._settle_key(key)
+
+    def _settle_key(self, key: OffloadKey) -> None:
+        win = self._win
+        if key in win:
+            win[key] = True
+            win.move_to_end(key, last=False)
+        elif key in self._pinned:
+            if self._pinned[key] == _WINDOW:
+                self._pinned[key] = _WINDOW_TAIL
+        elif self._unplace(key):
+            self._place(key, 0, True)
 
     def pin(self, keys: Iterable[OffloadKey]) -> None:
         win = self._win
@@ -756,6 +899,8 @@ class KVAwarePolicy(CachePolicy):
         self._tail_req = self._tail_key = self._tail_pos = None
         self._tail_len = 0
         self._tails.clear()
+        self._unsettled.clear()
+        self._prefix_samples.clear()
         self._counted.clear()
         self._counted_late.clear()
         self._finished.clear()
@@ -777,6 +922,9 @@ class KVAwarePolicy(CachePolicy):
         if type(ctx) is not ReqContext and not isinstance(ctx, ReqContext):
             raise _not_ctx(ctx)
         req_id = ctx.req_id
+        if self._unsettled:
+            self._settle_tail(ctx)
+        self._prefix_samples.pop(req_id, None)
         self._tails.pop(req_id, None)
         if req_id == self._tail_req:
             self._tail_req = self._tail_key = self._tail_pos = None
@@ -804,6 +952,8 @@ class KVAwarePolicy(CachePolicy):
             "request_keys_live": sum(map(len, self._counted.values()))
             + sum(map(len, self._counted_late.values())),
             "request_tails": len(self._tails),
+            "request_unsettled_tails": len(self._unsettled),
+            "request_prefix_samples": sum(len(v[2]) for v in self._prefix_samples.values()),
             "request_finished": len(self._finished),
         }
         if self._models is not None:
