@@ -555,10 +555,7 @@ class KVAwarePolicy(CachePolicy):
             start, sampled = saved[0], saved[2]
         else:
             start, sampled = 0, []
-        mask = self._sample_mask
-        sampled.extend(
-            k for k in keys[start:] if not (hash(int.from_bytes(k, "big")) * _SAMPLE) & mask
-        )
+        sampled.extend(filter(self._sampled, keys[start:]))
         if req_id is not None and req_id not in self._finished:
             samples = self._prefix_samples
             if len(sampled) > 2 * models[0].capacity:
@@ -570,10 +567,8 @@ class KVAwarePolicy(CachePolicy):
                 if len(samples) > _LIVE_REQUESTS:
                     samples.popitem(last=False)
         if sampled:
-            for model in models:
+            for model in self._shadows():
                 model._extend(sampled, late)
-            if self._replica is not None:
-                self._replica._extend(sampled, late)
 
     def _extend(self, keys: Sequence[OffloadKey], late: OffloadKey | None = None) -> None:
         win, credit, buckets = self._win, self._credit, self._buckets
@@ -607,12 +602,18 @@ class KVAwarePolicy(CachePolicy):
         replay of this store would have applied the rule. Not for a key in its window (a
         hit there only moves it), and with the mode the replica has before the access
         (which may switch the policy's)."""
-        models = self._models
-        if models is None or (hash(int.from_bytes(key, "big")) * _SAMPLE) & self._sample_mask:
+        if self._models is None or not self._sampled(key):
             return None
-        replica = self._replica
-        every = models if replica is None else (*models, replica)
-        return tuple(m._tail_first and key not in m._win for m in every)
+        return tuple(m._tail_first and key not in m._win for m in self._shadows())
+
+    def _sampled(self, key: OffloadKey) -> bool:
+        """Whether the shadows see `key` (as `_seen` decides, inline there)."""
+        return not (hash(int.from_bytes(key, "big")) * _SAMPLE) & self._sample_mask
+
+    def _shadows(self) -> tuple[KVAwarePolicy, ...]:
+        """The shadow models, then the replica if there is one."""
+        models = self._models or ()
+        return models if self._replica is None else (*models, self._replica)
 
     def _defer_tail(self, req_id: str, key: OffloadKey, due: tuple[bool, ...] | None) -> None:
         unsettled = self._unsettled
@@ -634,10 +635,8 @@ class KVAwarePolicy(CachePolicy):
             return
         if self._tail_first:
             self._settle_key(key)
-        if due is not None and self._models is not None:
-            replica = self._replica
-            every = self._models if replica is None else (*self._models, replica)
-            for model, rule in zip(every, due, strict=True):
+        if due is not None:
+            for model, rule in zip(self._shadows(), due, strict=True):
                 if rule:
                     model._settle_key(key)
 
